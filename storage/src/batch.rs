@@ -1,0 +1,484 @@
+//! Kafka RecordBatch v2: header parsing, validation, encoding and record decoding.
+//!
+//! Pure code with no I/O. Layout (all integers big-endian, see `storage/FORMAT.md`):
+//!
+//! ```text
+//! 0  baseOffset i64 | 8 batchLength i32 | 12 partitionLeaderEpoch i32 | 16 magic i8 (=2)
+//! 17 crc u32 (CRC32C of bytes 21..end) | 21 attributes i16 | 23 lastOffsetDelta i32
+//! 27 baseTimestamp i64 | 35 maxTimestamp i64 | 43 producerId i64 | 51 producerEpoch i16
+//! 53 baseSequence i32 | 57 recordCount i32 | 61 records...
+//! ```
+
+use bytes::{BufMut, Bytes, BytesMut};
+
+/// Size of the fixed RecordBatch v2 header.
+pub const BATCH_HEADER_LEN: usize = 61;
+/// Bytes before `batchLength`'s coverage starts: baseOffset + batchLength.
+pub(crate) const BATCH_LOG_OVERHEAD: usize = 12;
+const CRC_OFFSET: usize = 17;
+const ATTRIBUTES_OFFSET: usize = 21;
+const MAGIC_V2: i8 = 2;
+
+/// Why a byte range is not an acceptable RecordBatch v2.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum BatchError {
+    #[error("batch shorter than the 61-byte header ({len} bytes)")]
+    TooShort { len: usize },
+    #[error("batch length field {declared} does not match the {actual} bytes given")]
+    LengthMismatch { declared: i64, actual: usize },
+    #[error("unsupported batch magic {magic} (only v2 is accepted)")]
+    UnsupportedMagic { magic: i8 },
+    #[error("CRC32C mismatch: header says {expected:#010x}, data gives {actual:#010x}")]
+    CrcMismatch { expected: u32, actual: u32 },
+    #[error("record count {count} does not match lastOffsetDelta {last_offset_delta}")]
+    BadRecordCount { count: i32, last_offset_delta: i32 },
+    #[error("records are compressed with {codec:?}, which this reader does not decode")]
+    Compressed { codec: Compression },
+    #[error("malformed record at index {index}: {what}")]
+    MalformedRecord { index: usize, what: &'static str },
+}
+
+/// Compression codec from the low three attribute bits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Compression {
+    None,
+    Gzip,
+    Snappy,
+    Lz4,
+    Zstd,
+    Unknown(u8),
+}
+
+/// The decoded fixed header of one batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchHeader {
+    pub base_offset: i64,
+    pub batch_length: i32,
+    pub partition_leader_epoch: i32,
+    pub magic: i8,
+    pub crc: u32,
+    pub attributes: i16,
+    pub last_offset_delta: i32,
+    pub base_timestamp: i64,
+    pub max_timestamp: i64,
+    pub producer_id: i64,
+    pub producer_epoch: i16,
+    pub base_sequence: i32,
+    pub record_count: i32,
+}
+
+fn be_i16(b: &[u8], at: usize) -> i16 {
+    i16::from_be_bytes([b[at], b[at + 1]])
+}
+fn be_i32(b: &[u8], at: usize) -> i32 {
+    i32::from_be_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+}
+fn be_i64(b: &[u8], at: usize) -> i64 {
+    let mut a = [0u8; 8];
+    a.copy_from_slice(&b[at..at + 8]);
+    i64::from_be_bytes(a)
+}
+
+impl BatchHeader {
+    /// Parses the fixed header from the first 61 bytes of `buf`. Checks nothing but length.
+    pub fn parse(buf: &[u8]) -> Result<Self, BatchError> {
+        if buf.len() < BATCH_HEADER_LEN {
+            return Err(BatchError::TooShort { len: buf.len() });
+        }
+        Ok(Self {
+            base_offset: be_i64(buf, 0),
+            batch_length: be_i32(buf, 8),
+            partition_leader_epoch: be_i32(buf, 12),
+            magic: buf[16] as i8,
+            crc: be_i32(buf, CRC_OFFSET) as u32,
+            attributes: be_i16(buf, ATTRIBUTES_OFFSET),
+            last_offset_delta: be_i32(buf, 23),
+            base_timestamp: be_i64(buf, 27),
+            max_timestamp: be_i64(buf, 35),
+            producer_id: be_i64(buf, 43),
+            producer_epoch: be_i16(buf, 51),
+            base_sequence: be_i32(buf, 53),
+            record_count: be_i32(buf, 57),
+        })
+    }
+
+    /// Whole size of the batch on disk, or `None` when the length field is impossible.
+    pub fn total_len(&self) -> Option<usize> {
+        let len = i64::from(self.batch_length) + BATCH_LOG_OVERHEAD as i64;
+        (len >= BATCH_HEADER_LEN as i64).then_some(len as usize)
+    }
+
+    /// Offset of the last record of the batch.
+    pub fn last_offset(&self) -> i64 {
+        self.base_offset + i64::from(self.last_offset_delta)
+    }
+
+    pub fn compression(&self) -> Compression {
+        match self.attributes & 0x7 {
+            0 => Compression::None,
+            1 => Compression::Gzip,
+            2 => Compression::Snappy,
+            3 => Compression::Lz4,
+            4 => Compression::Zstd,
+            other => Compression::Unknown(other as u8),
+        }
+    }
+
+    /// True for transaction markers and other control batches.
+    pub fn is_control(&self) -> bool {
+        self.attributes & 0x20 != 0
+    }
+}
+
+/// Checks a complete batch: header, length, magic, record count and CRC32C.
+pub fn validate(buf: &[u8]) -> Result<BatchHeader, BatchError> {
+    let header = BatchHeader::parse(buf)?;
+    if header.magic != MAGIC_V2 {
+        return Err(BatchError::UnsupportedMagic {
+            magic: header.magic,
+        });
+    }
+    if header.total_len() != Some(buf.len()) {
+        return Err(BatchError::LengthMismatch {
+            declared: i64::from(header.batch_length) + BATCH_LOG_OVERHEAD as i64,
+            actual: buf.len(),
+        });
+    }
+    let actual = crc32c::crc32c(&buf[ATTRIBUTES_OFFSET..]);
+    if actual != header.crc {
+        return Err(BatchError::CrcMismatch {
+            expected: header.crc,
+            actual,
+        });
+    }
+    if header.record_count < 1 || header.last_offset_delta != header.record_count - 1 {
+        return Err(BatchError::BadRecordCount {
+            count: header.record_count,
+            last_offset_delta: header.last_offset_delta,
+        });
+    }
+    Ok(header)
+}
+
+/// Rewrites the base offset in place. The CRC does not cover it, so the batch stays valid.
+pub fn set_base_offset(buf: &mut [u8], base_offset: i64) {
+    buf[..8].copy_from_slice(&base_offset.to_be_bytes());
+}
+
+/// One record to encode or as decoded from a batch.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Record {
+    /// Milliseconds since the Unix epoch.
+    pub timestamp: i64,
+    pub key: Option<Bytes>,
+    pub value: Option<Bytes>,
+    pub headers: Vec<(String, Bytes)>,
+}
+
+/// Producer identity written into a batch (no idempotence: id -1, epoch -1, sequence -1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProducerInfo {
+    pub producer_id: i64,
+    pub producer_epoch: i16,
+    pub base_sequence: i32,
+}
+
+impl ProducerInfo {
+    pub const NONE: Self = Self {
+        producer_id: -1,
+        producer_epoch: -1,
+        base_sequence: -1,
+    };
+}
+
+fn zigzag(v: i64) -> u64 {
+    ((v << 1) ^ (v >> 63)) as u64
+}
+
+fn put_varint(buf: &mut BytesMut, v: i64) {
+    let mut z = zigzag(v);
+    while z >= 0x80 {
+        buf.put_u8((z as u8) | 0x80);
+        z >>= 7;
+    }
+    buf.put_u8(z as u8);
+}
+
+fn varint_len(v: i64) -> usize {
+    let z = zigzag(v);
+    (64 - z.max(1).leading_zeros() as usize).div_ceil(7)
+}
+
+fn opt_len(b: Option<&Bytes>) -> i64 {
+    b.map_or(-1, |b| b.len() as i64)
+}
+
+fn record_body_len(r: &Record, ts_delta: i64, offset_delta: i64) -> usize {
+    let key_len = opt_len(r.key.as_ref());
+    let value_len = opt_len(r.value.as_ref());
+    let mut n = 1 + varint_len(ts_delta) + varint_len(offset_delta);
+    n += varint_len(key_len) + r.key.as_ref().map_or(0, Bytes::len);
+    n += varint_len(value_len) + r.value.as_ref().map_or(0, Bytes::len);
+    n += varint_len(r.headers.len() as i64);
+    for (k, v) in &r.headers {
+        n += varint_len(k.len() as i64) + k.len() + varint_len(v.len() as i64) + v.len();
+    }
+    n
+}
+
+/// Encodes records into one uncompressed RecordBatch v2 with base offset 0 and a valid CRC.
+///
+/// The buffer is sized exactly up front, so a 2 MB value is copied once, into the batch that is
+/// then written to disk as is.
+///
+/// # Panics
+/// When `records` is empty: a batch holds at least one record.
+pub fn encode(records: &[Record], producer: ProducerInfo) -> BytesMut {
+    assert!(!records.is_empty(), "a batch holds at least one record");
+    let base_ts = records[0].timestamp;
+    let max_ts = records.iter().map(|r| r.timestamp).max().unwrap_or(base_ts);
+    let bodies: Vec<usize> = records
+        .iter()
+        .enumerate()
+        .map(|(i, r)| record_body_len(r, r.timestamp - base_ts, i as i64))
+        .collect();
+    let total: usize = BATCH_HEADER_LEN
+        + bodies
+            .iter()
+            .map(|&b| varint_len(b as i64) + b)
+            .sum::<usize>();
+    let mut buf = BytesMut::with_capacity(total);
+    buf.put_i64(0);
+    buf.put_i32((total - BATCH_LOG_OVERHEAD) as i32);
+    buf.put_i32(-1);
+    buf.put_i8(MAGIC_V2);
+    buf.put_u32(0);
+    buf.put_i16(0);
+    buf.put_i32(records.len() as i32 - 1);
+    buf.put_i64(base_ts);
+    buf.put_i64(max_ts);
+    buf.put_i64(producer.producer_id);
+    buf.put_i16(producer.producer_epoch);
+    buf.put_i32(producer.base_sequence);
+    buf.put_i32(records.len() as i32);
+    for (i, (r, &body)) in records.iter().zip(&bodies).enumerate() {
+        put_varint(&mut buf, body as i64);
+        buf.put_i8(0);
+        put_varint(&mut buf, r.timestamp - base_ts);
+        put_varint(&mut buf, i as i64);
+        for part in [&r.key, &r.value] {
+            put_varint(&mut buf, opt_len(part.as_ref()));
+            if let Some(b) = part {
+                buf.put_slice(b);
+            }
+        }
+        put_varint(&mut buf, r.headers.len() as i64);
+        for (k, v) in &r.headers {
+            put_varint(&mut buf, k.len() as i64);
+            buf.put_slice(k.as_bytes());
+            put_varint(&mut buf, v.len() as i64);
+            buf.put_slice(v);
+        }
+    }
+    debug_assert_eq!(buf.len(), total);
+    let crc = crc32c::crc32c(&buf[ATTRIBUTES_OFFSET..]);
+    buf[CRC_OFFSET..CRC_OFFSET + 4].copy_from_slice(&crc.to_be_bytes());
+    buf
+}
+
+/// A record decoded from a batch, with its absolute offset. Key, value and header values are
+/// slices of the batch's `Bytes` (no copy).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DecodedRecord {
+    pub offset: i64,
+    pub record: Record,
+}
+
+struct Cursor {
+    buf: Bytes,
+    pos: usize,
+}
+
+impl Cursor {
+    fn varint(&mut self) -> Option<i64> {
+        let mut z: u64 = 0;
+        for shift in (0..64).step_by(7) {
+            let b = *self.buf.get(self.pos)?;
+            self.pos += 1;
+            z |= u64::from(b & 0x7f) << shift;
+            if b & 0x80 == 0 {
+                return Some((z >> 1) as i64 ^ -((z & 1) as i64));
+            }
+        }
+        None
+    }
+
+    fn take(&mut self, n: usize) -> Option<Bytes> {
+        let end = self.pos.checked_add(n)?;
+        if end > self.buf.len() {
+            return None;
+        }
+        let out = self.buf.slice(self.pos..end);
+        self.pos = end;
+        Some(out)
+    }
+
+    fn opt_bytes(&mut self) -> Option<Option<Bytes>> {
+        match self.varint()? {
+            -1 => Some(None),
+            n if n >= 0 => self.take(n as usize).map(Some),
+            _ => None,
+        }
+    }
+}
+
+/// Decodes every record of one uncompressed batch (`batch` holds exactly one whole batch).
+pub fn decode_records(batch: &Bytes) -> Result<Vec<DecodedRecord>, BatchError> {
+    let header = BatchHeader::parse(batch)?;
+    let codec = header.compression();
+    if codec != Compression::None {
+        return Err(BatchError::Compressed { codec });
+    }
+    let count = usize::try_from(header.record_count).unwrap_or(0);
+    let mut out = Vec::with_capacity(count.min(4096));
+    let mut cur = Cursor {
+        buf: batch.clone(),
+        pos: BATCH_HEADER_LEN,
+    };
+    for index in 0..count {
+        let bad = |what| BatchError::MalformedRecord { index, what };
+        let len = cur.varint().ok_or(bad("length"))?;
+        let end = usize::try_from(len)
+            .ok()
+            .and_then(|l| cur.pos.checked_add(l))
+            .filter(|&e| e <= batch.len())
+            .ok_or(bad("length past end of batch"))?;
+        cur.pos += 1; // record attributes, unused in v2
+        let ts_delta = cur.varint().ok_or(bad("timestamp delta"))?;
+        let offset_delta = cur.varint().ok_or(bad("offset delta"))?;
+        let key = cur.opt_bytes().ok_or(bad("key"))?;
+        let value = cur.opt_bytes().ok_or(bad("value"))?;
+        let n_headers = cur.varint().ok_or(bad("header count"))?;
+        let mut headers = Vec::new();
+        for _ in 0..n_headers.max(0) {
+            let k = cur
+                .opt_bytes()
+                .ok_or(bad("header key"))?
+                .unwrap_or_default();
+            let v = cur
+                .opt_bytes()
+                .ok_or(bad("header value"))?
+                .unwrap_or_default();
+            let k = String::from_utf8(k.to_vec()).map_err(|_| bad("header key not UTF-8"))?;
+            headers.push((k, v));
+        }
+        if cur.pos != end {
+            return Err(bad("length does not match contents"));
+        }
+        out.push(DecodedRecord {
+            offset: header.base_offset + offset_delta,
+            record: Record {
+                timestamp: header.base_timestamp + ts_delta,
+                key,
+                value,
+                headers,
+            },
+        });
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn rec(ts: i64, key: Option<&[u8]>, value: &[u8]) -> Record {
+        Record {
+            timestamp: ts,
+            key: key.map(Bytes::copy_from_slice),
+            value: Some(Bytes::copy_from_slice(value)),
+            headers: vec![("h".into(), Bytes::from_static(b"v"))],
+        }
+    }
+
+    #[test]
+    fn encoded_batch_validates_and_decodes() {
+        let records = vec![rec(1000, Some(b"k"), b"hello"), rec(990, None, b"")];
+        let mut buf = encode(&records, ProducerInfo::NONE);
+        let h = validate(&buf).unwrap();
+        assert_eq!(h.record_count, 2);
+        assert_eq!(h.max_timestamp, 1000);
+        set_base_offset(&mut buf, 42);
+        let h = validate(&buf).unwrap();
+        assert_eq!(h.base_offset, 42);
+        assert_eq!(h.last_offset(), 43);
+        let decoded = decode_records(&buf.freeze()).unwrap();
+        assert_eq!(decoded[0].offset, 42);
+        assert_eq!(decoded[1].offset, 43);
+        assert_eq!(decoded[0].record, records[0]);
+        assert_eq!(decoded[1].record, records[1]);
+    }
+
+    #[test]
+    fn corrupt_payload_fails_crc() {
+        let mut buf = encode(&[rec(1, None, b"payload")], ProducerInfo::NONE);
+        let last = buf.len() - 3;
+        buf[last] ^= 0xff;
+        assert!(matches!(
+            validate(&buf),
+            Err(BatchError::CrcMismatch { .. })
+        ));
+    }
+
+    #[test]
+    fn truncated_and_wrong_magic_are_rejected() {
+        let buf = encode(&[rec(1, None, b"payload")], ProducerInfo::NONE);
+        assert!(matches!(
+            validate(&buf[..buf.len() - 1]),
+            Err(BatchError::LengthMismatch { .. })
+        ));
+        assert!(matches!(
+            validate(&buf[..10]),
+            Err(BatchError::TooShort { len: 10 })
+        ));
+        let mut bad = buf.clone();
+        bad[16] = 1;
+        assert!(matches!(
+            validate(&bad),
+            Err(BatchError::UnsupportedMagic { magic: 1 })
+        ));
+    }
+
+    proptest! {
+        #[test]
+        fn roundtrip_any_records(
+            items in proptest::collection::vec(
+                (any::<i32>(), proptest::option::of(proptest::collection::vec(any::<u8>(), 0..40)),
+                 proptest::collection::vec(any::<u8>(), 0..300)),
+                1..20)
+        ) {
+            let records: Vec<Record> = items.iter().map(|(ts, k, v)| Record {
+                timestamp: i64::from(*ts),
+                key: k.clone().map(Bytes::from),
+                value: Some(Bytes::from(v.clone())),
+                headers: vec![],
+            }).collect();
+            let buf = encode(&records, ProducerInfo::NONE).freeze();
+            prop_assert!(validate(&buf).is_ok());
+            let decoded = decode_records(&buf).unwrap();
+            prop_assert_eq!(decoded.len(), records.len());
+            for (i, d) in decoded.iter().enumerate() {
+                prop_assert_eq!(d.offset, i as i64);
+                prop_assert_eq!(&d.record, &records[i]);
+            }
+        }
+
+        #[test]
+        fn decoding_garbage_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
+            let _ = validate(&bytes);
+            let _ = decode_records(&Bytes::from(bytes));
+        }
+    }
+}

@@ -1,0 +1,288 @@
+//! The storage I/O boundary. Every file operation of the log goes through [`Storage`] so that
+//! tests can put [`FaultyStorage`] in between and inject torn writes, failed fsyncs and a full
+//! disk without touching the log code.
+
+use std::fmt;
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, IoSlice, Write};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+
+/// File-system operations the log needs.
+pub trait Storage: Send + Sync + fmt::Debug + 'static {
+    /// Opens (creating when asked) a file for positional reads and appends at its end.
+    fn open(&self, path: &Path, create: bool) -> io::Result<Arc<dyn LogFile>>;
+    fn read_file(&self, path: &Path) -> io::Result<Vec<u8>>;
+    /// Writes a whole small file atomically: temp file, fsync, rename, fsync of the directory.
+    fn write_file_atomic(&self, path: &Path, contents: &[u8]) -> io::Result<()>;
+    fn remove_file(&self, path: &Path) -> io::Result<()>;
+    fn create_dir_all(&self, path: &Path) -> io::Result<()>;
+    fn remove_dir_all(&self, path: &Path) -> io::Result<()>;
+    fn rename(&self, from: &Path, to: &Path) -> io::Result<()>;
+    /// Names of the entries of a directory.
+    fn list_dir(&self, path: &Path) -> io::Result<Vec<String>>;
+    /// Makes a directory's entries (new or removed files) durable.
+    fn sync_dir(&self, path: &Path) -> io::Result<()>;
+}
+
+/// One open file: positional reads, appends, fsync.
+pub trait LogFile: Send + Sync + fmt::Debug {
+    /// Reads exactly `buf.len()` bytes at `pos`.
+    fn read_exact_at(&self, buf: &mut [u8], pos: u64) -> io::Result<()>;
+    /// Appends every slice, in order, at the end of the file.
+    fn append(&self, bufs: &[IoSlice<'_>]) -> io::Result<()>;
+    /// fdatasync.
+    fn sync_data(&self) -> io::Result<()>;
+    fn len(&self) -> io::Result<u64>;
+    fn is_empty(&self) -> io::Result<bool> {
+        Ok(self.len()? == 0)
+    }
+    fn truncate(&self, len: u64) -> io::Result<()>;
+}
+
+/// The real file system.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct FsStorage;
+
+#[derive(Debug)]
+struct FsFile(File);
+
+impl LogFile for FsFile {
+    fn read_exact_at(&self, buf: &mut [u8], pos: u64) -> io::Result<()> {
+        self.0.read_exact_at(buf, pos)
+    }
+
+    fn append(&self, bufs: &[IoSlice<'_>]) -> io::Result<()> {
+        // The file is opened with O_APPEND, so every write lands at the end; loop over short
+        // vectored writes without copying.
+        let mut owned: Vec<IoSlice<'_>> = bufs.to_vec();
+        let mut slices = owned.as_mut_slice();
+        while !slices.is_empty() {
+            let n = (&self.0).write_vectored(slices)?;
+            if n == 0 {
+                return Err(io::ErrorKind::WriteZero.into());
+            }
+            IoSlice::advance_slices(&mut slices, n);
+        }
+        Ok(())
+    }
+
+    fn sync_data(&self) -> io::Result<()> {
+        self.0.sync_data()
+    }
+
+    fn len(&self) -> io::Result<u64> {
+        Ok(self.0.metadata()?.len())
+    }
+
+    fn truncate(&self, len: u64) -> io::Result<()> {
+        self.0.set_len(len)
+    }
+}
+
+impl Storage for FsStorage {
+    fn open(&self, path: &Path, create: bool) -> io::Result<Arc<dyn LogFile>> {
+        let file = OpenOptions::new()
+            .read(true)
+            .append(true)
+            .create(create)
+            .open(path)?;
+        Ok(Arc::new(FsFile(file)))
+    }
+
+    fn read_file(&self, path: &Path) -> io::Result<Vec<u8>> {
+        fs::read(path)
+    }
+
+    fn write_file_atomic(&self, path: &Path, contents: &[u8]) -> io::Result<()> {
+        let tmp = tmp_path(path);
+        {
+            let mut f = File::create(&tmp)?;
+            f.write_all(contents)?;
+            f.sync_data()?;
+        }
+        fs::rename(&tmp, path)?;
+        self.sync_dir(parent(path))
+    }
+
+    fn remove_file(&self, path: &Path) -> io::Result<()> {
+        fs::remove_file(path)
+    }
+
+    fn create_dir_all(&self, path: &Path) -> io::Result<()> {
+        fs::create_dir_all(path)
+    }
+
+    fn remove_dir_all(&self, path: &Path) -> io::Result<()> {
+        fs::remove_dir_all(path)
+    }
+
+    fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
+        fs::rename(from, to)
+    }
+
+    fn list_dir(&self, path: &Path) -> io::Result<Vec<String>> {
+        let mut names = Vec::new();
+        for entry in fs::read_dir(path)? {
+            if let Ok(name) = entry?.file_name().into_string() {
+                names.push(name);
+            }
+        }
+        Ok(names)
+    }
+
+    fn sync_dir(&self, path: &Path) -> io::Result<()> {
+        File::open(path)?.sync_all()
+    }
+}
+
+/// Suffix of the temporary files that [`Storage::write_file_atomic`] renames into place; any
+/// left behind by a crash are deleted at recovery.
+pub(crate) const TMP_SUFFIX: &str = ".tmp";
+
+fn tmp_path(path: &Path) -> PathBuf {
+    let mut name = path.as_os_str().to_owned();
+    name.push(TMP_SUFFIX);
+    PathBuf::from(name)
+}
+
+fn parent(path: &Path) -> &Path {
+    match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    }
+}
+
+/// Switches that make [`FaultyStorage`] fail. Shared, so a test flips them while the log runs.
+#[derive(Debug, Default)]
+pub struct Faults {
+    /// Number of upcoming `sync_data` calls that fail with EIO.
+    pub failing_syncs: AtomicU32,
+    /// When set, the next append writes only this many bytes and then fails with EIO.
+    pub torn_write_at: AtomicU64,
+    pub tear_next_write: AtomicBool,
+    /// While set, appends fail with ENOSPC and write nothing.
+    pub disk_full: AtomicBool,
+}
+
+impl Faults {
+    pub fn fail_next_syncs(&self, n: u32) {
+        self.failing_syncs.store(n, Ordering::SeqCst);
+    }
+
+    pub fn tear_next_write_after(&self, bytes: u64) {
+        self.torn_write_at.store(bytes, Ordering::SeqCst);
+        self.tear_next_write.store(true, Ordering::SeqCst);
+    }
+
+    pub fn set_disk_full(&self, full: bool) {
+        self.disk_full.store(full, Ordering::SeqCst);
+    }
+}
+
+/// A [`Storage`] that forwards to another one and fails on command.
+#[derive(Debug)]
+pub struct FaultyStorage {
+    inner: Arc<dyn Storage>,
+    faults: Arc<Faults>,
+}
+
+impl FaultyStorage {
+    pub fn new(inner: Arc<dyn Storage>) -> (Self, Arc<Faults>) {
+        let faults = Arc::new(Faults::default());
+        (
+            Self {
+                inner,
+                faults: faults.clone(),
+            },
+            faults,
+        )
+    }
+}
+
+#[derive(Debug)]
+struct FaultyFile {
+    inner: Arc<dyn LogFile>,
+    faults: Arc<Faults>,
+}
+
+impl LogFile for FaultyFile {
+    fn read_exact_at(&self, buf: &mut [u8], pos: u64) -> io::Result<()> {
+        self.inner.read_exact_at(buf, pos)
+    }
+
+    fn append(&self, bufs: &[IoSlice<'_>]) -> io::Result<()> {
+        if self.faults.disk_full.load(Ordering::SeqCst) {
+            return Err(io::Error::from_raw_os_error(ENOSPC));
+        }
+        if self.faults.tear_next_write.swap(false, Ordering::SeqCst) {
+            let mut left = self.faults.torn_write_at.load(Ordering::SeqCst) as usize;
+            let mut partial = Vec::new();
+            for b in bufs {
+                let n = left.min(b.len());
+                partial.extend_from_slice(&b[..n]);
+                left -= n;
+            }
+            self.inner.append(&[IoSlice::new(&partial)])?;
+            return Err(io::Error::other("injected torn write"));
+        }
+        self.inner.append(bufs)
+    }
+
+    fn sync_data(&self) -> io::Result<()> {
+        let failing = &self.faults.failing_syncs;
+        if failing
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok()
+        {
+            return Err(io::Error::other("injected fsync failure"));
+        }
+        self.inner.sync_data()
+    }
+
+    fn len(&self) -> io::Result<u64> {
+        self.inner.len()
+    }
+
+    fn truncate(&self, len: u64) -> io::Result<()> {
+        self.inner.truncate(len)
+    }
+}
+
+/// ENOSPC on Linux; spelled out to keep this crate free of a libc dependency.
+const ENOSPC: i32 = 28;
+
+impl Storage for FaultyStorage {
+    fn open(&self, path: &Path, create: bool) -> io::Result<Arc<dyn LogFile>> {
+        Ok(Arc::new(FaultyFile {
+            inner: self.inner.open(path, create)?,
+            faults: self.faults.clone(),
+        }))
+    }
+    fn read_file(&self, path: &Path) -> io::Result<Vec<u8>> {
+        self.inner.read_file(path)
+    }
+    fn write_file_atomic(&self, path: &Path, contents: &[u8]) -> io::Result<()> {
+        self.inner.write_file_atomic(path, contents)
+    }
+    fn remove_file(&self, path: &Path) -> io::Result<()> {
+        self.inner.remove_file(path)
+    }
+    fn create_dir_all(&self, path: &Path) -> io::Result<()> {
+        self.inner.create_dir_all(path)
+    }
+    fn remove_dir_all(&self, path: &Path) -> io::Result<()> {
+        self.inner.remove_dir_all(path)
+    }
+    fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
+        self.inner.rename(from, to)
+    }
+    fn list_dir(&self, path: &Path) -> io::Result<Vec<String>> {
+        self.inner.list_dir(path)
+    }
+    fn sync_dir(&self, path: &Path) -> io::Result<()> {
+        self.inner.sync_dir(path)
+    }
+}

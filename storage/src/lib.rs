@@ -1,0 +1,28 @@
+//! Sluice's storage layer: partition logs made of segment files that hold Kafka RecordBatch v2
+//! batches verbatim, with sparse offset and time indexes, crash recovery, rolling, sealing and
+//! retention. The byte layout of every file is specified in `storage/FORMAT.md`.
+//!
+//! This crate owns files and bytes only. It knows nothing of topics, protocols or async
+//! runtimes, depends on no other Sluice crate, and never acknowledges anything: the caller
+//! decides when a commit (and its fsync) makes appended batches durable and visible.
+
+mod batch;
+mod clock;
+mod error;
+mod index;
+mod io;
+mod log;
+mod segment;
+
+pub use batch::{
+    BATCH_HEADER_LEN, BatchError, BatchHeader, Compression, DecodedRecord, ProducerInfo, Record,
+    decode_records, encode as encode_batch, set_base_offset, validate as validate_batch,
+};
+pub use clock::{Clock, ManualClock, SystemClock};
+pub use error::{Result, StorageError};
+pub use index::SegmentMeta;
+pub use io::{Faults, FaultyStorage, FsStorage, LogFile, Storage};
+pub use log::{
+    AppendInfo, Fetched, LogConfig, LogReader, LogStats, MAX_SEGMENT_BYTES, PartitionLog,
+    RecoveryReport, RetentionOutcome, ValidatedBatch,
+};
