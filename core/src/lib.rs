@@ -1,1 +1,30 @@
+//! Sluice's core: topics, partitions, the producer and reader APIs that every protocol uses.
+//!
+//! It owns the topic registry (persisted through a [`MetadataStore`]), one single-writer task
+//! per partition that group-commits appends under the topic's durability policy, and the read
+//! path over `sluice-storage`. It must never speak a wire protocol or read configuration files;
+//! the protocol crates and the gateway do that.
 
+mod engine;
+mod error;
+mod meta;
+mod metrics;
+mod partition;
+mod partitioner;
+mod policy;
+
+pub use engine::{
+    Engine, EngineConfig, MAX_PARTITIONS, PartitionChoice, PartitionDescription, ProduceAck,
+    TopicDescription, validate_topic_name,
+};
+pub use error::{CoreError, Result};
+pub use meta::{FileMetadataStore, MetadataStore, TopicMeta};
+pub use metrics::{
+    EngineMetrics, Histogram, HistogramSnapshot, LATENCY_BUCKETS_US, PartitionMetrics,
+};
+pub use partition::WriterSettings;
+pub use policy::{Durability, TopicPolicy};
+pub use sluice_storage::{
+    BatchError, BatchHeader, Clock, DecodedRecord, Faults, FaultyStorage, Fetched, FsStorage,
+    ManualClock, Record, Storage, SystemClock, decode_records,
+};

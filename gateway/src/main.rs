@@ -1,1 +1,225 @@
-fn main() {}
+//! `sluice`: the gateway binary. It reads the configuration (the only place that does), opens
+//! the engine, starts the listeners, and on SIGINT/SIGTERM drains and stops cleanly.
+
+mod config;
+mod http;
+mod metrics;
+mod process;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use anyhow::Context;
+use clap::{Args, Parser, Subcommand};
+use sluice_core::{Engine, FsStorage, SystemClock};
+use tokio::net::TcpListener;
+use tracing::{info, warn};
+
+use crate::config::{CliOverrides, Config, DEFAULT_CONFIG, ENV_CONFIG_FILE, LogFormat};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "sluice",
+    version,
+    about = "Multi-protocol ingestion gateway for IoT and smart-city data"
+)]
+#[command(args_conflicts_with_subcommands = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    #[command(flatten)]
+    opts: Opts,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the gateway (the default).
+    Serve(Opts),
+    /// Print the effective configuration after every layer, as TOML, and exit.
+    PrintConfig(Opts),
+    /// Print the commented default configuration file and exit.
+    DefaultConfig,
+}
+
+#[derive(Debug, Args, Clone, Default)]
+struct Opts {
+    /// Configuration file (TOML); see `sluice default-config`. Env: SLUICE_CONFIG.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// Data directory. Env: SLUICE_DATA_DIR.
+    #[arg(long, value_name = "DIR")]
+    data_dir: Option<PathBuf>,
+    /// HTTP listener (health, metrics), HOST:PORT; port 0 picks one. Env: SLUICE_HTTP_ADDR.
+    #[arg(long, value_name = "HOST:PORT")]
+    http_addr: Option<String>,
+    /// MQTT listener, HOST:PORT. Env: SLUICE_MQTT_ADDR.
+    #[arg(long, value_name = "HOST:PORT")]
+    mqtt_addr: Option<String>,
+    /// Kafka listener, HOST:PORT. Env: SLUICE_KAFKA_ADDR.
+    #[arg(long, value_name = "HOST:PORT")]
+    kafka_addr: Option<String>,
+    /// Log format. Env: SLUICE_LOG_FORMAT.
+    #[arg(long, value_enum)]
+    log_format: Option<LogFormat>,
+    /// Log filter, e.g. "info" or "info,sluice_core=debug". Env: SLUICE_LOG_LEVEL.
+    #[arg(long, value_name = "FILTER")]
+    log_level: Option<String>,
+}
+
+impl Opts {
+    fn load(&self) -> Result<Config, config::ConfigError> {
+        let file = self
+            .config
+            .clone()
+            .or_else(|| std::env::var_os(ENV_CONFIG_FILE).map(PathBuf::from));
+        let cli = CliOverrides {
+            data_dir: self.data_dir.clone(),
+            http_addr: self.http_addr.clone(),
+            mqtt_addr: self.mqtt_addr.clone(),
+            kafka_addr: self.kafka_addr.clone(),
+            log_format: self.log_format,
+            log_level: self.log_level.clone(),
+        };
+        Config::load(file.as_deref(), std::env::vars(), &cli)
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let (opts, print_only) = match cli.command {
+        None => (cli.opts, false),
+        Some(Command::Serve(opts)) => (opts, false),
+        Some(Command::PrintConfig(opts)) => (opts, true),
+        Some(Command::DefaultConfig) => {
+            print!("{DEFAULT_CONFIG}");
+            return ExitCode::SUCCESS;
+        }
+    };
+    let config = match opts.load() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("sluice: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    if print_only {
+        match toml::to_string(&config) {
+            Ok(text) => {
+                print!("{text}");
+                return ExitCode::SUCCESS;
+            }
+            Err(e) => {
+                eprintln!("sluice: cannot print the configuration: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
+    }
+    init_logging(&config);
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("sluice: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(serve(config)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!(error = format!("{e:#}"), "gateway failed");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn init_logging(config: &Config) {
+    let filter = std::env::var("RUST_LOG")
+        .ok()
+        .and_then(|v| tracing_subscriber::EnvFilter::try_new(v).ok())
+        .unwrap_or_else(|| tracing_subscriber::EnvFilter::new(&config.log.level));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stdout);
+    match config.log.format {
+        LogFormat::Text => builder.with_ansi(false).init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+async fn serve(config: Config) -> anyhow::Result<()> {
+    let soft = process::raise_file_limit();
+    let (_, hard) = process::file_limits();
+    info!(
+        version = env!("CARGO_PKG_VERSION"),
+        data_dir = %config.data_dir.display(),
+        open_file_limit = soft,
+        hard_limit = hard,
+        "starting sluice"
+    );
+    let engine = Engine::open(
+        config.engine_config(),
+        Arc::new(FsStorage),
+        Arc::new(SystemClock),
+    )
+    .await
+    .with_context(|| format!("opening data directory {}", config.data_dir.display()))?;
+    let topics = engine.list_topics();
+    let partitions: usize = engine.metrics().partitions.len();
+    info!(topics = topics.len(), partitions, "ledger recovered");
+
+    let ready = Arc::new(AtomicBool::new(false));
+    let http_listener = TcpListener::bind(&config.http.addr)
+        .await
+        .with_context(|| format!("binding the HTTP listener to {}", config.http.addr))?;
+    let http_addr = http_listener.local_addr()?;
+    let app = http::router(http::AppState {
+        engine: engine.clone(),
+        ready: ready.clone(),
+    });
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let mut http_stop = stop_rx.clone();
+    let http_task = tokio::spawn(async move {
+        axum::serve(http_listener, app)
+            .with_graceful_shutdown(async move {
+                let _ = http_stop.wait_for(|&s| s).await;
+            })
+            .await
+    });
+    info!(protocol = "http", addr = %http_addr, routes = "/healthz /readyz /metrics", "listening");
+    for (protocol, addr) in [("mqtt", &config.mqtt.addr), ("kafka", &config.kafka.addr)] {
+        warn!(protocol, addr = %addr, "listener not available yet in this build; nothing listens on this address");
+    }
+    ready.store(true, Ordering::Release);
+    info!("ready");
+
+    let signal = shutdown_signal().await?;
+    info!(
+        signal,
+        "shutting down: draining connections and partition writers"
+    );
+    ready.store(false, Ordering::Release);
+    let _ = stop_tx.send(true);
+    match http_task.await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => warn!(error = %e, "HTTP server stopped with an error"),
+        Err(e) => warn!(error = %e, "HTTP server task failed"),
+    }
+    engine.shutdown().await;
+    info!("stopped");
+    Ok(())
+}
+
+/// Waits for SIGINT or SIGTERM and names it.
+async fn shutdown_signal() -> anyhow::Result<&'static str> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    let mut int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+    Ok(tokio::select! {
+        _ = term.recv() => "SIGTERM",
+        _ = int.recv() => "SIGINT",
+    })
+}

@@ -48,12 +48,12 @@ fn expected_fixtures() -> Vec<(&'static str, Vec<u8>)> {
 }
 
 /// The checked-in files are byte-for-byte what the format produces; a change to the on-disk
-/// format shows up here. `SLUICE_WRITE_FIXTURES=1` rewrites them after a deliberate change.
+/// format shows up here. `SLUICETEST_WRITE_FIXTURES=1` rewrites them after a deliberate change.
 #[test]
 fn fixtures_match_the_format() {
     for (name, bytes) in expected_fixtures() {
         let path = fixture_path(name);
-        if std::env::var_os("SLUICE_WRITE_FIXTURES").is_some() {
+        if std::env::var_os("SLUICETEST_WRITE_FIXTURES").is_some() {
             std::fs::write(&path, &bytes).unwrap();
         }
         assert_eq!(

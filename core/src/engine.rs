@@ -1,0 +1,570 @@
+//! The engine: the topic registry and the produce/fetch API every protocol uses.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::BytesMut;
+use dashmap::DashMap;
+use sluice_storage::{
+    Clock, Fetched, PartitionLog, ProducerInfo, Record, Storage, ValidatedBatch, encode_batch,
+};
+use tracing::info;
+
+use crate::error::{CoreError, Result};
+use crate::meta::{FileMetadataStore, MetadataStore, TopicMeta};
+use crate::metrics::{EngineCounters, EngineMetrics, PartitionMetrics};
+use crate::partition::{Partition, WriterSettings};
+use crate::partitioner::partition_for_key;
+use crate::policy::TopicPolicy;
+
+/// Most partitions one topic may have.
+pub const MAX_PARTITIONS: u32 = 10_000;
+
+/// Engine settings (the `[topics]` and `[storage]` parts of the gateway config).
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    pub data_dir: PathBuf,
+    /// Create unknown topics on first produce (and on protocol metadata requests).
+    pub auto_create_topics: bool,
+    /// Partitions of an auto-created topic.
+    pub default_partitions: u32,
+    /// Policy of topics created without one.
+    pub default_policy: TopicPolicy,
+    pub writer: WriterSettings,
+}
+
+impl EngineConfig {
+    pub fn new(data_dir: impl Into<PathBuf>) -> Self {
+        Self {
+            data_dir: data_dir.into(),
+            auto_create_topics: true,
+            default_partitions: 1,
+            default_policy: TopicPolicy::default(),
+            writer: WriterSettings::default(),
+        }
+    }
+}
+
+/// Where a produce goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PartitionChoice<'a> {
+    /// This partition.
+    Id(u32),
+    /// Kafka's murmur2 hash of this key, so every protocol agrees on a key's partition.
+    Key(&'a [u8]),
+    /// Round robin.
+    Any,
+}
+
+/// Where a produce landed, once durable per the topic's policy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProduceAck {
+    pub partition: u32,
+    pub base_offset: u64,
+    pub last_offset: u64,
+}
+
+/// A partition's offsets and size.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PartitionDescription {
+    pub partition: u32,
+    pub log_start: u64,
+    pub high_watermark: u64,
+    pub segments: usize,
+    pub bytes: u64,
+    pub poisoned: bool,
+}
+
+/// What `describe_topic` returns.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TopicDescription {
+    pub name: String,
+    pub created_at_ms: i64,
+    pub policy: TopicPolicy,
+    pub partitions: Vec<PartitionDescription>,
+}
+
+#[derive(Debug)]
+struct Topic {
+    meta: parking_lot::RwLock<TopicMeta>,
+    partitions: Vec<Partition>,
+    round_robin: AtomicU32,
+}
+
+#[derive(Debug)]
+struct Inner {
+    config: EngineConfig,
+    storage: Arc<dyn Storage>,
+    clock: Arc<dyn Clock>,
+    store: Arc<dyn MetadataStore>,
+    topics: DashMap<String, Arc<Topic>>,
+    /// Serialises create, delete and policy changes (rare), never held by produce or fetch.
+    admin: tokio::sync::Mutex<()>,
+    counters: Arc<EngineCounters>,
+    closing: AtomicBool,
+}
+
+/// The topic-and-ledger engine; cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Engine {
+    inner: Arc<Inner>,
+}
+
+/// Checks a topic name as Kafka does: `[A-Za-z0-9._-]{1,249}`, and not `.` or `..`.
+pub fn validate_topic_name(name: &str) -> Result<()> {
+    let bad = |reason| {
+        Err(CoreError::InvalidTopicName {
+            name: name.to_owned(),
+            reason,
+        })
+    };
+    if name.is_empty() || name.len() > 249 {
+        return bad("must be 1 to 249 characters long");
+    }
+    if name == "." || name == ".." {
+        return bad("'.' and '..' are not allowed");
+    }
+    if !name
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+    {
+        return bad("only ASCII letters, digits, '.', '_' and '-' are allowed");
+    }
+    Ok(())
+}
+
+impl Engine {
+    /// Opens the data directory: loads every topic and recovers every partition log.
+    pub async fn open(
+        config: EngineConfig,
+        storage: Arc<dyn Storage>,
+        clock: Arc<dyn Clock>,
+    ) -> Result<Self> {
+        config.default_policy.validate()?;
+        let store: Arc<dyn MetadataStore> =
+            Arc::new(FileMetadataStore::new(&config.data_dir, storage.clone()));
+        let inner = Arc::new(Inner {
+            config,
+            storage,
+            clock,
+            store,
+            topics: DashMap::new(),
+            admin: tokio::sync::Mutex::new(()),
+            counters: Arc::new(EngineCounters::default()),
+            closing: AtomicBool::new(false),
+        });
+        let engine = Self { inner };
+        let metas = {
+            let store = engine.inner.store.clone();
+            tokio::task::spawn_blocking(move || store.load_topics())
+                .await
+                .map_err(|_| CoreError::ShuttingDown)??
+        };
+        for meta in metas {
+            let topic = engine.open_topic(meta).await?;
+            let name = topic.meta.read().name.clone();
+            engine.inner.topics.insert(name, topic);
+        }
+        Ok(engine)
+    }
+
+    async fn open_topic(&self, meta: TopicMeta) -> Result<Arc<Topic>> {
+        let inner = &self.inner;
+        let mut partitions = Vec::with_capacity(meta.partitions as usize);
+        for id in 0..meta.partitions {
+            let dir = inner.store.partition_dir(&meta.name, id);
+            let storage = inner.storage.clone();
+            let clock = inner.clock.clone();
+            let log_config = meta.policy.log_config();
+            let (log, report) = tokio::task::spawn_blocking(move || {
+                PartitionLog::open(storage, &dir, log_config, clock)
+            })
+            .await
+            .map_err(|_| CoreError::ShuttingDown)?
+            .map_err(|e| CoreError::storage(&meta.name, id, e))?;
+            if report.truncated_bytes > 0 {
+                info!(
+                    topic = meta.name,
+                    partition = id,
+                    bytes = report.truncated_bytes,
+                    "recovery truncated a partition tail"
+                );
+            }
+            partitions.push(Partition::spawn(
+                &meta.name,
+                id,
+                log,
+                meta.policy.clone(),
+                &inner.config.writer,
+                inner.counters.clone(),
+            ));
+        }
+        Ok(Arc::new(Topic {
+            meta: parking_lot::RwLock::new(meta),
+            partitions,
+            round_robin: AtomicU32::new(0),
+        }))
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.inner.config
+    }
+
+    /// Current time by the engine's clock, ms since the Unix epoch.
+    pub fn now_ms(&self) -> i64 {
+        self.inner.clock.now_ms()
+    }
+
+    /// Creates a topic; `policy` defaults to the configured default policy.
+    pub async fn create_topic(
+        &self,
+        name: &str,
+        partitions: u32,
+        policy: Option<TopicPolicy>,
+    ) -> Result<TopicDescription> {
+        validate_topic_name(name)?;
+        if partitions == 0 || partitions > MAX_PARTITIONS {
+            return Err(CoreError::InvalidPartitionCount {
+                requested: partitions,
+                max: MAX_PARTITIONS,
+            });
+        }
+        let policy = policy.unwrap_or_else(|| self.inner.config.default_policy.clone());
+        policy.validate()?;
+        self.check_open()?;
+        let _admin = self.inner.admin.lock().await;
+        if self.inner.topics.contains_key(name) {
+            return Err(CoreError::TopicExists {
+                topic: name.to_owned(),
+            });
+        }
+        let meta = TopicMeta::new(name, partitions, policy, self.now_ms());
+        let store = self.inner.store.clone();
+        let saved = meta.clone();
+        tokio::task::spawn_blocking(move || store.save_topic(&saved))
+            .await
+            .map_err(|_| CoreError::ShuttingDown)??;
+        let topic = self.open_topic(meta).await?;
+        self.inner.topics.insert(name.to_owned(), topic);
+        info!(topic = name, partitions, "topic created");
+        self.describe_topic(name)
+    }
+
+    /// Deletes a topic and all its data. Appends in flight finish or fail first.
+    pub async fn delete_topic(&self, name: &str) -> Result<()> {
+        let _admin = self.inner.admin.lock().await;
+        let (_, topic) = self
+            .inner
+            .topics
+            .remove(name)
+            .ok_or_else(|| CoreError::UnknownTopic {
+                topic: name.to_owned(),
+            })?;
+        for p in &topic.partitions {
+            p.shutdown().await;
+        }
+        let store = self.inner.store.clone();
+        let owned = name.to_owned();
+        tokio::task::spawn_blocking(move || store.delete_topic(&owned))
+            .await
+            .map_err(|_| CoreError::ShuttingDown)??;
+        info!(topic = name, "topic deleted");
+        Ok(())
+    }
+
+    /// Replaces a topic's policy; it applies to the next append, roll and retention pass.
+    pub async fn set_policy(&self, name: &str, policy: TopicPolicy) -> Result<TopicDescription> {
+        policy.validate()?;
+        let _admin = self.inner.admin.lock().await;
+        let topic = self.topic(name)?;
+        let mut meta = topic.meta.read().clone();
+        meta.policy = policy.clone();
+        let store = self.inner.store.clone();
+        let saved = meta.clone();
+        tokio::task::spawn_blocking(move || store.save_topic(&saved))
+            .await
+            .map_err(|_| CoreError::ShuttingDown)??;
+        *topic.meta.write() = meta;
+        for p in &topic.partitions {
+            p.set_policy(policy.clone()).await;
+        }
+        self.describe_topic(name)
+    }
+
+    /// Names of all topics, sorted.
+    pub fn list_topics(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.inner.topics.iter().map(|e| e.key().clone()).collect();
+        names.sort();
+        names
+    }
+
+    pub fn describe_topic(&self, name: &str) -> Result<TopicDescription> {
+        let topic = self.topic(name)?;
+        let meta = topic.meta.read().clone();
+        Ok(TopicDescription {
+            name: meta.name,
+            created_at_ms: meta.created_at_ms,
+            policy: meta.policy,
+            partitions: topic
+                .partitions
+                .iter()
+                .map(|p| {
+                    let s = p.reader.stats();
+                    PartitionDescription {
+                        partition: p.id,
+                        log_start: s.log_start,
+                        high_watermark: s.high_watermark,
+                        segments: s.segments,
+                        bytes: s.bytes,
+                        poisoned: p.reader.is_poisoned(),
+                    }
+                })
+                .collect(),
+        })
+    }
+
+    fn check_open(&self) -> Result<()> {
+        if self.inner.closing.load(Ordering::Acquire) {
+            return Err(CoreError::ShuttingDown);
+        }
+        Ok(())
+    }
+
+    fn topic(&self, name: &str) -> Result<Arc<Topic>> {
+        self.inner
+            .topics
+            .get(name)
+            .map(|t| t.value().clone())
+            .ok_or_else(|| CoreError::UnknownTopic {
+                topic: name.to_owned(),
+            })
+    }
+
+    /// The topic, created with the default policy when it is unknown and auto-creation is on.
+    async fn topic_for_write(&self, name: &str) -> Result<Arc<Topic>> {
+        match self.topic(name) {
+            Err(CoreError::UnknownTopic { .. }) if self.inner.config.auto_create_topics => {
+                match self
+                    .create_topic(name, self.inner.config.default_partitions, None)
+                    .await
+                {
+                    Ok(_) | Err(CoreError::TopicExists { .. }) => self.topic(name),
+                    Err(e) => Err(e),
+                }
+            }
+            other => other,
+        }
+    }
+
+    /// Makes sure a topic exists, creating it if auto-creation is on; returns its partition
+    /// count. For protocol metadata requests that create topics as Kafka brokers do.
+    pub async fn ensure_topic(&self, name: &str) -> Result<u32> {
+        let topic = self.topic_for_write(name).await?;
+        Ok(topic.partitions.len() as u32)
+    }
+
+    /// Encodes `records` as one batch and appends it. Returns once it is durable per the
+    /// topic's policy.
+    pub async fn produce(
+        &self,
+        topic: &str,
+        partition: PartitionChoice<'_>,
+        records: &[Record],
+    ) -> Result<ProduceAck> {
+        if records.is_empty() {
+            return Err(CoreError::EmptyProduce);
+        }
+        let batch = encode_batch(records, ProducerInfo::NONE);
+        self.append_batch(topic, partition, batch).await
+    }
+
+    /// Appends one ready-made RecordBatch v2 verbatim (its CRC is checked; producer id, epoch
+    /// and sequence are kept). Returns once it is durable per the topic's policy.
+    pub async fn append_batch(
+        &self,
+        topic: &str,
+        partition: PartitionChoice<'_>,
+        batch: BytesMut,
+    ) -> Result<ProduceAck> {
+        self.check_open()?;
+        let started = Instant::now();
+        let t = self.topic_for_write(topic).await?;
+        let max = t.meta.read().policy.max_message_bytes as usize;
+        if batch.len() > max {
+            self.inner
+                .counters
+                .rejected_batches
+                .fetch_add(1, Ordering::Relaxed);
+            return Err(CoreError::MessageTooLarge {
+                size: batch.len(),
+                max,
+            });
+        }
+        // Validation (the CRC over the whole batch) runs here, on the producer's task, so the
+        // single writer spends its time on I/O.
+        let batch = ValidatedBatch::new(batch).inspect_err(|_| {
+            self.inner
+                .counters
+                .rejected_batches
+                .fetch_add(1, Ordering::Relaxed);
+        })?;
+        let n = t.partitions.len() as u32;
+        let id = match partition {
+            PartitionChoice::Id(id) if id < n => id,
+            PartitionChoice::Id(id) => {
+                return Err(CoreError::UnknownPartition {
+                    topic: topic.to_owned(),
+                    partition: id,
+                });
+            }
+            PartitionChoice::Key(key) => partition_for_key(key, n),
+            PartitionChoice::Any => t.round_robin.fetch_add(1, Ordering::Relaxed) % n,
+        };
+        let info = t.partitions[id as usize].append(topic, batch).await?;
+        self.inner.counters.append_latency.record(started.elapsed());
+        Ok(ProduceAck {
+            partition: id,
+            base_offset: info.base_offset,
+            last_offset: info.last_offset,
+        })
+    }
+
+    fn partition<R>(&self, topic: &str, id: u32, f: impl FnOnce(&Partition) -> R) -> Result<R> {
+        let t = self.topic(topic)?;
+        let p = t
+            .partitions
+            .get(id as usize)
+            .ok_or_else(|| CoreError::UnknownPartition {
+                topic: topic.to_owned(),
+                partition: id,
+            })?;
+        Ok(f(p))
+    }
+
+    /// Whole batches from the one holding `offset`, up to `max_bytes` (always at least one
+    /// whole batch when any is available). Empty at the high watermark.
+    pub async fn fetch(
+        &self,
+        topic: &str,
+        partition: u32,
+        offset: u64,
+        max_bytes: usize,
+    ) -> Result<Fetched> {
+        let reader = self.partition(topic, partition, |p| p.reader.clone())?;
+        let owned = topic.to_owned();
+        tokio::task::spawn_blocking(move || {
+            reader
+                .read(offset, max_bytes)
+                .map_err(|e| CoreError::storage(&owned, partition, e))
+        })
+        .await
+        .map_err(|_| CoreError::ShuttingDown)?
+    }
+
+    /// Long-poll: waits until data past `offset` is readable or `timeout` passes, then returns
+    /// the high watermark.
+    pub async fn wait_for_data(
+        &self,
+        topic: &str,
+        partition: u32,
+        offset: u64,
+        timeout: Duration,
+    ) -> Result<u64> {
+        let t = self.topic(topic)?;
+        let p =
+            t.partitions
+                .get(partition as usize)
+                .ok_or_else(|| CoreError::UnknownPartition {
+                    topic: topic.to_owned(),
+                    partition,
+                })?;
+        Ok(p.wait_past(offset, timeout).await)
+    }
+
+    /// First offset whose timestamp is at or after `timestamp`; `None` if every record is
+    /// older.
+    pub async fn offset_for_timestamp(
+        &self,
+        topic: &str,
+        partition: u32,
+        timestamp: i64,
+    ) -> Result<Option<u64>> {
+        let reader = self.partition(topic, partition, |p| p.reader.clone())?;
+        let owned = topic.to_owned();
+        tokio::task::spawn_blocking(move || {
+            reader
+                .offset_for_timestamp(timestamp)
+                .map_err(|e| CoreError::storage(&owned, partition, e))
+        })
+        .await
+        .map_err(|_| CoreError::ShuttingDown)?
+    }
+
+    /// (earliest, latest): the log start and the high watermark.
+    pub fn offsets(&self, topic: &str, partition: u32) -> Result<(u64, u64)> {
+        self.partition(topic, partition, |p| {
+            (p.reader.log_start(), p.reader.high_watermark())
+        })
+    }
+
+    /// Refuses new produces, lets every writer finish what is queued, fsyncs and stops.
+    pub async fn shutdown(&self) {
+        self.inner.closing.store(true, Ordering::Release);
+        let topics: Vec<Arc<Topic>> = self
+            .inner
+            .topics
+            .iter()
+            .map(|t| t.value().clone())
+            .collect();
+        for t in topics {
+            for p in &t.partitions {
+                p.shutdown().await;
+            }
+        }
+        info!("engine stopped: every partition drained and fsynced");
+    }
+
+    pub fn metrics(&self) -> EngineMetrics {
+        let c = &self.inner.counters;
+        let mut partitions = Vec::new();
+        let mut topics: Vec<Arc<Topic>> = self
+            .inner
+            .topics
+            .iter()
+            .map(|t| t.value().clone())
+            .collect();
+        topics.sort_by(|a, b| a.meta.read().name.cmp(&b.meta.read().name));
+        for t in &topics {
+            let name = t.meta.read().name.clone();
+            for p in &t.partitions {
+                let s = p.reader.stats();
+                let pc = &p.counters;
+                partitions.push(PartitionMetrics {
+                    topic: name.clone(),
+                    partition: p.id,
+                    records_appended: pc.records.load(Ordering::Relaxed),
+                    bytes_appended: pc.bytes.load(Ordering::Relaxed),
+                    batches_appended: pc.batches.load(Ordering::Relaxed),
+                    group_commits: pc.group_commits.load(Ordering::Relaxed),
+                    append_errors: pc.append_errors.load(Ordering::Relaxed),
+                    segments: s.segments,
+                    log_bytes: s.bytes,
+                    log_start: s.log_start,
+                    high_watermark: s.high_watermark,
+                    poisoned: p.reader.is_poisoned(),
+                });
+            }
+        }
+        EngineMetrics {
+            topics: topics.len(),
+            partitions,
+            fsync: c.fsync.snapshot(),
+            append_latency: c.append_latency.snapshot(),
+            rejected_batches: c.rejected_batches.load(Ordering::Relaxed),
+            retention_deleted_segments: c.retention_deleted_segments.load(Ordering::Relaxed),
+            retention_deleted_bytes: c.retention_deleted_bytes.load(Ordering::Relaxed),
+        }
+    }
+}

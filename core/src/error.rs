@@ -1,0 +1,86 @@
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use sluice_storage::{BatchError, StorageError};
+
+/// Errors of the topic-and-ledger engine. Protocol layers map each variant to their own error
+/// codes (Kafka error codes, MQTT reason codes, HTTP problem types).
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum CoreError {
+    #[error("unknown topic {topic:?}")]
+    UnknownTopic { topic: String },
+    #[error("topic {topic:?} has no partition {partition}")]
+    UnknownPartition { topic: String, partition: u32 },
+    #[error("topic {topic:?} already exists")]
+    TopicExists { topic: String },
+    #[error("invalid topic name {name:?}: {reason}")]
+    InvalidTopicName { name: String, reason: &'static str },
+    #[error("invalid topic policy: {reason}")]
+    InvalidPolicy { reason: String },
+    #[error("a topic needs between 1 and {max} partitions, not {requested}")]
+    InvalidPartitionCount { requested: u32, max: u32 },
+    #[error("batch of {size} bytes exceeds the topic's limit of {max} bytes")]
+    MessageTooLarge { size: usize, max: usize },
+    #[error("invalid record batch: {0}")]
+    InvalidBatch(#[from] BatchError),
+    #[error("no records to produce")]
+    EmptyProduce,
+    #[error("offset {offset} is outside the log [{log_start}, {high_watermark}]")]
+    OffsetOutOfRange {
+        offset: u64,
+        log_start: u64,
+        high_watermark: u64,
+    },
+    #[error("partition {topic}/{partition} is not writable: {source}")]
+    Storage {
+        topic: String,
+        partition: u32,
+        #[source]
+        source: Arc<StorageError>,
+    },
+    #[error("topic metadata at {path}: {source}")]
+    Metadata {
+        path: PathBuf,
+        #[source]
+        source: Arc<std::io::Error>,
+    },
+    #[error("the engine is shutting down")]
+    ShuttingDown,
+}
+
+impl CoreError {
+    pub(crate) fn storage(topic: &str, partition: u32, err: StorageError) -> Self {
+        match err {
+            StorageError::OffsetOutOfRange {
+                offset,
+                log_start,
+                high_watermark,
+            } => Self::OffsetOutOfRange {
+                offset,
+                log_start,
+                high_watermark,
+            },
+            other => Self::Storage {
+                topic: topic.to_owned(),
+                partition,
+                source: Arc::new(other),
+            },
+        }
+    }
+
+    pub(crate) fn metadata(path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> Self {
+        let path = path.into();
+        move |e| Self::Metadata {
+            path,
+            source: Arc::new(e),
+        }
+    }
+
+    /// True when the partition refuses writes after a failed fsync.
+    pub fn is_poisoned(&self) -> bool {
+        matches!(self, Self::Storage { source, .. } if matches!(**source, StorageError::Poisoned { .. }))
+    }
+}
+
+pub type Result<T, E = CoreError> = std::result::Result<T, E>;

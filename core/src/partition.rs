@@ -1,0 +1,354 @@
+//! One partition: its log reader, and the single writer task that owns the log and turns queued
+//! appends into group commits (one write and at most one fsync per group).
+
+use std::ops::ControlFlow;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use sluice_storage::{AppendInfo, LogReader, PartitionLog, StorageError, ValidatedBatch};
+use tokio::sync::{mpsc, oneshot, watch};
+use tracing::{error, warn};
+
+use crate::error::{CoreError, Result};
+use crate::metrics::{EngineCounters, PartitionCounters};
+use crate::policy::{Durability, TopicPolicy};
+
+type AppendReply = oneshot::Sender<Result<AppendInfo, Arc<StorageError>>>;
+
+enum WriterMsg {
+    Append {
+        batch: ValidatedBatch,
+        reply: AppendReply,
+    },
+    SetPolicy(TopicPolicy),
+    Shutdown(oneshot::Sender<()>),
+}
+
+/// How partition writers batch and pace their work.
+#[derive(Debug, Clone)]
+pub struct WriterSettings {
+    /// Appends that may wait for a partition's writer before producers are held back.
+    pub queue_depth: usize,
+    /// Stop adding queued batches to a group commit past this many bytes.
+    pub max_group_bytes: usize,
+    /// How often a writer checks age-based rolling and retention.
+    pub maintenance_interval: Duration,
+}
+
+impl Default for WriterSettings {
+    fn default() -> Self {
+        Self {
+            queue_depth: 4096,
+            max_group_bytes: 16 * 1024 * 1024,
+            maintenance_interval: Duration::from_secs(30),
+        }
+    }
+}
+
+/// A partition as the engine sees it.
+#[derive(Debug)]
+pub(crate) struct Partition {
+    pub(crate) id: u32,
+    pub(crate) reader: LogReader,
+    tx: mpsc::Sender<WriterMsg>,
+    high_watermark: watch::Receiver<u64>,
+    pub(crate) counters: Arc<PartitionCounters>,
+}
+
+impl std::fmt::Debug for WriterMsg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Append { .. } => "Append",
+            Self::SetPolicy(_) => "SetPolicy",
+            Self::Shutdown(_) => "Shutdown",
+        })
+    }
+}
+
+impl Partition {
+    /// Starts the writer task for an opened log.
+    pub(crate) fn spawn(
+        topic: &str,
+        id: u32,
+        log: PartitionLog,
+        policy: TopicPolicy,
+        settings: &WriterSettings,
+        engine: Arc<EngineCounters>,
+    ) -> Self {
+        let (tx, rx) = mpsc::channel(settings.queue_depth.max(1));
+        let reader = log.reader();
+        let (hw_tx, hw_rx) = watch::channel(reader.high_watermark());
+        let counters = Arc::new(PartitionCounters::default());
+        let writer = Writer {
+            topic: topic.to_owned(),
+            id,
+            log: Some(log),
+            policy,
+            rx,
+            high_watermark: hw_tx,
+            counters: counters.clone(),
+            engine,
+            max_group_bytes: settings.max_group_bytes,
+            last_sync: Instant::now(),
+        };
+        tokio::spawn(writer.run(settings.maintenance_interval));
+        Self {
+            id,
+            reader,
+            tx,
+            high_watermark: hw_rx,
+            counters,
+        }
+    }
+
+    /// Queues a batch for the writer and waits until it is appended and, under
+    /// `durability = "fsync"`, fsynced.
+    pub(crate) async fn append(&self, topic: &str, batch: ValidatedBatch) -> Result<AppendInfo> {
+        let (reply, rx) = oneshot::channel();
+        self.tx
+            .send(WriterMsg::Append { batch, reply })
+            .await
+            .map_err(|_| CoreError::ShuttingDown)?;
+        match rx.await {
+            Ok(Ok(info)) => Ok(info),
+            Ok(Err(e)) => Err(CoreError::Storage {
+                topic: topic.to_owned(),
+                partition: self.id,
+                source: e,
+            }),
+            Err(_) => Err(CoreError::ShuttingDown),
+        }
+    }
+
+    /// Waits until the high watermark passes `offset` or `timeout` ends; returns the high
+    /// watermark either way.
+    pub(crate) async fn wait_past(&self, offset: u64, timeout: Duration) -> u64 {
+        let mut rx = self.high_watermark.clone();
+        let _ = tokio::time::timeout(timeout, rx.wait_for(|&hw| hw > offset)).await;
+        *rx.borrow()
+    }
+
+    pub(crate) async fn set_policy(&self, policy: TopicPolicy) {
+        let _ = self.tx.send(WriterMsg::SetPolicy(policy)).await;
+    }
+
+    /// Lets the writer finish every append queued so far, fsync and stop.
+    pub(crate) async fn shutdown(&self) {
+        let (ack, done) = oneshot::channel();
+        if self.tx.send(WriterMsg::Shutdown(ack)).await.is_ok() {
+            let _ = done.await;
+        }
+    }
+}
+
+struct Writer {
+    topic: String,
+    id: u32,
+    /// Taken while a blocking group commit runs on the blocking pool.
+    log: Option<PartitionLog>,
+    policy: TopicPolicy,
+    rx: mpsc::Receiver<WriterMsg>,
+    high_watermark: watch::Sender<u64>,
+    counters: Arc<PartitionCounters>,
+    engine: Arc<EngineCounters>,
+    max_group_bytes: usize,
+    last_sync: Instant,
+}
+
+impl Writer {
+    async fn run(mut self, maintenance_interval: Duration) {
+        let mut maintenance = tokio::time::interval(maintenance_interval);
+        maintenance.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let shutdown_ack = loop {
+            let flush_at = self.flush_deadline();
+            tokio::select! {
+                msg = self.rx.recv() => match msg {
+                    Some(msg) => {
+                        if let ControlFlow::Break(ack) = self.handle(msg).await {
+                            break ack;
+                        }
+                    }
+                    None => break None,
+                },
+                _ = maintenance.tick() => self.maintain().await,
+                _ = tokio::time::sleep_until(flush_at.unwrap_or_else(tokio::time::Instant::now)), if flush_at.is_some() => {
+                    self.flush().await;
+                }
+            }
+        };
+        if let Some(log) = self.log.take() {
+            let topic = self.topic.clone();
+            let id = self.id;
+            let closed = tokio::task::spawn_blocking(move || log.close()).await;
+            if !matches!(closed, Ok(Ok(()))) {
+                error!(topic, partition = id, "final fsync at shutdown failed");
+            }
+        }
+        if let Some(ack) = shutdown_ack {
+            let _ = ack.send(());
+        }
+    }
+
+    fn flush_deadline(&self) -> Option<tokio::time::Instant> {
+        let dirty = self.log.as_ref().is_some_and(PartitionLog::is_dirty);
+        (self.policy.durability == Durability::Interval && dirty).then(|| {
+            tokio::time::Instant::from_std(
+                self.last_sync + Duration::from_millis(self.policy.flush_interval_ms),
+            )
+        })
+    }
+
+    /// Handles one message plus whatever appends are already queued behind it.
+    async fn handle(&mut self, first: WriterMsg) -> ControlFlow<Option<oneshot::Sender<()>>> {
+        let mut batches = Vec::new();
+        let mut replies = Vec::new();
+        let mut bytes = 0usize;
+        let mut control = None;
+        let mut next = Some(first);
+        while let Some(msg) = next.take() {
+            match msg {
+                WriterMsg::Append { batch, reply } => {
+                    bytes += batch.len();
+                    batches.push(batch);
+                    replies.push(reply);
+                }
+                other => {
+                    control = Some(other);
+                    break;
+                }
+            }
+            if bytes >= self.max_group_bytes {
+                break;
+            }
+            next = self.rx.try_recv().ok();
+        }
+        if !batches.is_empty() {
+            self.commit_group(batches, replies).await;
+        }
+        match control {
+            Some(WriterMsg::SetPolicy(policy)) => {
+                if let Some(log) = self.log.as_mut() {
+                    log.set_config(policy.log_config());
+                }
+                self.policy = policy;
+                ControlFlow::Continue(())
+            }
+            Some(WriterMsg::Shutdown(ack)) => ControlFlow::Break(Some(ack)),
+            _ => ControlFlow::Continue(()),
+        }
+    }
+
+    /// Runs `f` on the log on the blocking pool, so file I/O never stalls the runtime.
+    async fn with_log<T: Send + 'static>(
+        &mut self,
+        f: impl FnOnce(&mut PartitionLog) -> T + Send + 'static,
+    ) -> Option<T> {
+        let mut log = self.log.take()?;
+        let joined = tokio::task::spawn_blocking(move || {
+            let out = f(&mut log);
+            (log, out)
+        })
+        .await;
+        match joined {
+            Ok((log, out)) => {
+                self.log = Some(log);
+                Some(out)
+            }
+            Err(e) => {
+                // A panic inside the log leaves its state unknown: stop serving this partition.
+                error!(topic = self.topic, partition = self.id, error = %e, "partition writer failed");
+                None
+            }
+        }
+    }
+
+    async fn commit_group(&mut self, mut batches: Vec<ValidatedBatch>, replies: Vec<AppendReply>) {
+        let sync = match self.policy.durability {
+            Durability::Fsync => true,
+            Durability::Interval => {
+                self.last_sync.elapsed() >= Duration::from_millis(self.policy.flush_interval_ms)
+            }
+            Durability::None => false,
+        };
+        let records: u64 = batches.iter().map(ValidatedBatch::record_count).sum();
+        let bytes: u64 = batches.iter().map(|b| b.len() as u64).sum();
+        let outcome = self
+            .with_log(move |log| {
+                let infos = log.append(&mut batches)?;
+                let started = Instant::now();
+                let high_watermark = log.commit(sync)?;
+                Ok::<_, StorageError>((infos, high_watermark, started.elapsed()))
+            })
+            .await;
+        let c = &self.counters;
+        match outcome {
+            Some(Ok((infos, high_watermark, fsync_took))) => {
+                if sync {
+                    self.engine.fsync.record(fsync_took);
+                    self.last_sync = Instant::now();
+                }
+                c.records.fetch_add(records, Ordering::Relaxed);
+                c.bytes.fetch_add(bytes, Ordering::Relaxed);
+                c.batches.fetch_add(infos.len() as u64, Ordering::Relaxed);
+                c.group_commits.fetch_add(1, Ordering::Relaxed);
+                self.high_watermark.send_replace(high_watermark);
+                for (reply, info) in replies.into_iter().zip(infos) {
+                    let _ = reply.send(Ok(info));
+                }
+            }
+            Some(Err(e)) => {
+                warn!(topic = self.topic, partition = self.id, error = %e, "group commit failed");
+                c.append_errors
+                    .fetch_add(replies.len() as u64, Ordering::Relaxed);
+                let e = Arc::new(e);
+                for reply in replies {
+                    let _ = reply.send(Err(e.clone()));
+                }
+            }
+            // The log is gone; dropping the replies tells producers the partition is closed.
+            None => {}
+        }
+    }
+
+    async fn flush(&mut self) {
+        let synced = self
+            .with_log(|log| {
+                let started = Instant::now();
+                log.commit(true).map(|_| started.elapsed())
+            })
+            .await;
+        match synced {
+            Some(Ok(took)) => {
+                self.engine.fsync.record(took);
+                self.last_sync = Instant::now();
+            }
+            Some(Err(e)) => {
+                warn!(topic = self.topic, partition = self.id, error = %e, "interval fsync failed");
+            }
+            None => {}
+        }
+    }
+
+    async fn maintain(&mut self) {
+        let result = self
+            .with_log(|log| {
+                log.roll_if_aged()?;
+                log.enforce_retention()
+            })
+            .await;
+        match result {
+            Some(Ok(outcome)) => {
+                let e = &self.engine;
+                e.retention_deleted_segments
+                    .fetch_add(outcome.deleted_segments as u64, Ordering::Relaxed);
+                e.retention_deleted_bytes
+                    .fetch_add(outcome.deleted_bytes, Ordering::Relaxed);
+            }
+            Some(Err(e)) => {
+                warn!(topic = self.topic, partition = self.id, error = %e, "segment maintenance failed");
+            }
+            None => {}
+        }
+    }
+}

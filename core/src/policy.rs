@@ -1,0 +1,165 @@
+//! A topic's policy: durability, segment rolling, retention and message size limits.
+
+use serde::{Deserialize, Serialize};
+use sluice_storage::{LogConfig, MAX_SEGMENT_BYTES};
+
+use crate::error::{CoreError, Result};
+
+/// When an append counts as done (and is acknowledged).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Durability {
+    /// Acknowledge only after the group commit's fsync. Nothing acknowledged is lost.
+    Fsync,
+    /// Acknowledge after the write; fsync at most `flush_interval_ms` later.
+    Interval,
+    /// Acknowledge after the write; leave flushing to the page cache (and to segment rolls).
+    None,
+}
+
+/// A topic's policy. Field names are the config keys of `[topics.defaults]`; −1 means no limit.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TopicPolicy {
+    pub durability: Durability,
+    /// With `durability = "interval"`: the longest time written data stays unsynced.
+    pub flush_interval_ms: u64,
+    /// Roll the active segment before it would grow past this size.
+    pub segment_bytes: u64,
+    /// Roll the active segment once its first record is this old (−1: never).
+    pub segment_ms: i64,
+    /// Delete sealed segments whose newest record is older than this (−1: keep forever).
+    pub retention_ms: i64,
+    /// Delete the oldest sealed segments while a partition stays at or above this size
+    /// (−1: no size limit).
+    pub retention_bytes: i64,
+    /// Largest record batch one produce may append.
+    pub max_message_bytes: u64,
+    /// Bytes between sparse index entries.
+    pub index_interval_bytes: u64,
+}
+
+impl Default for TopicPolicy {
+    fn default() -> Self {
+        Self {
+            durability: Durability::Fsync,
+            flush_interval_ms: 1000,
+            segment_bytes: 256 * 1024 * 1024,
+            segment_ms: 7 * 24 * 3600 * 1000,
+            retention_ms: 7 * 24 * 3600 * 1000,
+            retention_bytes: -1,
+            max_message_bytes: 8 * 1024 * 1024,
+            index_interval_bytes: 4096,
+        }
+    }
+}
+
+fn limit(v: i64) -> Option<i64> {
+    (v >= 0).then_some(v)
+}
+
+impl TopicPolicy {
+    /// Rejects values that cannot work, with the key named in the message.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |reason: String| Err(CoreError::InvalidPolicy { reason });
+        if self.segment_bytes < 1024 || self.segment_bytes > MAX_SEGMENT_BYTES {
+            return bad(format!(
+                "segment_bytes must be between 1024 and {MAX_SEGMENT_BYTES}, not {}",
+                self.segment_bytes
+            ));
+        }
+        if self.max_message_bytes < 128 || self.max_message_bytes > MAX_SEGMENT_BYTES {
+            return bad(format!(
+                "max_message_bytes must be between 128 and {MAX_SEGMENT_BYTES}, not {}",
+                self.max_message_bytes
+            ));
+        }
+        for (key, v) in [
+            ("segment_ms", self.segment_ms),
+            ("retention_ms", self.retention_ms),
+            ("retention_bytes", self.retention_bytes),
+        ] {
+            if v < -1 || v == 0 {
+                return bad(format!("{key} must be positive or -1 (no limit), not {v}"));
+            }
+        }
+        if self.durability == Durability::Interval && self.flush_interval_ms == 0 {
+            return bad("flush_interval_ms must be positive with durability = \"interval\"".into());
+        }
+        if self.index_interval_bytes == 0 {
+            return bad("index_interval_bytes must be positive".into());
+        }
+        Ok(())
+    }
+
+    pub(crate) fn log_config(&self) -> LogConfig {
+        LogConfig {
+            segment_bytes: self.segment_bytes,
+            segment_ms: limit(self.segment_ms),
+            index_interval_bytes: self.index_interval_bytes,
+            retention_ms: limit(self.retention_ms),
+            retention_bytes: limit(self.retention_bytes).map(|v| v as u64),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_policy_is_valid_and_durable() {
+        let p = TopicPolicy::default();
+        p.validate().unwrap();
+        assert_eq!(p.durability, Durability::Fsync);
+        assert!(p.max_message_bytes >= 8 * 1024 * 1024);
+    }
+
+    #[test]
+    fn bad_values_name_their_key() {
+        let cases = [
+            TopicPolicy {
+                segment_bytes: 10,
+                ..Default::default()
+            },
+            TopicPolicy {
+                retention_ms: 0,
+                ..Default::default()
+            },
+            TopicPolicy {
+                retention_bytes: -5,
+                ..Default::default()
+            },
+            TopicPolicy {
+                durability: Durability::Interval,
+                flush_interval_ms: 0,
+                ..Default::default()
+            },
+        ];
+        let keys = [
+            "segment_bytes",
+            "retention_ms",
+            "retention_bytes",
+            "flush_interval_ms",
+        ];
+        for (policy, key) in cases.iter().zip(keys) {
+            let err = policy.validate().unwrap_err().to_string();
+            assert!(err.contains(key), "{err} should name {key}");
+        }
+    }
+
+    #[test]
+    fn minus_one_means_unlimited() {
+        let p = TopicPolicy {
+            retention_ms: -1,
+            retention_bytes: -1,
+            segment_ms: -1,
+            ..Default::default()
+        };
+        let c = p.log_config();
+        assert_eq!(
+            (c.retention_ms, c.retention_bytes, c.segment_ms),
+            (None, None, None)
+        );
+    }
+}

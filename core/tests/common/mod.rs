@@ -1,0 +1,75 @@
+//! Helpers shared by the core integration tests.
+#![allow(dead_code, unreachable_pub, clippy::unwrap_used)]
+
+use std::path::Path;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use sluice_core::{
+    Clock, DecodedRecord, Engine, EngineConfig, FsStorage, Record, Storage, SystemClock,
+    decode_records,
+};
+
+pub async fn open(dir: &Path) -> Engine {
+    open_with(
+        EngineConfig::new(dir),
+        Arc::new(FsStorage),
+        Arc::new(SystemClock),
+    )
+    .await
+}
+
+pub async fn open_with(
+    config: EngineConfig,
+    storage: Arc<dyn Storage>,
+    clock: Arc<dyn Clock>,
+) -> Engine {
+    Engine::open(config, storage, clock).await.unwrap()
+}
+
+/// Wall-clock now in ms: records need realistic timestamps, or age-based rolling and retention
+/// (which count from record timestamps, as in Kafka) act on them at once.
+pub fn now() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64
+}
+
+pub fn record(key: &str, value: &[u8], timestamp: i64) -> Record {
+    Record {
+        timestamp,
+        key: Some(Bytes::copy_from_slice(key.as_bytes())),
+        value: Some(Bytes::copy_from_slice(value)),
+        headers: vec![],
+    }
+}
+
+/// Every record of a partition, from the log start to the high watermark.
+pub async fn read_all(engine: &Engine, topic: &str, partition: u32) -> Vec<DecodedRecord> {
+    let (mut offset, end) = engine.offsets(topic, partition).unwrap();
+    let mut out = Vec::new();
+    while offset < end {
+        let fetched = engine
+            .fetch(topic, partition, offset, 1 << 20)
+            .await
+            .unwrap();
+        let mut data = &fetched.data[..];
+        while !data.is_empty() {
+            let len = sluice_core::BatchHeader::parse(data)
+                .unwrap()
+                .total_len()
+                .unwrap();
+            let batch = Bytes::copy_from_slice(&data[..len]);
+            out.extend(
+                decode_records(&batch)
+                    .unwrap()
+                    .into_iter()
+                    .filter(|r| r.offset as u64 >= offset),
+            );
+            data = &data[len..];
+        }
+        offset = fetched.next_offset;
+    }
+    out
+}

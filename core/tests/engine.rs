@@ -1,0 +1,517 @@
+//! The engine's topic registry, produce and read APIs, durability modes and shutdown.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use sluice_core::{
+    CoreError, Durability, EngineConfig, FaultyStorage, FsStorage, PartitionChoice, SystemClock,
+    TopicPolicy,
+};
+
+#[tokio::test]
+async fn topics_are_created_described_listed_deleted_and_persisted() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = open(dir.path()).await;
+    let policy = TopicPolicy {
+        retention_ms: 60_000,
+        ..Default::default()
+    };
+    let d = engine
+        .create_topic("camera-images", 3, Some(policy.clone()))
+        .await
+        .unwrap();
+    assert_eq!(d.partitions.len(), 3);
+    assert_eq!(d.policy, policy);
+    engine.create_topic("sensors", 1, None).await.unwrap();
+    assert!(matches!(
+        engine.create_topic("sensors", 1, None).await,
+        Err(CoreError::TopicExists { .. })
+    ));
+    for bad in ["", ".", "..", "has space", "slash/inside", &"x".repeat(250)] {
+        assert!(
+            matches!(
+                engine.create_topic(bad, 1, None).await,
+                Err(CoreError::InvalidTopicName { .. })
+            ),
+            "{bad:?} accepted"
+        );
+    }
+    assert!(matches!(
+        engine.create_topic("zero", 0, None).await,
+        Err(CoreError::InvalidPartitionCount { .. })
+    ));
+    assert_eq!(engine.list_topics(), vec!["camera-images", "sensors"]);
+    engine
+        .produce("sensors", PartitionChoice::Any, &[record("k", b"v", now())])
+        .await
+        .unwrap();
+    engine.shutdown().await;
+    drop(engine);
+
+    let engine = open(dir.path()).await;
+    assert_eq!(engine.list_topics(), vec!["camera-images", "sensors"]);
+    assert_eq!(
+        engine.describe_topic("camera-images").unwrap().policy,
+        policy
+    );
+    assert_eq!(engine.offsets("sensors", 0).unwrap(), (0, 1));
+    engine.delete_topic("sensors").await.unwrap();
+    assert!(matches!(
+        engine.describe_topic("sensors"),
+        Err(CoreError::UnknownTopic { .. })
+    ));
+    assert!(!dir.path().join("topics/sensors").exists());
+    // A deleted name can be reused at once, starting from offset 0.
+    engine.create_topic("sensors", 1, None).await.unwrap();
+    assert_eq!(engine.offsets("sensors", 0).unwrap(), (0, 0));
+    engine.shutdown().await;
+    drop(engine);
+    let engine = open(dir.path()).await;
+    assert_eq!(engine.offsets("sensors", 0).unwrap(), (0, 0));
+}
+
+#[tokio::test]
+async fn auto_creation_follows_the_setting() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = open(dir.path()).await;
+    let ack = engine
+        .produce("auto", PartitionChoice::Any, &[record("k", b"v", now())])
+        .await
+        .unwrap();
+    assert_eq!((ack.partition, ack.base_offset), (0, 0));
+    assert_eq!(
+        engine.describe_topic("auto").unwrap().policy,
+        TopicPolicy::default()
+    );
+    engine.shutdown().await;
+
+    let dir = tempfile::tempdir().unwrap();
+    let config = EngineConfig {
+        auto_create_topics: false,
+        ..EngineConfig::new(dir.path())
+    };
+    let engine = open_with(config, Arc::new(FsStorage), Arc::new(SystemClock)).await;
+    assert!(matches!(
+        engine
+            .produce("auto", PartitionChoice::Any, &[record("k", b"v", now())])
+            .await,
+        Err(CoreError::UnknownTopic { .. })
+    ));
+    assert!(matches!(
+        engine.ensure_topic("auto").await,
+        Err(CoreError::UnknownTopic { .. })
+    ));
+    assert!(engine.list_topics().is_empty());
+}
+
+#[tokio::test]
+async fn produce_fetch_offsets_and_timestamps() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = open(dir.path()).await;
+    engine.create_topic("t", 4, None).await.unwrap();
+    // A key always lands on one partition; offsets in it are dense.
+    let mut partition = None;
+    let t0 = now();
+    for i in 0..10i64 {
+        let ack = engine
+            .produce(
+                "t",
+                PartitionChoice::Key(b"device-7"),
+                &[record("device-7", &[i as u8; 100], t0 + i * 10)],
+            )
+            .await
+            .unwrap();
+        assert_eq!(*partition.get_or_insert(ack.partition), ack.partition);
+        assert_eq!(ack.base_offset, i as u64);
+    }
+    let p = partition.unwrap();
+    let records = read_all(&engine, "t", p).await;
+    assert_eq!(records.len(), 10);
+    assert_eq!(records[3].record.value.as_deref(), Some(&[3u8; 100][..]));
+    assert_eq!(records[3].record.key.as_deref(), Some(&b"device-7"[..]));
+    assert_eq!(engine.offsets("t", p).unwrap(), (0, 10));
+    assert_eq!(
+        engine.offset_for_timestamp("t", p, t0 + 35).await.unwrap(),
+        Some(4)
+    );
+    assert_eq!(
+        engine
+            .offset_for_timestamp("t", p, t0 - 1000)
+            .await
+            .unwrap(),
+        Some(0)
+    );
+    assert_eq!(
+        engine
+            .offset_for_timestamp("t", p, t0 + 5_000)
+            .await
+            .unwrap(),
+        None
+    );
+    assert!(matches!(
+        engine.fetch("t", p, 11, 1024).await,
+        Err(CoreError::OffsetOutOfRange {
+            offset: 11,
+            high_watermark: 10,
+            ..
+        })
+    ));
+    assert!(matches!(
+        engine.fetch("t", 9, 0, 1024).await,
+        Err(CoreError::UnknownPartition { .. })
+    ));
+    assert!(matches!(
+        engine
+            .produce("t", PartitionChoice::Id(4), &[record("k", b"v", now())])
+            .await,
+        Err(CoreError::UnknownPartition { .. })
+    ));
+    // Round robin spreads records over every partition.
+    let mut seen = std::collections::HashSet::new();
+    for _ in 0..8 {
+        seen.insert(
+            engine
+                .produce("t", PartitionChoice::Any, &[record("x", b"v", now())])
+                .await
+                .unwrap()
+                .partition,
+        );
+    }
+    assert_eq!(seen.len(), 4);
+}
+
+#[tokio::test]
+async fn ready_made_batches_are_stored_verbatim_and_bad_ones_rejected() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = open(dir.path()).await;
+    let records = vec![record("a", b"one", now()), record("b", b"two", now())];
+    let mut batch = sluice_storage_batch(&records);
+    let original = batch.clone();
+    engine
+        .append_batch("t", PartitionChoice::Id(0), batch.clone())
+        .await
+        .unwrap();
+    let fetched = engine.fetch("t", 0, 0, 1 << 20).await.unwrap();
+    // Only the base offset (0 here, as sent) may differ: everything else is the producer's bytes.
+    assert_eq!(&fetched.data[..], &original[..]);
+    let last = batch.len() - 1;
+    batch[last] ^= 1;
+    assert!(matches!(
+        engine
+            .append_batch("t", PartitionChoice::Id(0), batch)
+            .await,
+        Err(CoreError::InvalidBatch(_))
+    ));
+    assert_eq!(engine.metrics().rejected_batches, 1);
+}
+
+fn sluice_storage_batch(records: &[sluice_core::Record]) -> bytes::BytesMut {
+    // Producer id/epoch/sequence as an idempotent Kafka producer would set them.
+    let mut b = sluice_storage::encode_batch(
+        records,
+        sluice_storage::ProducerInfo {
+            producer_id: 77,
+            producer_epoch: 3,
+            base_sequence: 12,
+        },
+    );
+    sluice_storage::set_base_offset(&mut b, 0);
+    b
+}
+
+#[tokio::test]
+async fn max_message_size_is_enforced_and_policy_changes_persist() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = open(dir.path()).await;
+    engine.create_topic("t", 1, None).await.unwrap();
+    let small = TopicPolicy {
+        max_message_bytes: 1024,
+        ..Default::default()
+    };
+    engine.set_policy("t", small.clone()).await.unwrap();
+    assert!(matches!(
+        engine
+            .produce(
+                "t",
+                PartitionChoice::Any,
+                &[record("k", &[0u8; 2000], now())]
+            )
+            .await,
+        Err(CoreError::MessageTooLarge { max: 1024, .. })
+    ));
+    engine
+        .produce(
+            "t",
+            PartitionChoice::Any,
+            &[record("k", &[0u8; 500], now())],
+        )
+        .await
+        .unwrap();
+    assert!(matches!(
+        engine
+            .set_policy(
+                "t",
+                TopicPolicy {
+                    segment_bytes: 1,
+                    ..Default::default()
+                }
+            )
+            .await,
+        Err(CoreError::InvalidPolicy { .. })
+    ));
+    engine.shutdown().await;
+    drop(engine);
+    let engine = open(dir.path()).await;
+    assert_eq!(engine.describe_topic("t").unwrap().policy, small);
+}
+
+#[tokio::test]
+async fn a_2mb_record_round_trips() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = open(dir.path()).await;
+    let image: Vec<u8> = (0..2 * 1024 * 1024).map(|i| (i * 7 % 251) as u8).collect();
+    engine
+        .produce(
+            "images",
+            PartitionChoice::Key(b"cam-1"),
+            &[record("cam-1", &image, now())],
+        )
+        .await
+        .unwrap();
+    let records = read_all(&engine, "images", 0).await;
+    assert_eq!(records[0].record.value.as_deref(), Some(&image[..]));
+}
+
+#[tokio::test]
+async fn long_poll_wakes_on_new_data() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = open(dir.path()).await;
+    engine.create_topic("t", 1, None).await.unwrap();
+    let waiter = {
+        let engine = engine.clone();
+        tokio::spawn(async move {
+            engine
+                .wait_for_data("t", 0, 0, Duration::from_secs(60))
+                .await
+        })
+    };
+    engine
+        .produce("t", PartitionChoice::Id(0), &[record("k", b"v", now())])
+        .await
+        .unwrap();
+    // Returns with the new high watermark, not at the 60 s timeout (which would give 0).
+    assert_eq!(waiter.await.unwrap().unwrap(), 1);
+    // With nothing new it returns the unchanged high watermark at the timeout.
+    assert_eq!(
+        engine
+            .wait_for_data("t", 0, 1, Duration::from_millis(10))
+            .await
+            .unwrap(),
+        1
+    );
+}
+
+/// Producers that queue behind a busy writer share its write and fsync.
+#[tokio::test(flavor = "current_thread")]
+async fn queued_appends_share_group_commits() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = open(dir.path()).await;
+    engine.create_topic("t", 1, None).await.unwrap();
+    let tasks: Vec<_> = (0..200)
+        .map(|i| {
+            let engine = engine.clone();
+            tokio::spawn(async move {
+                engine
+                    .produce(
+                        "t",
+                        PartitionChoice::Id(0),
+                        &[record("k", &[i as u8; 1024], now())],
+                    )
+                    .await
+            })
+        })
+        .collect();
+    let mut offsets = Vec::new();
+    for t in tasks {
+        offsets.push(t.await.unwrap().unwrap().base_offset);
+    }
+    offsets.sort_unstable();
+    assert_eq!(
+        offsets,
+        (0..200).collect::<Vec<u64>>(),
+        "every ack has its own offset"
+    );
+    let m = &engine.metrics().partitions[0];
+    assert_eq!(m.batches_appended, 200);
+    assert!(
+        m.group_commits < 100,
+        "{} group commits for 200 batches",
+        m.group_commits
+    );
+    assert_eq!(engine.metrics().fsync.count, m.group_commits);
+}
+
+#[tokio::test]
+async fn relaxed_durability_modes_acknowledge_and_flush() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = open(dir.path()).await;
+    let interval = TopicPolicy {
+        durability: Durability::Interval,
+        flush_interval_ms: 20,
+        ..Default::default()
+    };
+    let none = TopicPolicy {
+        durability: Durability::None,
+        ..Default::default()
+    };
+    engine
+        .create_topic("interval", 1, Some(interval))
+        .await
+        .unwrap();
+    engine.create_topic("none", 1, Some(none)).await.unwrap();
+    engine
+        .produce("none", PartitionChoice::Id(0), &[record("k", b"v", now())])
+        .await
+        .unwrap();
+    assert_eq!(
+        engine.metrics().fsync.count,
+        0,
+        "durability none never fsyncs on produce"
+    );
+    engine
+        .produce(
+            "interval",
+            PartitionChoice::Id(0),
+            &[record("k", b"v", now())],
+        )
+        .await
+        .unwrap();
+    // The interval writer fsyncs within its interval without further produces.
+    let mut waited = 0;
+    while engine.metrics().fsync.count == 0 {
+        assert!(waited < 500, "interval flush never happened");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        waited += 1;
+    }
+    engine.shutdown().await;
+    drop(engine);
+    let engine = open(dir.path()).await;
+    assert_eq!(engine.offsets("interval", 0).unwrap().1, 1);
+    assert_eq!(engine.offsets("none", 0).unwrap().1, 1);
+}
+
+#[tokio::test]
+async fn failed_fsync_poisons_the_partition_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let (storage, faults) = FaultyStorage::new(Arc::new(FsStorage));
+    let engine = open_with(
+        EngineConfig::new(dir.path()),
+        Arc::new(storage),
+        Arc::new(SystemClock),
+    )
+    .await;
+    engine.create_topic("t", 2, None).await.unwrap();
+    engine
+        .produce(
+            "t",
+            PartitionChoice::Id(0),
+            &[record("k", b"before", now())],
+        )
+        .await
+        .unwrap();
+    faults.fail_next_syncs(1);
+    let err = engine
+        .produce("t", PartitionChoice::Id(0), &[record("k", b"lost", now())])
+        .await
+        .unwrap_err();
+    assert!(matches!(err, CoreError::Storage { .. }), "{err}");
+    let err = engine
+        .produce(
+            "t",
+            PartitionChoice::Id(0),
+            &[record("k", b"refused", now())],
+        )
+        .await
+        .unwrap_err();
+    assert!(err.is_poisoned(), "{err}");
+    let d = engine.describe_topic("t").unwrap();
+    assert!(d.partitions[0].poisoned);
+    assert!(!d.partitions[1].poisoned);
+    engine
+        .produce(
+            "t",
+            PartitionChoice::Id(1),
+            &[record("k", b"other partition", now())],
+        )
+        .await
+        .unwrap();
+    let m = engine.metrics();
+    assert_eq!(m.partitions[0].append_errors, 2);
+    assert_eq!(
+        read_all(&engine, "t", 0).await.len(),
+        1,
+        "the failed append never became visible"
+    );
+    engine.shutdown().await;
+    drop(engine);
+    // Restart recovers the partition.
+    let engine = open(dir.path()).await;
+    assert!(!engine.describe_topic("t").unwrap().partitions[0].poisoned);
+    engine
+        .produce("t", PartitionChoice::Id(0), &[record("k", b"after", now())])
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn shutdown_drains_queued_appends_then_refuses() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = open(dir.path()).await;
+    engine.create_topic("t", 1, None).await.unwrap();
+    let tasks: Vec<_> = (0..100)
+        .map(|i| {
+            let engine = engine.clone();
+            tokio::spawn(async move {
+                engine
+                    .produce(
+                        "t",
+                        PartitionChoice::Id(0),
+                        &[record("k", &[i as u8], now())],
+                    )
+                    .await
+            })
+        })
+        .collect();
+    tokio::task::yield_now().await;
+    engine.shutdown().await;
+    let mut acked = Vec::new();
+    for t in tasks {
+        match t.await.unwrap() {
+            Ok(ack) => acked.push(ack.base_offset),
+            Err(e) => assert!(matches!(e, CoreError::ShuttingDown), "{e}"),
+        }
+    }
+    assert!(matches!(
+        engine
+            .produce("t", PartitionChoice::Id(0), &[record("k", b"late", now())])
+            .await,
+        Err(CoreError::ShuttingDown)
+    ));
+    drop(engine);
+    let engine = open(dir.path()).await;
+    let stored: Vec<u64> = read_all(&engine, "t", 0)
+        .await
+        .iter()
+        .map(|r| r.offset as u64)
+        .collect();
+    for offset in acked {
+        assert!(
+            stored.contains(&offset),
+            "acknowledged offset {offset} lost"
+        );
+    }
+}

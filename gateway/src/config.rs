@@ -1,0 +1,421 @@
+//! The gateway's configuration: embedded defaults → file → `SLUICE_*` environment → CLI.
+//!
+//! The embedded defaults are `examples/sluice.toml` itself, so the documented example and the
+//! real defaults cannot drift apart: every key must be present there (the structs below have no
+//! serde defaults), and unknown keys anywhere are an error.
+
+use std::net::ToSocketAddrs;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use sluice_core::{EngineConfig, MAX_PARTITIONS, TopicPolicy, WriterSettings};
+use toml::{Table, Value};
+
+/// The commented default configuration, embedded in the binary.
+pub(crate) const DEFAULT_CONFIG: &str = include_str!("../../examples/sluice.toml");
+
+const ENV_PREFIX: &str = "SLUICE_";
+/// Read by the command line itself, not a config key.
+pub(crate) const ENV_CONFIG_FILE: &str = "SLUICE_CONFIG";
+
+/// Short environment names for the most used keys (DESIGN.md, "Interfaces people expect").
+const ENV_ALIASES: [(&str, &[&str]); 6] = [
+    ("DATA_DIR", &["data_dir"]),
+    ("HTTP_ADDR", &["http", "addr"]),
+    ("MQTT_ADDR", &["mqtt", "addr"]),
+    ("KAFKA_ADDR", &["kafka", "addr"]),
+    ("LOG_FORMAT", &["log", "format"]),
+    ("LOG_LEVEL", &["log", "level"]),
+];
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Config {
+    pub(crate) data_dir: PathBuf,
+    pub(crate) log: LogSection,
+    pub(crate) http: ListenerSection,
+    pub(crate) mqtt: ListenerSection,
+    pub(crate) kafka: ListenerSection,
+    pub(crate) topics: TopicsSection,
+    pub(crate) storage: StorageSection,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub(crate) enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct LogSection {
+    pub(crate) format: LogFormat,
+    pub(crate) level: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct ListenerSection {
+    pub(crate) addr: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct TopicsSection {
+    pub(crate) auto_create: bool,
+    pub(crate) default_partitions: u32,
+    pub(crate) defaults: TopicPolicy,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct StorageSection {
+    pub(crate) writer_queue_depth: usize,
+    pub(crate) max_group_commit_bytes: usize,
+    pub(crate) maintenance_interval_ms: u64,
+}
+
+/// Values given on the command line; `None` leaves the lower layers' value.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct CliOverrides {
+    pub(crate) data_dir: Option<PathBuf>,
+    pub(crate) http_addr: Option<String>,
+    pub(crate) mqtt_addr: Option<String>,
+    pub(crate) kafka_addr: Option<String>,
+    pub(crate) log_format: Option<LogFormat>,
+    pub(crate) log_level: Option<String>,
+}
+
+/// A configuration problem, reported before anything starts.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum ConfigError {
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{origin}: {message}")]
+    Parse { origin: String, message: String },
+    #[error("environment variable {var}: {message}")]
+    Env { var: String, message: String },
+    #[error("invalid configuration: {0}")]
+    Invalid(String),
+}
+
+/// Sets `path` in `table` to `value`, creating intermediate tables.
+fn set_path(table: &mut Table, path: &[&str], value: Value) -> Result<(), String> {
+    let (last, parents) = path.split_last().ok_or("empty key")?;
+    let mut t = table;
+    for p in parents {
+        t = t
+            .entry((*p).to_owned())
+            .or_insert_with(|| Value::Table(Table::new()))
+            .as_table_mut()
+            .ok_or_else(|| format!("`{p}` is not a section"))?;
+    }
+    t.insert((*last).to_owned(), value);
+    Ok(())
+}
+
+/// Deep-merges `overlay` into `base`; tables merge, anything else replaces.
+fn merge(base: &mut Table, overlay: Table) {
+    for (k, v) in overlay {
+        match (base.get_mut(&k), v) {
+            (Some(Value::Table(b)), Value::Table(o)) => merge(b, o),
+            (_, v) => {
+                base.insert(k, v);
+            }
+        }
+    }
+}
+
+/// An environment value as TOML when it parses as such (numbers, booleans), else a string.
+fn env_value(raw: &str) -> Value {
+    toml::from_str::<Table>(&format!("v = {raw}"))
+        .ok()
+        .and_then(|mut t| t.remove("v"))
+        .unwrap_or_else(|| Value::String(raw.to_owned()))
+}
+
+fn parse_table(text: &str, origin: &str) -> Result<Table, ConfigError> {
+    toml::from_str(text).map_err(|e| ConfigError::Parse {
+        origin: origin.to_owned(),
+        message: e.message().to_owned(),
+    })
+}
+
+impl Config {
+    /// Builds the configuration from all layers. `env` is the process environment (passed in
+    /// so tests need not touch the real one).
+    pub(crate) fn load(
+        file: Option<&Path>,
+        env: impl IntoIterator<Item = (String, String)>,
+        cli: &CliOverrides,
+    ) -> Result<Self, ConfigError> {
+        let mut table = parse_table(DEFAULT_CONFIG, "embedded defaults")?;
+        if let Some(path) = file {
+            let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+                path: path.to_path_buf(),
+                source,
+            })?;
+            merge(&mut table, parse_table(&text, &path.display().to_string())?);
+        }
+        let mut vars: Vec<(String, String)> = env
+            .into_iter()
+            .filter(|(k, _)| k.starts_with(ENV_PREFIX) && k != ENV_CONFIG_FILE)
+            .collect();
+        vars.sort();
+        for (var, raw) in vars {
+            let name = &var[ENV_PREFIX.len()..];
+            let path: Vec<String> = match ENV_ALIASES.iter().find(|(alias, _)| *alias == name) {
+                Some((_, path)) => path.iter().map(|s| (*s).to_owned()).collect(),
+                None => name.split("__").map(str::to_ascii_lowercase).collect(),
+            };
+            let path: Vec<&str> = path.iter().map(String::as_str).collect();
+            let mut overlay = Table::new();
+            set_path(&mut overlay, &path, env_value(&raw)).map_err(|message| ConfigError::Env {
+                var: var.clone(),
+                message,
+            })?;
+            // Check each variable on its own so an error names the variable.
+            let mut trial = table.clone();
+            merge(&mut trial, overlay);
+            Self::from_table(trial.clone()).map_err(|e| ConfigError::Env {
+                var: var.clone(),
+                message: e.to_string(),
+            })?;
+            table = trial;
+        }
+        let c = cli;
+        let overrides: [(&[&str], Option<Value>); 6] = [
+            (
+                &["data_dir"],
+                c.data_dir
+                    .as_ref()
+                    .map(|p| Value::String(p.display().to_string())),
+            ),
+            (&["http", "addr"], c.http_addr.clone().map(Value::String)),
+            (&["mqtt", "addr"], c.mqtt_addr.clone().map(Value::String)),
+            (&["kafka", "addr"], c.kafka_addr.clone().map(Value::String)),
+            (
+                &["log", "format"],
+                c.log_format.map(|f| {
+                    Value::String(match f {
+                        LogFormat::Text => "text".into(),
+                        LogFormat::Json => "json".into(),
+                    })
+                }),
+            ),
+            (&["log", "level"], c.log_level.clone().map(Value::String)),
+        ];
+        for (path, value) in overrides {
+            if let Some(v) = value {
+                set_path(&mut table, path, v).map_err(ConfigError::Invalid)?;
+            }
+        }
+        let config = Self::from_table(table)?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Deserializes the merged layers. Going through TOML text (rather than `Value::try_into`)
+    /// makes type errors quote the offending `key = value` line.
+    fn from_table(table: Table) -> Result<Self, ConfigError> {
+        let parse_error = |message: String| ConfigError::Parse {
+            origin: "configuration".into(),
+            message,
+        };
+        let text = toml::to_string(&table).map_err(|e| parse_error(e.to_string()))?;
+        toml::from_str(&text).map_err(|e: toml::de::Error| parse_error(e.to_string()))
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |m: String| Err(ConfigError::Invalid(m));
+        for (key, l) in [
+            ("http.addr", &self.http),
+            ("mqtt.addr", &self.mqtt),
+            ("kafka.addr", &self.kafka),
+        ] {
+            match l.addr.to_socket_addrs().map(|mut a| a.next()) {
+                Ok(Some(_)) => {}
+                Ok(None) => return invalid(format!("{key} = {:?} resolves to no address", l.addr)),
+                Err(e) => return invalid(format!("{key} = {:?} is not HOST:PORT: {e}", l.addr)),
+            }
+        }
+        if let Err(e) = tracing_subscriber::EnvFilter::try_new(&self.log.level) {
+            return invalid(format!("log.level = {:?}: {e}", self.log.level));
+        }
+        if self.data_dir.as_os_str().is_empty() {
+            return invalid("data_dir must not be empty".into());
+        }
+        if !(1..=MAX_PARTITIONS).contains(&self.topics.default_partitions) {
+            return invalid(format!(
+                "topics.default_partitions must be between 1 and {MAX_PARTITIONS}, not {}",
+                self.topics.default_partitions
+            ));
+        }
+        if let Err(e) = self.topics.defaults.validate() {
+            return invalid(format!("topics.defaults: {e}"));
+        }
+        let s = &self.storage;
+        for (key, v) in [
+            ("storage.writer_queue_depth", s.writer_queue_depth as u64),
+            (
+                "storage.max_group_commit_bytes",
+                s.max_group_commit_bytes as u64,
+            ),
+            ("storage.maintenance_interval_ms", s.maintenance_interval_ms),
+        ] {
+            if v == 0 {
+                return invalid(format!("{key} must be positive"));
+            }
+        }
+        Ok(())
+    }
+
+    pub(crate) fn engine_config(&self) -> EngineConfig {
+        EngineConfig {
+            data_dir: self.data_dir.clone(),
+            auto_create_topics: self.topics.auto_create,
+            default_partitions: self.topics.default_partitions,
+            default_policy: self.topics.defaults.clone(),
+            writer: WriterSettings {
+                queue_depth: self.storage.writer_queue_depth,
+                max_group_bytes: self.storage.max_group_commit_bytes,
+                maintenance_interval: Duration::from_millis(self.storage.maintenance_interval_ms),
+            },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sluice_core::Durability;
+
+    fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs
+            .iter()
+            .map(|(k, v)| ((*k).into(), (*v).into()))
+            .collect()
+    }
+
+    fn file(text: &str) -> tempfile::NamedTempFile {
+        let f = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(f.path(), text).unwrap();
+        f
+    }
+
+    #[test]
+    fn embedded_defaults_match_the_documented_values() {
+        let c = Config::load(None, env(&[]), &CliOverrides::default()).unwrap();
+        assert_eq!(c.data_dir, PathBuf::from("./data"));
+        assert_eq!(c.http.addr, "0.0.0.0:8080");
+        assert_eq!(c.mqtt.addr, "0.0.0.0:1883");
+        assert_eq!(c.kafka.addr, "0.0.0.0:9092");
+        assert_eq!(c.log.format, LogFormat::Text);
+        assert!(c.topics.auto_create);
+        // The file's policy is the library's default policy, key for key.
+        assert_eq!(c.topics.defaults, TopicPolicy::default());
+    }
+
+    #[test]
+    fn layers_apply_in_order_defaults_file_env_cli() {
+        let f = file(
+            "data_dir = \"/from/file\"\n[http]\naddr = \"127.0.0.1:1\"\n[log]\nlevel = \"debug\"\n",
+        );
+        let vars = env(&[
+            ("SLUICE_HTTP_ADDR", "127.0.0.1:2"),
+            ("SLUICE_TOPICS__DEFAULTS__DURABILITY", "interval"),
+            ("SLUICE_STORAGE__WRITER_QUEUE_DEPTH", "77"),
+            ("SLUICE_CONFIG", "ignored: read by the CLI"),
+        ]);
+        let cli = CliOverrides {
+            http_addr: Some("127.0.0.1:3".into()),
+            ..Default::default()
+        };
+        let c = Config::load(Some(f.path()), vars.clone(), &cli).unwrap();
+        assert_eq!(
+            c.data_dir,
+            PathBuf::from("/from/file"),
+            "file beats defaults"
+        );
+        assert_eq!(c.log.level, "debug");
+        assert_eq!(c.http.addr, "127.0.0.1:3", "CLI beats env beats file");
+        assert_eq!(c.topics.defaults.durability, Durability::Interval);
+        assert_eq!(c.storage.writer_queue_depth, 77);
+        let c = Config::load(Some(f.path()), vars, &CliOverrides::default()).unwrap();
+        assert_eq!(c.http.addr, "127.0.0.1:2", "env beats file");
+    }
+
+    #[test]
+    fn unknown_keys_are_errors_that_name_the_key() {
+        let f = file("[topics]\nauto_creat = false\n");
+        let err = Config::load(Some(f.path()), env(&[]), &CliOverrides::default()).unwrap_err();
+        assert!(err.to_string().contains("auto_creat"), "{err}");
+        let f = file("[topics.defaults]\nretention_hours = 3\n");
+        let err = Config::load(Some(f.path()), env(&[]), &CliOverrides::default()).unwrap_err();
+        assert!(err.to_string().contains("retention_hours"), "{err}");
+        let err =
+            Config::load(None, env(&[("SLUICE_NOPE", "1")]), &CliOverrides::default()).unwrap_err();
+        assert!(err.to_string().contains("SLUICE_NOPE"), "{err}");
+    }
+
+    #[test]
+    fn bad_values_are_errors_that_name_the_key() {
+        let cases = [
+            (
+                "[topics.defaults]\ndurability = \"sometimes\"\n",
+                "sometimes",
+            ),
+            ("[http]\naddr = \"no-port\"\n", "http.addr"),
+            ("[topics.defaults]\nsegment_bytes = 5\n", "segment_bytes"),
+            ("[topics]\ndefault_partitions = 0\n", "default_partitions"),
+            ("[log]\nformat = \"xml\"\n", "xml"),
+            ("[storage]\nwriter_queue_depth = 0\n", "writer_queue_depth"),
+            ("data_dir = 5\n", "data_dir"),
+            ("not toml at all", "key"),
+        ];
+        for (text, needle) in cases {
+            let f = file(text);
+            let err = Config::load(Some(f.path()), env(&[]), &CliOverrides::default()).unwrap_err();
+            assert!(err.to_string().contains(needle), "{text:?} gave {err}");
+        }
+        let err = Config::load(
+            None,
+            env(&[("SLUICE_TOPICS__DEFAULTS__RETENTION_MS", "soon")]),
+            &CliOverrides::default(),
+        )
+        .unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("SLUICE_TOPICS__DEFAULTS__RETENTION_MS"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn missing_file_is_a_clear_error() {
+        let err = Config::load(
+            Some(Path::new("/no/such/sluice.toml")),
+            env(&[]),
+            &CliOverrides::default(),
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("/no/such/sluice.toml"), "{err}");
+    }
+
+    #[test]
+    fn effective_config_round_trips_through_toml() {
+        let c = Config::load(None, env(&[]), &CliOverrides::default()).unwrap();
+        let text = toml::to_string(&c).unwrap();
+        let f = file(&text);
+        assert_eq!(
+            Config::load(Some(f.path()), env(&[]), &CliOverrides::default()).unwrap(),
+            c
+        );
+    }
+}

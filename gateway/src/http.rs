@@ -1,0 +1,54 @@
+//! The HTTP listener's operational routes: liveness, readiness and Prometheus metrics. The REST
+//! API (sluice-rest) will be merged into the same router.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::IntoResponse;
+use axum::routing::get;
+use sluice_core::Engine;
+
+#[derive(Debug, Clone)]
+pub(crate) struct AppState {
+    pub(crate) engine: Engine,
+    /// True once every listener is up; false again as soon as shutdown begins.
+    pub(crate) ready: Arc<AtomicBool>,
+}
+
+pub(crate) fn router(state: AppState) -> Router {
+    Router::new()
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .with_state(state)
+}
+
+/// Liveness: the process is up and its runtime answers.
+async fn healthz() -> &'static str {
+    "ok\n"
+}
+
+/// Readiness: recovery is done, listeners are bound, and shutdown has not begun.
+async fn readyz(State(state): State<AppState>) -> impl IntoResponse {
+    if state.ready.load(Ordering::Acquire) {
+        (StatusCode::OK, "ready\n")
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
+    }
+}
+
+async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
+    let engine = state.engine.metrics();
+    let process = crate::process::stats();
+    let body = crate::metrics::render(&engine, &process, state.ready.load(Ordering::Acquire));
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        body,
+    )
+}

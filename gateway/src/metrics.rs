@@ -1,0 +1,264 @@
+//! Prometheus text exposition (format 0.0.4) of the engine's and the process's metrics.
+//! Labels stop at topic and partition, so a scrape stays small whatever the client count.
+
+use std::fmt::Write;
+
+use sluice_core::{EngineMetrics, HistogramSnapshot, LATENCY_BUCKETS_US};
+
+use crate::process::ProcessStats;
+
+struct Out(String);
+
+impl Out {
+    fn header(&mut self, name: &str, kind: &str, help: &str) {
+        let _ = writeln!(self.0, "# HELP {name} {help}\n# TYPE {name} {kind}");
+    }
+
+    fn sample(&mut self, name: &str, labels: &str, value: impl std::fmt::Display) {
+        if labels.is_empty() {
+            let _ = writeln!(self.0, "{name} {value}");
+        } else {
+            let _ = writeln!(self.0, "{name}{{{labels}}} {value}");
+        }
+    }
+
+    fn single(&mut self, name: &str, kind: &str, help: &str, value: impl std::fmt::Display) {
+        self.header(name, kind, help);
+        self.sample(name, "", value);
+    }
+
+    fn histogram(&mut self, name: &str, help: &str, h: &HistogramSnapshot) {
+        self.header(name, "histogram", help);
+        let mut cumulative = 0;
+        for (bound, count) in LATENCY_BUCKETS_US.iter().zip(&h.buckets) {
+            cumulative += count;
+            let le = *bound as f64 / 1e6;
+            self.sample(
+                &format!("{name}_bucket"),
+                &format!("le=\"{le}\""),
+                cumulative,
+            );
+        }
+        self.sample(&format!("{name}_bucket"), "le=\"+Inf\"", h.count);
+        self.sample(&format!("{name}_sum"), "", h.sum_us as f64 / 1e6);
+        self.sample(&format!("{name}_count"), "", h.count);
+    }
+}
+
+/// Renders everything for one scrape.
+pub(crate) fn render(engine: &EngineMetrics, process: &ProcessStats, ready: bool) -> String {
+    let mut o = Out(String::with_capacity(4096));
+    o.header("sluice_build_info", "gauge", "Build information.");
+    o.sample(
+        "sluice_build_info",
+        &format!("version=\"{}\"", env!("CARGO_PKG_VERSION")),
+        1,
+    );
+    o.single(
+        "sluice_ready",
+        "gauge",
+        "1 while the gateway accepts traffic.",
+        u8::from(ready),
+    );
+    o.single("sluice_topics", "gauge", "Number of topics.", engine.topics);
+
+    type Field = fn(&sluice_core::PartitionMetrics) -> u64;
+    let per_partition: [(&str, &str, &str, Field); 10] = [
+        (
+            "sluice_partition_records_appended_total",
+            "counter",
+            "Records appended.",
+            |p| p.records_appended,
+        ),
+        (
+            "sluice_partition_bytes_appended_total",
+            "counter",
+            "Record batch bytes appended.",
+            |p| p.bytes_appended,
+        ),
+        (
+            "sluice_partition_batches_appended_total",
+            "counter",
+            "Record batches appended.",
+            |p| p.batches_appended,
+        ),
+        (
+            "sluice_partition_group_commits_total",
+            "counter",
+            "Group commits (one write, at most one fsync each).",
+            |p| p.group_commits,
+        ),
+        (
+            "sluice_partition_append_errors_total",
+            "counter",
+            "Appends that failed in the writer.",
+            |p| p.append_errors,
+        ),
+        (
+            "sluice_partition_segments",
+            "gauge",
+            "Segments in the partition log.",
+            |p| p.segments as u64,
+        ),
+        (
+            "sluice_partition_log_bytes",
+            "gauge",
+            "Bytes in the partition's segments.",
+            |p| p.log_bytes,
+        ),
+        (
+            "sluice_partition_log_start_offset",
+            "gauge",
+            "Earliest readable offset.",
+            |p| p.log_start,
+        ),
+        (
+            "sluice_partition_high_watermark",
+            "gauge",
+            "Offset after the last readable record.",
+            |p| p.high_watermark,
+        ),
+        (
+            "sluice_partition_poisoned",
+            "gauge",
+            "1 when the partition refuses writes after a failed fsync.",
+            |p| u64::from(p.poisoned),
+        ),
+    ];
+    for (name, kind, help, field) in per_partition {
+        o.header(name, kind, help);
+        for p in &engine.partitions {
+            o.sample(
+                name,
+                &format!("topic=\"{}\",partition=\"{}\"", p.topic, p.partition),
+                field(p),
+            );
+        }
+    }
+    o.histogram(
+        "sluice_fsync_duration_seconds",
+        "Duration of group-commit fsyncs.",
+        &engine.fsync,
+    );
+    o.histogram(
+        "sluice_append_duration_seconds",
+        "Time from a produce call to its acknowledgement.",
+        &engine.append_latency,
+    );
+    o.single(
+        "sluice_rejected_batches_total",
+        "counter",
+        "Produced batches refused as invalid or too large.",
+        engine.rejected_batches,
+    );
+    o.single(
+        "sluice_retention_deleted_segments_total",
+        "counter",
+        "Segments deleted by retention.",
+        engine.retention_deleted_segments,
+    );
+    o.single(
+        "sluice_retention_deleted_bytes_total",
+        "counter",
+        "Bytes deleted by retention.",
+        engine.retention_deleted_bytes,
+    );
+
+    o.single(
+        "process_cpu_seconds_total",
+        "counter",
+        "User and system CPU time.",
+        process.cpu_seconds,
+    );
+    o.single(
+        "process_resident_memory_bytes",
+        "gauge",
+        "Resident set size.",
+        process.resident_bytes,
+    );
+    o.single(
+        "process_open_fds",
+        "gauge",
+        "Open file descriptors.",
+        process.open_fds,
+    );
+    o.single(
+        "process_max_fds",
+        "gauge",
+        "Open file descriptor limit.",
+        process.max_fds,
+    );
+    o.0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sluice_core::PartitionMetrics;
+
+    #[test]
+    fn renders_partitions_and_cumulative_histograms() {
+        let mut buckets = vec![0; LATENCY_BUCKETS_US.len() + 1];
+        buckets[0] = 2;
+        buckets[3] = 1;
+        let h = HistogramSnapshot {
+            buckets,
+            sum_us: 900,
+            count: 3,
+        };
+        let engine = EngineMetrics {
+            topics: 1,
+            partitions: vec![PartitionMetrics {
+                topic: "cams".into(),
+                partition: 2,
+                records_appended: 42,
+                bytes_appended: 4200,
+                batches_appended: 7,
+                group_commits: 3,
+                append_errors: 0,
+                segments: 1,
+                log_bytes: 4200,
+                log_start: 0,
+                high_watermark: 42,
+                poisoned: false,
+            }],
+            fsync: h.clone(),
+            append_latency: h,
+            rejected_batches: 1,
+            retention_deleted_segments: 0,
+            retention_deleted_bytes: 0,
+        };
+        let process = ProcessStats {
+            cpu_seconds: 1.5,
+            resident_bytes: 1 << 20,
+            open_fds: 9,
+            max_fds: 20000,
+        };
+        let text = render(&engine, &process, true);
+        assert!(text.contains(
+            "sluice_partition_records_appended_total{topic=\"cams\",partition=\"2\"} 42\n"
+        ));
+        assert!(text.contains("sluice_fsync_duration_seconds_bucket{le=\"0.00005\"} 2\n"));
+        assert!(
+            text.contains("sluice_fsync_duration_seconds_bucket{le=\"0.0005\"} 3\n"),
+            "buckets are cumulative"
+        );
+        assert!(text.contains("sluice_fsync_duration_seconds_bucket{le=\"+Inf\"} 3\n"));
+        assert!(text.contains("sluice_fsync_duration_seconds_sum 0.0009\n"));
+        assert!(text.contains("sluice_ready 1\n"));
+        assert!(text.contains("process_max_fds 20000\n"));
+        // Every sample line belongs to a declared family.
+        for line in text.lines().filter(|l| !l.starts_with('#')) {
+            let name = line.split(['{', ' ']).next().unwrap();
+            let family = name
+                .trim_end_matches("_bucket")
+                .trim_end_matches("_sum")
+                .trim_end_matches("_count");
+            assert!(
+                text.contains(&format!("# TYPE {family} "))
+                    || text.contains(&format!("# TYPE {name} ")),
+                "{line}"
+            );
+        }
+    }
+}

@@ -1,0 +1,271 @@
+//! The `sluice` binary as an operator runs it: start on port 0, health and metrics over real
+//! HTTP, clean stop on SIGTERM and SIGINT, configuration errors, recovery of existing data.
+#![allow(clippy::unwrap_used)]
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+const BIN: &str = env!("CARGO_BIN_EXE_sluice");
+/// Upper bound for any single wait on the child; a healthy run takes a fraction of it.
+const PATIENCE: Duration = Duration::from_secs(60);
+
+struct Gateway {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+    seen: Vec<String>,
+    http: String,
+}
+
+impl Gateway {
+    fn start(data_dir: &std::path::Path, extra: &[&str]) -> Self {
+        let mut child = Command::new(BIN)
+            .args([
+                "--data-dir",
+                data_dir.to_str().unwrap(),
+                "--http-addr",
+                "127.0.0.1:0",
+            ])
+            .args(extra)
+            .env_remove("RUST_LOG")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        let (tx, lines) = mpsc::channel();
+        let stdout = child.stdout.take().unwrap();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let mut g = Self {
+            child,
+            lines,
+            seen: Vec::new(),
+            http: String::new(),
+        };
+        let line = g.wait_for_line(|l| l.contains("listening") && l.contains("http"));
+        let addr = line.split("addr").nth(1).unwrap();
+        let addr: String = addr
+            .trim_start_matches(['=', '"', ':'])
+            .chars()
+            .take_while(|c| c.is_ascii_digit() || *c == '.' || *c == ':')
+            .collect();
+        g.http = format!("http://{addr}");
+        g.wait_for_line(|l| l.contains("ready"));
+        g
+    }
+
+    fn wait_for_line(&mut self, f: impl Fn(&str) -> bool) -> String {
+        loop {
+            let line = self
+                .lines
+                .recv_timeout(PATIENCE)
+                .unwrap_or_else(|e| panic!("no matching log line ({e}); saw {:#?}", self.seen));
+            self.seen.push(line.clone());
+            if f(&line) {
+                return line;
+            }
+        }
+    }
+
+    fn signal(&self, sig: i32) {
+        // SAFETY: kill with a valid pid and signal number has no memory effects.
+        assert_eq!(unsafe { libc::kill(self.child.id() as i32, sig) }, 0);
+    }
+
+    /// Sends `sig` and returns the exit status and every remaining log line.
+    fn stop_with(mut self, sig: i32) -> (std::process::ExitStatus, Vec<String>) {
+        self.signal(sig);
+        let status = self.child.wait().unwrap();
+        let mut all = self.seen;
+        all.extend(self.lines.try_iter());
+        (status, all)
+    }
+}
+
+async fn get(url: &str) -> (u16, String) {
+    let resp = reqwest::get(url).await.unwrap();
+    (resp.status().as_u16(), resp.text().await.unwrap())
+}
+
+#[tokio::test]
+async fn serves_health_and_metrics_and_stops_cleanly_on_sigterm() {
+    let dir = tempfile::tempdir().unwrap();
+    let g = Gateway::start(dir.path(), &[]);
+    assert!(
+        g.seen.iter().any(|l| l.contains("open_file_limit=")),
+        "{:#?}",
+        g.seen
+    );
+    assert_eq!(
+        get(&format!("{}/healthz", g.http)).await,
+        (200, "ok\n".into())
+    );
+    assert_eq!(
+        get(&format!("{}/readyz", g.http)).await,
+        (200, "ready\n".into())
+    );
+    let (status, metrics) = get(&format!("{}/metrics", g.http)).await;
+    assert_eq!(status, 200);
+    assert!(metrics.contains("sluice_ready 1\n"), "{metrics}");
+    assert!(metrics.contains("# TYPE sluice_fsync_duration_seconds histogram"));
+    assert!(metrics.contains("process_open_fds "));
+    let (status, lines) = g.stop_with(libc::SIGTERM);
+    assert!(status.success(), "{status}");
+    assert!(
+        lines.iter().any(|l| l.contains("signal=\"SIGTERM\"")),
+        "{lines:#?}"
+    );
+    assert!(lines.last().unwrap().contains("stopped"), "{lines:#?}");
+}
+
+#[tokio::test]
+async fn sigint_also_stops_with_exit_code_zero() {
+    let dir = tempfile::tempdir().unwrap();
+    let g = Gateway::start(dir.path(), &[]);
+    let (status, lines) = g.stop_with(libc::SIGINT);
+    assert!(status.success(), "{status}");
+    assert!(
+        lines.iter().any(|l| l.contains("signal=\"SIGINT\"")),
+        "{lines:#?}"
+    );
+}
+
+#[tokio::test]
+async fn recovers_existing_topics_and_reports_them_in_metrics() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let engine = sluice_core::Engine::open(
+            sluice_core::EngineConfig::new(dir.path()),
+            std::sync::Arc::new(sluice_core::FsStorage),
+            std::sync::Arc::new(sluice_core::SystemClock),
+        )
+        .await
+        .unwrap();
+        let record = sluice_core::Record {
+            timestamp: engine.now_ms(),
+            key: None,
+            value: Some(bytes::Bytes::from_static(b"reading")),
+            headers: vec![],
+        };
+        for _ in 0..3 {
+            engine
+                .produce(
+                    "sensors",
+                    sluice_core::PartitionChoice::Id(0),
+                    std::slice::from_ref(&record),
+                )
+                .await
+                .unwrap();
+        }
+        engine.shutdown().await;
+    }
+    let g = Gateway::start(dir.path(), &[]);
+    assert!(
+        g.seen
+            .iter()
+            .any(|l| l.contains("ledger recovered") && l.contains("topics=1")),
+        "{:#?}",
+        g.seen
+    );
+    let (_, metrics) = get(&format!("{}/metrics", g.http)).await;
+    assert!(
+        metrics.contains("sluice_partition_high_watermark{topic=\"sensors\",partition=\"0\"} 3\n"),
+        "{metrics}"
+    );
+    let (status, _) = g.stop_with(libc::SIGTERM);
+    assert!(status.success());
+}
+
+#[tokio::test]
+async fn json_logs_are_one_object_per_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let g = Gateway::start(dir.path(), &["--log-format", "json"]);
+    let (status, lines) = g.stop_with(libc::SIGTERM);
+    assert!(status.success());
+    for line in &lines {
+        let v: serde_json::Value =
+            serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: {line}"));
+        assert!(
+            v.get("level").is_some() && v.get("fields").is_some(),
+            "{line}"
+        );
+    }
+}
+
+#[test]
+fn configuration_errors_stop_the_start_with_a_clear_message() {
+    let dir = tempfile::tempdir().unwrap();
+    let bad_file = dir.path().join("bad.toml");
+    std::fs::write(
+        &bad_file,
+        "[topics]\nauto_create = true\nauto_creat = false\n",
+    )
+    .unwrap();
+    type Case<'a> = (Vec<String>, Vec<(&'a str, &'a str)>, &'a str);
+    let cases: Vec<Case<'_>> = vec![
+        (
+            vec!["--config".into(), bad_file.display().to_string()],
+            vec![],
+            "auto_creat",
+        ),
+        (
+            vec!["--http-addr".into(), "nonsense".into()],
+            vec![],
+            "http.addr",
+        ),
+        (
+            vec![],
+            vec![("SLUICE_TOPICS__DEFAULTS__DURABILITY", "maybe")],
+            "SLUICE_TOPICS__DEFAULTS__DURABILITY",
+        ),
+        (
+            vec![],
+            vec![("SLUICE_CONFIG", "/no/such/file.toml")],
+            "/no/such/file.toml",
+        ),
+    ];
+    for (args, env, needle) in cases {
+        let out = Command::new(BIN)
+            .args(["--data-dir", dir.path().to_str().unwrap()])
+            .args(&args)
+            .envs(env.iter().copied())
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?} {env:?}: {stderr}");
+        assert!(stderr.contains(needle), "{args:?} {env:?}: {stderr}");
+    }
+}
+
+#[test]
+fn default_and_effective_configuration_can_be_printed() {
+    let out = Command::new(BIN).arg("default-config").output().unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert_eq!(
+        text,
+        std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../examples/sluice.toml"
+        ))
+        .unwrap()
+    );
+    let out = Command::new(BIN)
+        .args(["print-config", "--kafka-addr", "127.0.0.1:19092"])
+        .env("SLUICE_TOPICS__DEFAULT_PARTITIONS", "6")
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let effective: toml::Table = toml::from_str(&String::from_utf8(out.stdout).unwrap()).unwrap();
+    assert_eq!(effective["kafka"]["addr"].as_str(), Some("127.0.0.1:19092"));
+    assert_eq!(
+        effective["topics"]["default_partitions"].as_integer(),
+        Some(6)
+    );
+}
