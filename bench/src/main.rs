@@ -1,1 +1,32 @@
-fn main() {}
+//! `sluice-bench`: Sluice's benchmark and load-generator programs. Each subcommand measures one
+//! thing, compares it with a baseline or peer run on the same machine in the same run, and
+//! prints a Markdown table (and JSON on request) for `docs/BENCHMARKS.md`.
+
+mod ledger;
+mod stats;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(name = "sluice-bench", about = "Sluice benchmarks and load generators")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Ledger append throughput and latency (1 KB and 2 MB records) against raw fdatasync'd
+    /// writes to the same disk.
+    Ledger(ledger::LedgerArgs),
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    match cli.command {
+        Command::Ledger(args) => runtime.block_on(ledger::run(args)),
+    }
+}

@@ -7,9 +7,7 @@ use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
 use dashmap::DashMap;
-use sluice_storage::{
-    Clock, Fetched, PartitionLog, ProducerInfo, Record, Storage, ValidatedBatch, encode_batch,
-};
+use sluice_storage::{Clock, Fetched, PartitionLog, ProducerInfo, Record, Storage, ValidatedBatch};
 use tracing::info;
 
 use crate::error::{CoreError, Result};
@@ -376,8 +374,12 @@ impl Engine {
         if records.is_empty() {
             return Err(CoreError::EmptyProduce);
         }
-        let batch = encode_batch(records, ProducerInfo::NONE);
-        self.append_batch(topic, partition, batch).await
+        self.append_validated(
+            topic,
+            partition,
+            ValidatedBatch::from_records(records, ProducerInfo::NONE),
+        )
+        .await
     }
 
     /// Appends one ready-made RecordBatch v2 verbatim (its CRC is checked; producer id, epoch
@@ -387,6 +389,23 @@ impl Engine {
         topic: &str,
         partition: PartitionChoice<'_>,
         batch: BytesMut,
+    ) -> Result<ProduceAck> {
+        // Validation (the CRC over the whole batch) runs here, on the producer's task, so the
+        // single writer spends its time on I/O.
+        let batch = ValidatedBatch::new(batch).inspect_err(|_| {
+            self.inner
+                .counters
+                .rejected_batches
+                .fetch_add(1, Ordering::Relaxed);
+        })?;
+        self.append_validated(topic, partition, batch).await
+    }
+
+    async fn append_validated(
+        &self,
+        topic: &str,
+        partition: PartitionChoice<'_>,
+        batch: ValidatedBatch,
     ) -> Result<ProduceAck> {
         self.check_open()?;
         let started = Instant::now();
@@ -402,14 +421,6 @@ impl Engine {
                 max,
             });
         }
-        // Validation (the CRC over the whole batch) runs here, on the producer's task, so the
-        // single writer spends its time on I/O.
-        let batch = ValidatedBatch::new(batch).inspect_err(|_| {
-            self.inner
-                .counters
-                .rejected_batches
-                .fetch_add(1, Ordering::Relaxed);
-        })?;
         let n = t.partitions.len() as u32;
         let id = match partition {
             PartitionChoice::Id(id) if id < n => id,

@@ -151,6 +151,9 @@ fn init_logging(config: &Config) {
 }
 
 async fn serve(config: Config) -> anyhow::Result<()> {
+    // Installed before anything else, so a signal that arrives during start-up (or right after
+    // "ready") is a clean shutdown rather than the default kill.
+    let signals = Signals::install()?;
     let soft = process::raise_file_limit();
     let (_, hard) = process::file_limits();
     info!(
@@ -196,7 +199,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     ready.store(true, Ordering::Release);
     info!("ready");
 
-    let signal = shutdown_signal().await?;
+    let signal = signals.recv().await;
     info!(
         signal,
         "shutting down: draining connections and partition writers"
@@ -213,13 +216,26 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Waits for SIGINT or SIGTERM and names it.
-async fn shutdown_signal() -> anyhow::Result<&'static str> {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
-    let mut int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
-    Ok(tokio::select! {
-        _ = term.recv() => "SIGTERM",
-        _ = int.recv() => "SIGINT",
-    })
+/// SIGINT and SIGTERM handlers.
+struct Signals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn install() -> anyhow::Result<Self> {
+        use tokio::signal::unix::{SignalKind, signal};
+        Ok(Self {
+            term: signal(SignalKind::terminate()).context("installing the SIGTERM handler")?,
+            int: signal(SignalKind::interrupt()).context("installing the SIGINT handler")?,
+        })
+    }
+
+    /// Waits for either signal and names it.
+    async fn recv(mut self) -> &'static str {
+        tokio::select! {
+            _ = self.term.recv() => "SIGTERM",
+            _ = self.int.recv() => "SIGINT",
+        }
+    }
 }

@@ -66,6 +66,17 @@ impl ValidatedBatch {
         Ok(Self { buf, header })
     }
 
+    /// Encodes records into a new batch. The encoder computes the CRC itself, so the batch is
+    /// not checked a second time.
+    ///
+    /// # Panics
+    /// When `records` is empty.
+    pub fn from_records(records: &[batch::Record], producer: batch::ProducerInfo) -> Self {
+        let buf = batch::encode(records, producer);
+        let header = BatchHeader::parse(&buf).expect("the encoder writes a whole header");
+        Self { buf, header }
+    }
+
     pub fn header(&self) -> &BatchHeader {
         &self.header
     }

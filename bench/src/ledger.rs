@@ -1,0 +1,279 @@
+//! `sluice-bench ledger`: append throughput and append-to-ack latency of the ledger, in
+//! process, next to the raw speed of the same disk measured in the same run.
+//!
+//! Raw baseline: sequential writes of each record size to a fresh file, each followed by
+//! fdatasync, which is the least any durable log must do per acknowledged write. Sluice cases
+//! use the default durability (`fsync`: acknowledged only after the group commit's fsync).
+
+use std::fs::OpenOptions;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use bytes::Bytes;
+use serde_json::json;
+use sluice_core::{Engine, EngineConfig, FsStorage, PartitionChoice, Record, SystemClock};
+
+use crate::stats::{Latencies, Phase, memory};
+
+#[derive(Debug, clap::Args)]
+pub(crate) struct LedgerArgs {
+    /// Directory for the benchmark's files (emptied first). Put it on the disk to measure.
+    #[arg(long, default_value = "target/bench-ledger")]
+    dir: PathBuf,
+    /// Bytes written per case (the record count is this divided by the record size).
+    #[arg(long, default_value_t = 512 * 1024 * 1024)]
+    bytes_per_case: u64,
+    /// 1 KB records are capped at this many per case (small fsyncs are slow on any disk).
+    #[arg(long, default_value_t = 200_000)]
+    max_small_records: u64,
+    /// Concurrent producers for the many-producer cases.
+    #[arg(long, default_value_t = 1024)]
+    producers: usize,
+    /// Write the results as JSON here too.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+/// One row of the report.
+#[derive(Debug)]
+struct Row {
+    case: String,
+    durability: &'static str,
+    record_bytes: usize,
+    producers: usize,
+    records: u64,
+    wall: Duration,
+    cpu: Duration,
+    latencies: Latencies,
+}
+
+impl Row {
+    fn mb_per_s(&self) -> f64 {
+        (self.records * self.record_bytes as u64) as f64 / 1e6 / self.wall.as_secs_f64()
+    }
+
+    fn records_per_s(&self) -> f64 {
+        self.records as f64 / self.wall.as_secs_f64()
+    }
+
+    fn json(&self) -> serde_json::Value {
+        let us = |d: Duration| d.as_secs_f64() * 1e6;
+        json!({
+            "case": self.case,
+            "durability": self.durability,
+            "record_bytes": self.record_bytes,
+            "producers": self.producers,
+            "records": self.records,
+            "seconds": self.wall.as_secs_f64(),
+            "mb_per_s": self.mb_per_s(),
+            "records_per_s": self.records_per_s(),
+            "latency_us": {
+                "p50": us(self.latencies.quantile(0.5)),
+                "p99": us(self.latencies.quantile(0.99)),
+                "p999": us(self.latencies.quantile(0.999)),
+                "max": us(self.latencies.max()),
+            },
+            "cpu_seconds": self.cpu.as_secs_f64(),
+            "cpu_us_per_record": us(self.cpu) / self.records as f64,
+        })
+    }
+}
+
+fn payload(len: usize) -> Bytes {
+    // Incompressible-looking bytes, like an image.
+    let mut x: u64 = 0x2545_F491_4F6C_DD1D;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect::<Vec<u8>>()
+        .into()
+}
+
+/// Sequential writes of `size` bytes to a new file, each followed by fdatasync; with
+/// `append`, through O_APPEND as Sluice's segments are written (on the ext4 disk measured for
+/// docs/BENCHMARKS.md that is markedly faster than plain writes, so both are reported).
+fn raw_case(dir: &Path, size: usize, count: u64, append: bool) -> anyhow::Result<Row> {
+    let path = dir.join(format!("raw-{size}.bin"));
+    let mut f = OpenOptions::new()
+        .create(true)
+        .write(true)
+        .append(append)
+        .open(&path)
+        .with_context(|| format!("creating {}", path.display()))?;
+    let data = payload(size);
+    let mut samples = Vec::with_capacity(count as usize);
+    let phase = Phase::start();
+    for _ in 0..count {
+        let t = Instant::now();
+        f.write_all(&data)?;
+        f.sync_data()?;
+        samples.push(t.elapsed());
+    }
+    let (wall, cpu) = phase.end();
+    drop(f);
+    std::fs::remove_file(&path)?;
+    Ok(Row {
+        case: if append {
+            "raw O_APPEND write + fdatasync"
+        } else {
+            "raw write + fdatasync"
+        }
+        .into(),
+        durability: "fdatasync each write",
+        record_bytes: size,
+        producers: 1,
+        records: count,
+        wall,
+        cpu,
+        latencies: Latencies::new(samples),
+    })
+}
+
+/// `producers` tasks each appending records of `size` bytes one at a time, waiting for each
+/// acknowledgement before the next, until `count` records are acknowledged in all.
+async fn sluice_case(
+    dir: &Path,
+    name: &str,
+    size: usize,
+    count: u64,
+    producers: usize,
+) -> anyhow::Result<Row> {
+    let data_dir = dir.join(name);
+    let engine = Engine::open(
+        EngineConfig::new(&data_dir),
+        Arc::new(FsStorage),
+        Arc::new(SystemClock),
+    )
+    .await?;
+    engine.create_topic("bench", 1, None).await?;
+    let value = payload(size);
+    let per_producer = count / producers as u64;
+    let phase = Phase::start();
+    let tasks: Vec<_> = (0..producers)
+        .map(|p| {
+            let engine = engine.clone();
+            let value = value.clone();
+            tokio::spawn(async move {
+                let key = Bytes::from(format!("producer-{p}"));
+                let mut samples = Vec::with_capacity(per_producer as usize);
+                for _ in 0..per_producer {
+                    let record = Record {
+                        timestamp: engine.now_ms(),
+                        key: Some(key.clone()),
+                        value: Some(value.clone()),
+                        headers: vec![],
+                    };
+                    let t = Instant::now();
+                    engine
+                        .produce("bench", PartitionChoice::Id(0), &[record])
+                        .await?;
+                    samples.push(t.elapsed());
+                }
+                anyhow::Ok(samples)
+            })
+        })
+        .collect();
+    let mut samples = Vec::new();
+    for t in tasks {
+        samples.extend(t.await??);
+    }
+    let (wall, cpu) = phase.end();
+    let m = engine.metrics();
+    let commits = m.partitions.first().map_or(0, |p| p.group_commits);
+    engine.shutdown().await;
+    std::fs::remove_dir_all(&data_dir)?;
+    Ok(Row {
+        case: format!("sluice produce ({commits} group commits)"),
+        durability: "fsync (default)",
+        record_bytes: size,
+        producers,
+        records: per_producer * producers as u64,
+        wall,
+        cpu,
+        latencies: Latencies::new(samples),
+    })
+}
+
+fn fmt_ms(d: Duration) -> String {
+    format!("{:.2}", d.as_secs_f64() * 1e3)
+}
+
+pub(crate) async fn run(args: LedgerArgs) -> anyhow::Result<()> {
+    if args.dir.exists() {
+        std::fs::remove_dir_all(&args.dir)?;
+    }
+    std::fs::create_dir_all(&args.dir)?;
+    let large = 2 * 1024 * 1024;
+    let small = 1024;
+    let large_count = (args.bytes_per_case / large as u64).max(1);
+    let small_count = (args.bytes_per_case / small as u64).min(args.max_small_records);
+    // A 1 KB write with its own fdatasync is slow; a tenth of the records is plenty to time it.
+    let raw_small_count = (small_count / 10).clamp(100, 20_000);
+    let p = args.producers;
+
+    let started = Instant::now();
+    let mut rows = vec![
+        raw_case(&args.dir, large, large_count, false)?,
+        raw_case(&args.dir, large, large_count, true)?,
+    ];
+    rows.push(sluice_case(&args.dir, "large-1", large, large_count, 1).await?);
+    rows.push(sluice_case(&args.dir, "large-4", large, large_count, 4).await?);
+    rows.push(raw_case(&args.dir, small, raw_small_count, true)?);
+    rows.push(sluice_case(&args.dir, "small-1", small, raw_small_count, 1).await?);
+    rows.push(sluice_case(&args.dir, "small-many", small, small_count, p).await?);
+    let (rss, peak) = memory();
+
+    // The best raw 2 MB figure is the disk's fsync'd sequential speed that Sluice is held to.
+    let raw_large = rows[0].mb_per_s().max(rows[1].mb_per_s());
+    println!(
+        "| case | durability | record | producers | records | MB/s | records/s | p50 ms | p99 ms | p999 ms | CPU µs/record | vs best raw 2 MB |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
+    for r in &rows {
+        println!(
+            "| {} | {} | {} | {} | {} | {:.1} | {:.0} | {} | {} | {} | {:.1} | {:.0}% |",
+            r.case,
+            r.durability,
+            if r.record_bytes >= 1 << 20 {
+                "2 MB".to_string()
+            } else {
+                "1 KB".to_string()
+            },
+            r.producers,
+            r.records,
+            r.mb_per_s(),
+            r.records_per_s(),
+            fmt_ms(r.latencies.quantile(0.5)),
+            fmt_ms(r.latencies.quantile(0.99)),
+            fmt_ms(r.latencies.quantile(0.999)),
+            r.cpu.as_secs_f64() * 1e6 / r.records as f64,
+            r.mb_per_s() / raw_large * 100.0,
+        );
+    }
+    println!(
+        "\nProcess memory: {:.0} MiB resident at the end, {:.0} MiB peak. Run took {:.1} s.",
+        rss as f64 / 1048576.0,
+        peak as f64 / 1048576.0,
+        started.elapsed().as_secs_f64()
+    );
+    if let Some(path) = args.json {
+        let doc = json!({
+            "benchmark": "ledger",
+            "rows": rows.iter().map(Row::json).collect::<Vec<_>>(),
+            "rss_bytes": rss,
+            "peak_rss_bytes": peak,
+            "cpus": std::thread::available_parallelism().map_or(0, |n| n.get()),
+            "raw_best_2mb_mb_per_s": raw_large,
+        });
+        std::fs::write(&path, serde_json::to_vec_pretty(&doc)?)?;
+    }
+    std::fs::remove_dir_all(&args.dir)?;
+    Ok(())
+}

@@ -1,0 +1,91 @@
+//! Latency percentiles and the process's CPU and memory, for every benchmark report.
+
+use std::time::{Duration, Instant};
+
+/// Sorted latency samples.
+#[derive(Debug, Clone)]
+pub(crate) struct Latencies(Vec<Duration>);
+
+impl Latencies {
+    pub(crate) fn new(mut samples: Vec<Duration>) -> Self {
+        samples.sort_unstable();
+        Self(samples)
+    }
+
+    /// The `q` quantile (0.0..=1.0), nearest rank.
+    pub(crate) fn quantile(&self, q: f64) -> Duration {
+        if self.0.is_empty() {
+            return Duration::ZERO;
+        }
+        let rank = ((q * self.0.len() as f64).ceil() as usize).clamp(1, self.0.len());
+        self.0[rank - 1]
+    }
+
+    pub(crate) fn max(&self) -> Duration {
+        self.0.last().copied().unwrap_or_default()
+    }
+}
+
+/// CPU time (user + system) of this process so far.
+pub(crate) fn cpu_time() -> Duration {
+    // SAFETY: getrusage only writes into the struct we pass.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: as above; RUSAGE_SELF is always valid.
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) } != 0 {
+        return Duration::ZERO;
+    }
+    let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
+    tv(u.ru_utime) + tv(u.ru_stime)
+}
+
+/// Current and peak resident memory of this process, in bytes.
+pub(crate) fn memory() -> (u64, u64) {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0)
+            * 1024
+    };
+    (field("VmRSS:"), field("VmHWM:"))
+}
+
+/// Wall and CPU time of one measured phase.
+#[derive(Debug)]
+pub(crate) struct Phase {
+    wall: Instant,
+    cpu: Duration,
+}
+
+impl Phase {
+    pub(crate) fn start() -> Self {
+        Self {
+            wall: Instant::now(),
+            cpu: cpu_time(),
+        }
+    }
+
+    /// (wall, cpu) since start.
+    pub(crate) fn end(&self) -> (Duration, Duration) {
+        (self.wall.elapsed(), cpu_time().saturating_sub(self.cpu))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nearest_rank_quantiles() {
+        let l = Latencies::new((1..=1000).rev().map(Duration::from_micros).collect());
+        assert_eq!(l.quantile(0.5), Duration::from_micros(500));
+        assert_eq!(l.quantile(0.99), Duration::from_micros(990));
+        assert_eq!(l.quantile(0.999), Duration::from_micros(999));
+        assert_eq!(l.quantile(1.0), Duration::from_micros(1000));
+        assert_eq!(l.max(), Duration::from_micros(1000));
+        assert_eq!(Latencies::new(vec![]).quantile(0.5), Duration::ZERO);
+    }
+}
