@@ -11,6 +11,7 @@ use sluice_storage::{Clock, Fetched, PartitionLog, ProducerInfo, Record, Storage
 use tracing::info;
 
 use crate::error::{CoreError, Result};
+use crate::live::{LiveOptions, LiveSubscriber};
 use crate::meta::{FileMetadataStore, MetadataStore, TopicMeta};
 use crate::metrics::{EngineCounters, EngineMetrics, PartitionMetrics};
 use crate::partition::{Partition, WriterSettings};
@@ -31,6 +32,9 @@ pub struct EngineConfig {
     /// Policy of topics created without one.
     pub default_policy: TopicPolicy,
     pub writer: WriterSettings,
+    /// Catch-up reads (live subscribers behind the in-memory ring) that may run at once,
+    /// engine-wide: their I/O budget, kept apart from the live path.
+    pub catchup_readers: usize,
 }
 
 impl EngineConfig {
@@ -41,6 +45,7 @@ impl EngineConfig {
             default_partitions: 1,
             default_policy: TopicPolicy::default(),
             writer: WriterSettings::default(),
+            catchup_readers: 4,
         }
     }
 }
@@ -101,6 +106,7 @@ struct Inner {
     /// Serialises create, delete and policy changes (rare), never held by produce or fetch.
     admin: tokio::sync::Mutex<()>,
     counters: Arc<EngineCounters>,
+    catchup: Arc<tokio::sync::Semaphore>,
     closing: AtomicBool,
 }
 
@@ -143,7 +149,9 @@ impl Engine {
         config.default_policy.validate()?;
         let store: Arc<dyn MetadataStore> =
             Arc::new(FileMetadataStore::new(&config.data_dir, storage.clone()));
+        let catchup = Arc::new(tokio::sync::Semaphore::new(config.catchup_readers.max(1)));
         let inner = Arc::new(Inner {
+            catchup,
             config,
             storage,
             clock,
@@ -513,6 +521,37 @@ impl Engine {
         .map_err(|_| CoreError::ShuttingDown)?
     }
 
+    /// Attaches a live subscriber to one partition: O(1), no disk write, no state kept for it
+    /// anywhere but in the returned value.
+    pub fn subscribe_live(
+        &self,
+        topic: &str,
+        partition: u32,
+        options: LiveOptions,
+    ) -> Result<LiveSubscriber> {
+        let t = self.topic(topic)?;
+        let p =
+            t.partitions
+                .get(partition as usize)
+                .ok_or_else(|| CoreError::UnknownPartition {
+                    topic: topic.to_owned(),
+                    partition,
+                })?;
+        Ok(LiveSubscriber::new(
+            p.ring.clone(),
+            p.reader.clone(),
+            self.inner.catchup.clone(),
+            Arc::from(topic),
+            partition,
+            options,
+        ))
+    }
+
+    /// Number of partitions of a topic.
+    pub fn partition_count(&self, topic: &str) -> Result<u32> {
+        Ok(self.topic(topic)?.partitions.len() as u32)
+    }
+
     /// (earliest, latest): the log start and the high watermark.
     pub fn offsets(&self, topic: &str, partition: u32) -> Result<(u64, u64)> {
         self.partition(topic, partition, |p| {
@@ -552,7 +591,14 @@ impl Engine {
             for p in &t.partitions {
                 let s = p.reader.stats();
                 let pc = &p.counters;
+                let live = &p.ring.counters;
+                let (_, _, ring_bytes) = p.ring.window();
                 partitions.push(PartitionMetrics {
+                    live_subscribers: live.subscribers.load(Ordering::Relaxed),
+                    live_dropped_records: live.dropped_records.load(Ordering::Relaxed),
+                    live_disconnected: live.disconnected.load(Ordering::Relaxed),
+                    live_catchup_reads: live.catchup_reads.load(Ordering::Relaxed),
+                    live_ring_bytes: ring_bytes as u64,
                     topic: name.clone(),
                     partition: p.id,
                     records_appended: pc.records.load(Ordering::Relaxed),

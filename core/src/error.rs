@@ -45,6 +45,14 @@ pub enum CoreError {
         #[source]
         source: Arc<std::io::Error>,
     },
+    #[error(
+        "live subscriber of {topic}/{partition} fell {behind} records behind and was disconnected"
+    )]
+    SubscriberLagged {
+        topic: String,
+        partition: u32,
+        behind: u64,
+    },
     #[error("the engine is shutting down")]
     ShuttingDown,
 }

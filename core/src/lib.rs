@@ -7,6 +7,7 @@
 
 mod engine;
 mod error;
+mod live;
 mod meta;
 mod metrics;
 mod partition;
@@ -18,6 +19,9 @@ pub use engine::{
     TopicDescription, validate_topic_name,
 };
 pub use error::{CoreError, Result};
+pub use live::{
+    LiveBatch, LiveItem, LiveOptions, LiveRecords, LiveSubscriber, SlowPolicy, StartAt,
+};
 pub use meta::{FileMetadataStore, MetadataStore, TopicMeta};
 pub use metrics::{
     EngineMetrics, Histogram, HistogramSnapshot, LATENCY_BUCKETS_US, PartitionMetrics,

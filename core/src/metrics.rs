@@ -87,6 +87,11 @@ pub struct PartitionMetrics {
     pub log_start: u64,
     pub high_watermark: u64,
     pub poisoned: bool,
+    pub live_subscribers: u64,
+    pub live_dropped_records: u64,
+    pub live_disconnected: u64,
+    pub live_catchup_reads: u64,
+    pub live_ring_bytes: u64,
 }
 
 /// Everything the engine exports, read at scrape time.

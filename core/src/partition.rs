@@ -11,6 +11,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tracing::{error, warn};
 
 use crate::error::{CoreError, Result};
+use crate::live::{LiveBatch, LiveRing};
 use crate::metrics::{EngineCounters, PartitionCounters};
 use crate::policy::{Durability, TopicPolicy};
 
@@ -34,6 +35,9 @@ pub struct WriterSettings {
     pub max_group_bytes: usize,
     /// How often a writer checks age-based rolling and retention.
     pub maintenance_interval: Duration,
+    /// Bytes of recent batches each partition keeps in memory for live subscribers (the
+    /// newest batch is always kept, however large).
+    pub live_ring_bytes: usize,
 }
 
 impl Default for WriterSettings {
@@ -42,6 +46,7 @@ impl Default for WriterSettings {
             queue_depth: 4096,
             max_group_bytes: 16 * 1024 * 1024,
             maintenance_interval: Duration::from_secs(30),
+            live_ring_bytes: 32 * 1024 * 1024,
         }
     }
 }
@@ -54,6 +59,7 @@ pub(crate) struct Partition {
     tx: mpsc::Sender<WriterMsg>,
     high_watermark: watch::Receiver<u64>,
     pub(crate) counters: Arc<PartitionCounters>,
+    pub(crate) ring: Arc<LiveRing>,
 }
 
 impl std::fmt::Debug for WriterMsg {
@@ -80,7 +86,12 @@ impl Partition {
         let reader = log.reader();
         let (hw_tx, hw_rx) = watch::channel(reader.high_watermark());
         let counters = Arc::new(PartitionCounters::default());
+        let ring = Arc::new(LiveRing::new(
+            reader.high_watermark(),
+            settings.live_ring_bytes,
+        ));
         let writer = Writer {
+            ring: ring.clone(),
             topic: topic.to_owned(),
             id,
             log: Some(log),
@@ -99,6 +110,7 @@ impl Partition {
             tx,
             high_watermark: hw_rx,
             counters,
+            ring,
         }
     }
 
@@ -152,6 +164,7 @@ struct Writer {
     high_watermark: watch::Sender<u64>,
     counters: Arc<PartitionCounters>,
     engine: Arc<EngineCounters>,
+    ring: Arc<LiveRing>,
     max_group_bytes: usize,
     last_sync: Instant,
 }
@@ -278,12 +291,17 @@ impl Writer {
                 let infos = log.append(&mut batches)?;
                 let started = Instant::now();
                 let high_watermark = log.commit(sync)?;
-                Ok::<_, StorageError>((infos, high_watermark, started.elapsed()))
+                let fsync_took = started.elapsed();
+                let committed: Vec<LiveBatch> = batches
+                    .into_iter()
+                    .filter_map(|b| LiveBatch::new(b.into_bytes()).ok())
+                    .collect();
+                Ok::<_, StorageError>((infos, high_watermark, fsync_took, committed))
             })
             .await;
         let c = &self.counters;
         match outcome {
-            Some(Ok((infos, high_watermark, fsync_took))) => {
+            Some(Ok((infos, high_watermark, fsync_took, committed))) => {
                 if sync {
                     self.engine.fsync.record(fsync_took);
                     self.last_sync = Instant::now();
@@ -292,6 +310,7 @@ impl Writer {
                 c.bytes.fetch_add(bytes, Ordering::Relaxed);
                 c.batches.fetch_add(infos.len() as u64, Ordering::Relaxed);
                 c.group_commits.fetch_add(1, Ordering::Relaxed);
+                self.ring.push(committed, high_watermark);
                 self.high_watermark.send_replace(high_watermark);
                 for (reply, info) in replies.into_iter().zip(infos) {
                     let _ = reply.send(Ok(info));

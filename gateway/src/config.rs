@@ -75,6 +75,8 @@ pub(crate) struct StorageSection {
     pub(crate) writer_queue_depth: usize,
     pub(crate) max_group_commit_bytes: usize,
     pub(crate) maintenance_interval_ms: u64,
+    pub(crate) live_ring_bytes: usize,
+    pub(crate) catchup_readers: usize,
 }
 
 /// Values given on the command line; `None` leaves the lower layers' value.
@@ -268,6 +270,8 @@ impl Config {
                 s.max_group_commit_bytes as u64,
             ),
             ("storage.maintenance_interval_ms", s.maintenance_interval_ms),
+            ("storage.live_ring_bytes", s.live_ring_bytes as u64),
+            ("storage.catchup_readers", s.catchup_readers as u64),
         ] {
             if v == 0 {
                 return invalid(format!("{key} must be positive"));
@@ -286,7 +290,9 @@ impl Config {
                 queue_depth: self.storage.writer_queue_depth,
                 max_group_bytes: self.storage.max_group_commit_bytes,
                 maintenance_interval: Duration::from_millis(self.storage.maintenance_interval_ms),
+                live_ring_bytes: self.storage.live_ring_bytes,
             },
+            catchup_readers: self.storage.catchup_readers,
         }
     }
 }

@@ -63,7 +63,7 @@ pub(crate) fn render(engine: &EngineMetrics, process: &ProcessStats, ready: bool
     o.single("sluice_topics", "gauge", "Number of topics.", engine.topics);
 
     type Field = fn(&sluice_core::PartitionMetrics) -> u64;
-    let per_partition: [(&str, &str, &str, Field); 10] = [
+    let per_partition: [(&str, &str, &str, Field); 15] = [
         (
             "sluice_partition_records_appended_total",
             "counter",
@@ -123,6 +123,36 @@ pub(crate) fn render(engine: &EngineMetrics, process: &ProcessStats, ready: bool
             "gauge",
             "1 when the partition refuses writes after a failed fsync.",
             |p| u64::from(p.poisoned),
+        ),
+        (
+            "sluice_live_subscribers",
+            "gauge",
+            "Live (broadcast) subscribers attached.",
+            |p| p.live_subscribers,
+        ),
+        (
+            "sluice_live_dropped_records_total",
+            "counter",
+            "Records skipped for live subscribers that fell behind (drop-oldest policy).",
+            |p| p.live_dropped_records,
+        ),
+        (
+            "sluice_live_disconnected_total",
+            "counter",
+            "Live subscribers ended for falling behind (disconnect policy).",
+            |p| p.live_disconnected,
+        ),
+        (
+            "sluice_live_catchup_reads_total",
+            "counter",
+            "Segment reads by live subscribers behind the in-memory ring.",
+            |p| p.live_catchup_reads,
+        ),
+        (
+            "sluice_live_ring_bytes",
+            "gauge",
+            "Bytes of recent batches held in memory for live subscribers.",
+            |p| p.live_ring_bytes,
         ),
     ];
     for (name, kind, help, field) in per_partition {
@@ -221,6 +251,11 @@ mod tests {
                 log_start: 0,
                 high_watermark: 42,
                 poisoned: false,
+                live_subscribers: 100_000,
+                live_dropped_records: 0,
+                live_disconnected: 0,
+                live_catchup_reads: 0,
+                live_ring_bytes: 4200,
             }],
             fsync: h.clone(),
             append_latency: h,
@@ -246,6 +281,7 @@ mod tests {
         assert!(text.contains("sluice_fsync_duration_seconds_bucket{le=\"+Inf\"} 3\n"));
         assert!(text.contains("sluice_fsync_duration_seconds_sum 0.0009\n"));
         assert!(text.contains("sluice_ready 1\n"));
+        assert!(text.contains("sluice_live_subscribers{topic=\"cams\",partition=\"2\"} 100000\n"));
         assert!(text.contains("process_max_fds 20000\n"));
         // Every sample line belongs to a declared family.
         for line in text.lines().filter(|l| !l.starts_with('#')) {

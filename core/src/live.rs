@@ -1,0 +1,399 @@
+//! Live broadcast: each partition keeps its most recent committed batches in a bounded ring of
+//! shared `Bytes`, and any number of subscribers follow it.
+//!
+//! A subscriber is a cursor (the next offset it wants) plus its policy: attaching reads the
+//! ring's head once and detaching is a drop, both O(1), and neither touches the disk. New
+//! batches are pushed by the partition's writer after they commit and wake every waiting
+//! subscriber at once; each subscriber takes an `Arc` of the same batch, so a 2 MB image is
+//! held once however many subscribers deliver it. Records are decoded once per batch, on first
+//! use, into slices of the batch buffer.
+//!
+//! A subscriber that falls behind is handled by its [`SlowPolicy`]. Catch-up reads (a cursor
+//! older than the ring) go to the segment files under a separate, bounded budget and never
+//! write to the ring, so they cannot evict what live subscribers need.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use bytes::Bytes;
+use parking_lot::RwLock;
+use sluice_storage::{BatchError, BatchHeader, DecodedRecord, LogReader, decode_records};
+use tokio::sync::{Notify, Semaphore};
+
+use crate::error::{CoreError, Result};
+
+/// One committed batch, shared by every subscriber that delivers it.
+#[derive(Debug)]
+pub struct LiveBatch {
+    pub base_offset: u64,
+    pub last_offset: u64,
+    pub max_timestamp: i64,
+    /// The batch exactly as stored.
+    pub bytes: Bytes,
+    records: OnceLock<Result<Arc<[DecodedRecord]>, BatchError>>,
+}
+
+impl LiveBatch {
+    pub(crate) fn new(bytes: Bytes) -> Result<Self, BatchError> {
+        let h = BatchHeader::parse(&bytes)?;
+        Ok(Self {
+            base_offset: h.base_offset as u64,
+            last_offset: h.last_offset() as u64,
+            max_timestamp: h.max_timestamp,
+            bytes,
+            records: OnceLock::new(),
+        })
+    }
+
+    /// The batch's records, decoded on first use and shared afterwards. Keys, values and
+    /// header values are slices of [`Self::bytes`]: no payload is copied.
+    pub fn records(&self) -> Result<Arc<[DecodedRecord]>, BatchError> {
+        self.records
+            .get_or_init(|| decode_records(&self.bytes).map(Arc::from))
+            .clone()
+    }
+}
+
+/// Where a new subscriber starts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StartAt {
+    /// With the next record committed after attaching.
+    Latest,
+    /// With the newest record that carries this header with a value other than empty, "0" or
+    /// "false" (e.g. `keyframe`), so a video viewer starts at a self-decodable frame; with the
+    /// next record when the ring holds none.
+    LatestFlagged(String),
+    /// At this offset (the log start if it is older); reads from the segments while it is
+    /// older than the ring.
+    Offset(u64),
+}
+
+/// What happens to a subscriber that falls more than its `max_lag` behind, or behind the ring.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SlowPolicy {
+    /// Skip the oldest undelivered records (counted as dropped): for QoS 0 live views.
+    DropOldest,
+    /// Read what the ring no longer holds from the segment files, then rejoin the live tail.
+    CatchUp,
+    /// End the subscription with [`CoreError::SubscriberLagged`] (counted).
+    Disconnect,
+}
+
+/// Options of a live subscription.
+#[derive(Debug, Clone)]
+pub struct LiveOptions {
+    pub start: StartAt,
+    pub policy: SlowPolicy,
+    /// Records a subscriber may have pending before its policy applies.
+    pub max_lag: u64,
+}
+
+impl Default for LiveOptions {
+    fn default() -> Self {
+        Self {
+            start: StartAt::Latest,
+            policy: SlowPolicy::DropOldest,
+            max_lag: 10_000,
+        }
+    }
+}
+
+/// Per-partition live counters (never per subscriber).
+#[derive(Debug, Default)]
+pub(crate) struct LiveCounters {
+    pub(crate) subscribers: AtomicU64,
+    pub(crate) dropped_records: AtomicU64,
+    pub(crate) disconnected: AtomicU64,
+    pub(crate) catchup_reads: AtomicU64,
+}
+
+#[derive(Debug)]
+struct RingState {
+    batches: VecDeque<Arc<LiveBatch>>,
+    bytes: usize,
+    /// Offset after the newest committed record (the high watermark).
+    next_offset: u64,
+}
+
+/// The ring of one partition.
+#[derive(Debug)]
+pub(crate) struct LiveRing {
+    state: RwLock<RingState>,
+    notify: Notify,
+    max_bytes: usize,
+    pub(crate) counters: LiveCounters,
+}
+
+impl LiveRing {
+    pub(crate) fn new(next_offset: u64, max_bytes: usize) -> Self {
+        Self {
+            state: RwLock::new(RingState {
+                batches: VecDeque::new(),
+                bytes: 0,
+                next_offset,
+            }),
+            notify: Notify::new(),
+            max_bytes,
+            counters: LiveCounters::default(),
+        }
+    }
+
+    /// Adds committed batches (in offset order) and wakes every waiting subscriber.
+    pub(crate) fn push(&self, batches: impl IntoIterator<Item = LiveBatch>, next_offset: u64) {
+        {
+            let mut st = self.state.write();
+            for b in batches {
+                st.bytes += b.bytes.len();
+                st.batches.push_back(Arc::new(b));
+            }
+            // Keep at least the newest batch, however large, so live subscribers get it.
+            while st.bytes > self.max_bytes && st.batches.len() > 1 {
+                if let Some(old) = st.batches.pop_front() {
+                    st.bytes -= old.bytes.len();
+                }
+            }
+            st.next_offset = next_offset;
+        }
+        self.notify.notify_waiters();
+    }
+
+    /// (oldest offset held, next offset, bytes held).
+    pub(crate) fn window(&self) -> (u64, u64, usize) {
+        let st = self.state.read();
+        let front = st.batches.front().map_or(st.next_offset, |b| b.base_offset);
+        (front, st.next_offset, st.bytes)
+    }
+
+    /// Offset of the newest record in the ring that carries `header` with a true-ish value.
+    fn latest_flagged(&self, header: &str) -> Option<u64> {
+        let batches: Vec<Arc<LiveBatch>> = self.state.read().batches.iter().cloned().collect();
+        batches.iter().rev().find_map(|b| {
+            let records = b.records().ok()?;
+            records.iter().rev().find_map(|r| {
+                let flagged = r.record.headers.iter().any(|(k, v)| {
+                    k == header && !v.is_empty() && &v[..] != b"0" && &v[..] != b"false"
+                });
+                flagged.then_some(r.offset as u64)
+            })
+        })
+    }
+}
+
+/// What a subscriber delivers next: a shared batch and the first offset in it not delivered
+/// before (earlier records of the batch are to be skipped).
+#[derive(Debug, Clone)]
+pub struct LiveItem {
+    pub batch: Arc<LiveBatch>,
+    pub from_offset: u64,
+    /// True when this came from the segment files rather than the ring.
+    pub from_log: bool,
+}
+
+impl LiveItem {
+    /// The records of this item still to deliver, shared with every other subscriber.
+    pub fn records(&self) -> Result<LiveRecords, BatchError> {
+        let all = self.batch.records()?;
+        let start = all.partition_point(|r| (r.offset as u64) < self.from_offset);
+        Ok(LiveRecords { all, start })
+    }
+}
+
+/// A view of a shared decoded batch from the first record to deliver.
+#[derive(Debug, Clone)]
+pub struct LiveRecords {
+    all: Arc<[DecodedRecord]>,
+    start: usize,
+}
+
+impl std::ops::Deref for LiveRecords {
+    type Target = [DecodedRecord];
+
+    fn deref(&self) -> &[DecodedRecord] {
+        &self.all[self.start..]
+    }
+}
+
+/// A live subscription to one partition.
+#[derive(Debug)]
+pub struct LiveSubscriber {
+    ring: Arc<LiveRing>,
+    reader: LogReader,
+    catchup: Arc<Semaphore>,
+    topic: Arc<str>,
+    partition: u32,
+    cursor: u64,
+    policy: SlowPolicy,
+    max_lag: u64,
+    /// Catch-up batches read from the log but not delivered yet.
+    pending: VecDeque<Arc<LiveBatch>>,
+}
+
+/// Largest single catch-up read.
+const CATCHUP_READ_BYTES: usize = 1024 * 1024;
+
+impl LiveSubscriber {
+    pub(crate) fn new(
+        ring: Arc<LiveRing>,
+        reader: LogReader,
+        catchup: Arc<Semaphore>,
+        topic: Arc<str>,
+        partition: u32,
+        options: LiveOptions,
+    ) -> Self {
+        let (_, head, _) = ring.window();
+        let cursor = match &options.start {
+            StartAt::Latest => head,
+            StartAt::LatestFlagged(h) => ring.latest_flagged(h).unwrap_or(head),
+            StartAt::Offset(o) => (*o).max(reader.log_start()),
+        };
+        ring.counters.subscribers.fetch_add(1, Ordering::Relaxed);
+        Self {
+            ring,
+            reader,
+            catchup,
+            topic,
+            partition,
+            cursor,
+            policy: options.policy,
+            max_lag: options.max_lag.max(1),
+            pending: VecDeque::new(),
+        }
+    }
+
+    /// The next offset this subscriber will deliver.
+    pub fn position(&self) -> u64 {
+        self.cursor
+    }
+
+    pub fn partition(&self) -> u32 {
+        self.partition
+    }
+
+    /// Waits for and returns the next batch to deliver.
+    pub async fn next(&mut self) -> Result<LiveItem> {
+        loop {
+            if let Some(b) = self.pending.pop_front() {
+                if b.last_offset >= self.cursor {
+                    let item = LiveItem {
+                        from_offset: self.cursor,
+                        batch: b.clone(),
+                        from_log: true,
+                    };
+                    self.cursor = b.last_offset + 1;
+                    return Ok(item);
+                }
+                continue;
+            }
+            let ring = self.ring.clone();
+            let notified = ring.notify.notified();
+            tokio::pin!(notified);
+            // Register for the wake-up before looking, so a push in between is not missed.
+            notified.as_mut().enable();
+            match self.take_from_ring()? {
+                Step::Item(item) => return Ok(item),
+                Step::ReadLog => {
+                    self.read_log().await?;
+                    continue;
+                }
+                Step::Wait => {}
+            }
+            notified.await;
+        }
+    }
+
+    fn take_from_ring(&mut self) -> Result<Step> {
+        let st = self.ring.state.read();
+        let head = st.next_offset;
+        if self.cursor >= head {
+            return Ok(Step::Wait);
+        }
+        let front = st.batches.front().map_or(head, |b| b.base_offset);
+        let lag = head - self.cursor;
+        if self.cursor < front || lag > self.max_lag {
+            let counters = &self.ring.counters;
+            match self.policy {
+                SlowPolicy::DropOldest => {
+                    let to = front
+                        .max(head.saturating_sub(self.max_lag))
+                        .max(self.cursor);
+                    counters
+                        .dropped_records
+                        .fetch_add(to - self.cursor, Ordering::Relaxed);
+                    self.cursor = to;
+                }
+                SlowPolicy::Disconnect => {
+                    counters.disconnected.fetch_add(1, Ordering::Relaxed);
+                    return Err(CoreError::SubscriberLagged {
+                        topic: self.topic.to_string(),
+                        partition: self.partition,
+                        behind: lag,
+                    });
+                }
+                // Behind the ring: read the files. Behind by more than max_lag but still in the
+                // ring: the ring holds it, deliver from there.
+                SlowPolicy::CatchUp if self.cursor < front => return Ok(Step::ReadLog),
+                SlowPolicy::CatchUp => {}
+            }
+        }
+        let i = st.batches.partition_point(|b| b.last_offset < self.cursor);
+        let Some(b) = st.batches.get(i) else {
+            return Ok(Step::Wait);
+        };
+        let item = LiveItem {
+            batch: b.clone(),
+            from_offset: self.cursor.max(b.base_offset),
+            from_log: false,
+        };
+        self.cursor = b.last_offset + 1;
+        Ok(Step::Item(item))
+    }
+
+    /// One catch-up read from the segment files, under the engine's catch-up budget.
+    async fn read_log(&mut self) -> Result<()> {
+        let _permit = self
+            .catchup
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|_| CoreError::ShuttingDown)?;
+        let reader = self.reader.clone();
+        let cursor = self.cursor.max(reader.log_start());
+        let topic = self.topic.clone();
+        let partition = self.partition;
+        let fetched = tokio::task::spawn_blocking(move || reader.read(cursor, CATCHUP_READ_BYTES))
+            .await
+            .map_err(|_| CoreError::ShuttingDown)?
+            .map_err(|e| CoreError::storage(&topic, partition, e))?;
+        self.ring
+            .counters
+            .catchup_reads
+            .fetch_add(1, Ordering::Relaxed);
+        self.cursor = cursor;
+        let mut data = fetched.data;
+        while !data.is_empty() {
+            let len = BatchHeader::parse(&data)?
+                .total_len()
+                .unwrap_or(data.len())
+                .min(data.len());
+            let batch = data.split_to(len);
+            self.pending.push_back(Arc::new(LiveBatch::new(batch)?));
+        }
+        Ok(())
+    }
+}
+
+enum Step {
+    Item(LiveItem),
+    ReadLog,
+    Wait,
+}
+
+impl Drop for LiveSubscriber {
+    fn drop(&mut self) {
+        self.ring
+            .counters
+            .subscribers
+            .fetch_sub(1, Ordering::Relaxed);
+    }
+}

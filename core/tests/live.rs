@@ -1,0 +1,259 @@
+//! Live broadcast: many subscribers sharing one ring, start positions, slow-subscriber
+//! policies and catch-up from the segment files.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use common::*;
+use sluice_core::{
+    CoreError, Engine, EngineConfig, FsStorage, LiveOptions, LiveSubscriber, PartitionChoice,
+    Record, SlowPolicy, StartAt, SystemClock,
+};
+
+async fn engine_with_ring(dir: &std::path::Path, ring_bytes: usize) -> Engine {
+    let mut config = EngineConfig::new(dir);
+    config.writer.live_ring_bytes = ring_bytes;
+    let engine = open_with(config, Arc::new(FsStorage), Arc::new(SystemClock)).await;
+    engine.create_topic("t", 1, None).await.unwrap();
+    engine
+}
+
+async fn produce_n(engine: &Engine, n: usize, size: usize) {
+    for i in 0..n {
+        engine
+            .produce(
+                "t",
+                PartitionChoice::Id(0),
+                &[record("k", &vec![i as u8; size], now())],
+            )
+            .await
+            .unwrap();
+    }
+}
+
+fn opts(start: StartAt, policy: SlowPolicy, max_lag: u64) -> LiveOptions {
+    LiveOptions {
+        start,
+        policy,
+        max_lag,
+    }
+}
+
+/// Offsets and values of the next `n` records the subscriber delivers.
+async fn take(sub: &mut LiveSubscriber, n: usize) -> Vec<(u64, Bytes)> {
+    let mut out = Vec::new();
+    while out.len() < n {
+        let item = sub.next().await.unwrap();
+        for r in item.records().unwrap().iter() {
+            out.push((r.offset as u64, r.record.value.clone().unwrap()));
+        }
+    }
+    out
+}
+
+#[tokio::test]
+async fn every_subscriber_gets_every_record_from_one_shared_buffer() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = engine_with_ring(dir.path(), 1 << 20).await;
+    let mut subs: Vec<LiveSubscriber> = (0..50)
+        .map(|_| {
+            engine
+                .subscribe_live("t", 0, LiveOptions::default())
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(engine.metrics().partitions[0].live_subscribers, 50);
+    produce_n(&engine, 20, 1000).await;
+    let mut first_ptrs = None;
+    for sub in &mut subs {
+        let got = take(sub, 20).await;
+        assert_eq!(
+            got.iter().map(|g| g.0).collect::<Vec<_>>(),
+            (0..20).collect::<Vec<_>>()
+        );
+        assert_eq!(&got[7].1[..], &[7u8; 1000][..]);
+        // Zero payload copies: every subscriber's value is the same bytes in memory.
+        let ptrs: Vec<*const u8> = got.iter().map(|g| g.1.as_ptr()).collect();
+        assert_eq!(first_ptrs.get_or_insert(ptrs.clone()), &ptrs);
+    }
+    drop(subs);
+    assert_eq!(engine.metrics().partitions[0].live_subscribers, 0);
+}
+
+#[tokio::test]
+async fn a_waiting_subscriber_wakes_on_the_next_commit() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = engine_with_ring(dir.path(), 1 << 20).await;
+    produce_n(&engine, 3, 10).await;
+    let mut sub = engine
+        .subscribe_live("t", 0, LiveOptions::default())
+        .unwrap();
+    assert_eq!(
+        sub.position(),
+        3,
+        "Latest starts after what is already there"
+    );
+    let waiter = tokio::spawn(async move { take(&mut sub, 1).await });
+    tokio::task::yield_now().await;
+    produce_n(&engine, 1, 10).await;
+    let got = waiter.await.unwrap();
+    assert_eq!(got[0].0, 3);
+}
+
+#[tokio::test]
+async fn start_at_offset_reads_older_records_from_the_log_then_follows_live() {
+    let dir = tempfile::tempdir().unwrap();
+    // A ring that holds about two 1 KB records.
+    let engine = engine_with_ring(dir.path(), 2500).await;
+    produce_n(&engine, 30, 1024).await;
+    let mut sub = engine
+        .subscribe_live(
+            "t",
+            0,
+            opts(StartAt::Offset(5), SlowPolicy::CatchUp, 1_000_000),
+        )
+        .unwrap();
+    let item = sub.next().await.unwrap();
+    assert!(item.from_log, "offset 5 is long gone from the ring");
+    assert_eq!(item.records().unwrap()[0].offset, 5);
+    let rest = take(&mut sub, 24).await;
+    assert_eq!(
+        rest.iter().map(|g| g.0).collect::<Vec<_>>(),
+        (6..30).collect::<Vec<_>>()
+    );
+    assert!(engine.metrics().partitions[0].live_catchup_reads > 0);
+    produce_n(&engine, 1, 1024).await;
+    let live = sub.next().await.unwrap();
+    assert!(!live.from_log);
+    assert_eq!(live.from_offset, 30);
+    // The ring never grew past its budget (plus the newest batch) while the reader caught up.
+    assert!(engine.metrics().partitions[0].live_ring_bytes <= 2500 + 1200);
+}
+
+#[tokio::test]
+async fn start_at_latest_flagged_record() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = engine_with_ring(dir.path(), 1 << 20).await;
+    for i in 0..10u8 {
+        let mut r: Record = record("cam", &[i], now());
+        let flag = if i % 4 == 0 { "1" } else { "0" };
+        r.headers.push(("keyframe".into(), Bytes::from(flag)));
+        engine
+            .produce("t", PartitionChoice::Id(0), &[r])
+            .await
+            .unwrap();
+    }
+    let mut sub = engine
+        .subscribe_live(
+            "t",
+            0,
+            opts(
+                StartAt::LatestFlagged("keyframe".into()),
+                SlowPolicy::DropOldest,
+                100,
+            ),
+        )
+        .unwrap();
+    assert_eq!(sub.position(), 8, "offsets 0, 4 and 8 are keyframes");
+    assert_eq!(
+        take(&mut sub, 2)
+            .await
+            .iter()
+            .map(|g| g.0)
+            .collect::<Vec<_>>(),
+        vec![8, 9]
+    );
+    let none = engine
+        .subscribe_live(
+            "t",
+            0,
+            opts(
+                StartAt::LatestFlagged("absent".into()),
+                SlowPolicy::DropOldest,
+                100,
+            ),
+        )
+        .unwrap();
+    assert_eq!(
+        none.position(),
+        10,
+        "no flagged record: start with the next one"
+    );
+}
+
+#[tokio::test]
+async fn drop_oldest_skips_and_counts() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = engine_with_ring(dir.path(), 1 << 20).await;
+    let mut slow = engine
+        .subscribe_live("t", 0, opts(StartAt::Latest, SlowPolicy::DropOldest, 10))
+        .unwrap();
+    produce_n(&engine, 100, 10).await;
+    let got = take(&mut slow, 10).await;
+    assert_eq!(
+        got.first().unwrap().0,
+        90,
+        "only the newest max_lag records remain"
+    );
+    assert_eq!(got.last().unwrap().0, 99);
+    assert_eq!(engine.metrics().partitions[0].live_dropped_records, 90);
+}
+
+#[tokio::test]
+async fn drop_oldest_behind_the_ring_resumes_at_its_front() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = engine_with_ring(dir.path(), 5000).await;
+    let mut slow = engine
+        .subscribe_live(
+            "t",
+            0,
+            opts(StartAt::Latest, SlowPolicy::DropOldest, 1_000_000),
+        )
+        .unwrap();
+    produce_n(&engine, 50, 1024).await;
+    let first = take(&mut slow, 1).await[0].0;
+    assert!(first > 40, "resumed at the ring's front, not at 0: {first}");
+    assert_eq!(engine.metrics().partitions[0].live_dropped_records, first);
+}
+
+#[tokio::test]
+async fn disconnect_policy_ends_a_lagging_subscriber() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = engine_with_ring(dir.path(), 1 << 20).await;
+    let mut slow = engine
+        .subscribe_live("t", 0, opts(StartAt::Latest, SlowPolicy::Disconnect, 5))
+        .unwrap();
+    let mut fast = engine
+        .subscribe_live("t", 0, LiveOptions::default())
+        .unwrap();
+    produce_n(&engine, 20, 10).await;
+    assert!(matches!(
+        slow.next().await,
+        Err(CoreError::SubscriberLagged { behind: 20, .. })
+    ));
+    assert_eq!(engine.metrics().partitions[0].live_disconnected, 1);
+    // Others are unaffected.
+    assert_eq!(take(&mut fast, 20).await.len(), 20);
+}
+
+#[tokio::test]
+async fn catch_up_policy_loses_nothing_when_the_ring_overflows() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = engine_with_ring(dir.path(), 3000).await;
+    let mut slow = engine
+        .subscribe_live("t", 0, opts(StartAt::Latest, SlowPolicy::CatchUp, 5))
+        .unwrap();
+    produce_n(&engine, 200, 1024).await;
+    let got = take(&mut slow, 200).await;
+    assert_eq!(
+        got.iter().map(|g| g.0).collect::<Vec<_>>(),
+        (0..200).collect::<Vec<_>>()
+    );
+    for (offset, value) in &got {
+        assert_eq!(&value[..], &vec![*offset as u8; 1024][..]);
+    }
+    assert_eq!(engine.metrics().partitions[0].live_dropped_records, 0);
+}
