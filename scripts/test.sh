@@ -40,6 +40,8 @@ failed=$(grep -Eo '^test result: .* ([0-9]+) failed' "$log" | grep -Eo '[0-9]+ f
 echo "==> benchmark smoke run (tiny sizes; real figures come from docs/BENCHMARKS.md's commands)"
 cargo run --quiet --locked -p sluice-bench -- ledger \
   --dir target/bench-smoke --bytes-per-case 8388608 --max-small-records 2000 --producers 16 >/dev/null
+cargo run --quiet --locked -p sluice-bench -- fanout-core \
+  --dir target/bench-smoke --subscribers 1000 --steady-records 3 --steady-rate 50 --bursts 1 --burst-records 2 >/dev/null
 
 echo "==> all checks passed"
 echo "tests: ${passed} passed, ${failed} failed"

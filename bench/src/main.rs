@@ -2,6 +2,7 @@
 //! thing, compares it with a baseline or peer run on the same machine in the same run, and
 //! prints a Markdown table (and JSON on request) for `docs/BENCHMARKS.md`.
 
+mod fanout;
 mod ledger;
 mod stats;
 
@@ -19,6 +20,9 @@ enum Command {
     /// Ledger append throughput and latency (1 KB and 2 MB records) against raw fdatasync'd
     /// writes to the same disk.
     Ledger(ledger::LedgerArgs),
+    /// The core's live broadcast in process: N subscribers on one partition, 10 KB records at a
+    /// steady rate and 2 MB bursts; attach time, memory per subscriber, latency, copies.
+    FanoutCore(fanout::FanoutArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -28,5 +32,6 @@ fn main() -> anyhow::Result<()> {
         .build()?;
     match cli.command {
         Command::Ledger(args) => runtime.block_on(ledger::run(args)),
+        Command::FanoutCore(args) => runtime.block_on(fanout::run(args)),
     }
 }
