@@ -11,6 +11,7 @@ use sluice_storage::{Clock, Fetched, PartitionLog, ProducerInfo, Record, Storage
 use tracing::info;
 
 use crate::error::{CoreError, Result};
+use crate::groups::{CommittedOffset, GroupOffsets, OffsetCommit};
 use crate::live::{LiveOptions, LiveSubscriber};
 use crate::meta::{FileMetadataStore, MetadataStore, TopicMeta};
 use crate::metrics::{EngineCounters, EngineMetrics, PartitionMetrics};
@@ -107,13 +108,39 @@ struct Inner {
     admin: tokio::sync::Mutex<()>,
     counters: Arc<EngineCounters>,
     catchup: Arc<tokio::sync::Semaphore>,
+    groups: GroupOffsets,
     closing: AtomicBool,
+}
+
+/// Longest metadata string a group offset commit may carry (Kafka's default
+/// `offset.metadata.max.bytes`).
+pub const MAX_COMMIT_METADATA: usize = 4096;
+
+/// One group's committed position and lag on a partition, for metrics and describe calls.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GroupLag {
+    pub group: String,
+    pub topic: String,
+    pub partition: u32,
+    pub committed: i64,
+    /// High watermark minus the committed offset (0 when the topic is gone).
+    pub lag: u64,
 }
 
 /// The topic-and-ledger engine; cheap to clone.
 #[derive(Debug, Clone)]
 pub struct Engine {
     inner: Arc<Inner>,
+}
+
+/// A group id is 1 to 32,767 bytes (what Kafka's protocol strings can carry).
+pub fn validate_group_id(group: &str) -> Result<()> {
+    if group.is_empty() || group.len() > i16::MAX as usize {
+        return Err(CoreError::InvalidGroupId {
+            group: group.chars().take(64).collect(),
+        });
+    }
+    Ok(())
 }
 
 /// Checks a topic name as Kafka does: `[A-Za-z0-9._-]{1,249}`, and not `.` or `..`.
@@ -150,7 +177,15 @@ impl Engine {
         let store: Arc<dyn MetadataStore> =
             Arc::new(FileMetadataStore::new(&config.data_dir, storage.clone()));
         let catchup = Arc::new(tokio::sync::Semaphore::new(config.catchup_readers.max(1)));
+        let groups = {
+            let storage = storage.clone();
+            let dir = config.data_dir.join("groups");
+            tokio::task::spawn_blocking(move || GroupOffsets::open(storage, &dir))
+                .await
+                .map_err(|_| CoreError::ShuttingDown)??
+        };
         let inner = Arc::new(Inner {
+            groups,
             catchup,
             config,
             storage,
@@ -276,6 +311,7 @@ impl Engine {
         tokio::task::spawn_blocking(move || store.delete_topic(&owned))
             .await
             .map_err(|_| CoreError::ShuttingDown)??;
+        self.inner.groups.delete_topic(name).await?;
         info!(topic = name, "topic deleted");
         Ok(())
     }
@@ -547,6 +583,68 @@ impl Engine {
         ))
     }
 
+    /// Commits a group's offsets durably (one fsync shared with every commit queued at the same
+    /// time). Every topic partition must exist.
+    pub async fn commit_offsets(&self, group: &str, entries: Vec<OffsetCommit>) -> Result<()> {
+        validate_group_id(group)?;
+        for e in &entries {
+            self.partition(&e.topic, e.partition, |_| ())?;
+            if e.metadata.len() > MAX_COMMIT_METADATA {
+                return Err(CoreError::CommitMetadataTooLarge {
+                    size: e.metadata.len(),
+                    max: MAX_COMMIT_METADATA,
+                });
+            }
+        }
+        self.inner
+            .groups
+            .commit(group, entries, self.now_ms())
+            .await
+    }
+
+    /// A group's committed offset on one partition.
+    pub fn committed_offset(
+        &self,
+        group: &str,
+        topic: &str,
+        partition: u32,
+    ) -> Option<CommittedOffset> {
+        self.inner.groups.fetch(group, topic, partition)
+    }
+
+    /// Every committed offset of a group.
+    pub fn group_offsets(&self, group: &str) -> Vec<(String, u32, CommittedOffset)> {
+        self.inner.groups.fetch_group(group)
+    }
+
+    /// Groups with committed offsets, sorted.
+    pub fn list_groups(&self) -> Vec<String> {
+        self.inner.groups.list()
+    }
+
+    /// Forgets a group's offsets; false when it had none.
+    pub async fn delete_group(&self, group: &str) -> Result<bool> {
+        self.inner.groups.delete_group(group).await
+    }
+
+    /// Committed position and lag of every group on every partition it committed.
+    pub fn group_lags(&self) -> Vec<GroupLag> {
+        let mut out = Vec::new();
+        for group in self.list_groups() {
+            for (topic, partition, c) in self.group_offsets(&group) {
+                let hw = self.offsets(&topic, partition).map_or(0, |(_, hw)| hw);
+                out.push(GroupLag {
+                    lag: hw.saturating_sub(c.offset.max(0) as u64),
+                    group: group.clone(),
+                    topic,
+                    partition,
+                    committed: c.offset,
+                });
+            }
+        }
+        out
+    }
+
     /// Number of partitions of a topic.
     pub fn partition_count(&self, topic: &str) -> Result<u32> {
         Ok(self.topic(topic)?.partitions.len() as u32)
@@ -578,6 +676,7 @@ impl Engine {
 
     pub fn metrics(&self) -> EngineMetrics {
         let c = &self.inner.counters;
+        let g = &self.inner.groups.counters;
         let mut partitions = Vec::new();
         let mut topics: Vec<Arc<Topic>> = self
             .inner
@@ -622,6 +721,10 @@ impl Engine {
             rejected_batches: c.rejected_batches.load(Ordering::Relaxed),
             retention_deleted_segments: c.retention_deleted_segments.load(Ordering::Relaxed),
             retention_deleted_bytes: c.retention_deleted_bytes.load(Ordering::Relaxed),
+            groups: self.group_lags(),
+            group_commit_requests: g.requests.load(Ordering::Relaxed),
+            group_commit_syncs: g.syncs.load(Ordering::Relaxed),
+            group_log_compactions: g.compactions.load(Ordering::Relaxed),
         }
     }
 }

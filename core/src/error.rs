@@ -53,6 +53,10 @@ pub enum CoreError {
         partition: u32,
         behind: u64,
     },
+    #[error("invalid group id {group:?}: 1 to 32767 bytes")]
+    InvalidGroupId { group: String },
+    #[error("commit metadata of {size} bytes exceeds {max} bytes")]
+    CommitMetadataTooLarge { size: usize, max: usize },
     #[error("the engine is shutting down")]
     ShuttingDown,
 }

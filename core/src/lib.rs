@@ -7,6 +7,7 @@
 
 mod engine;
 mod error;
+mod groups;
 mod live;
 mod meta;
 mod metrics;
@@ -15,10 +16,11 @@ mod partitioner;
 mod policy;
 
 pub use engine::{
-    Engine, EngineConfig, MAX_PARTITIONS, PartitionChoice, PartitionDescription, ProduceAck,
-    TopicDescription, validate_topic_name,
+    Engine, EngineConfig, GroupLag, MAX_COMMIT_METADATA, MAX_PARTITIONS, PartitionChoice,
+    PartitionDescription, ProduceAck, TopicDescription, validate_group_id, validate_topic_name,
 };
 pub use error::{CoreError, Result};
+pub use groups::{CommittedOffset, OffsetCommit};
 pub use live::{
     LiveBatch, LiveItem, LiveOptions, LiveRecords, LiveSubscriber, SlowPolicy, StartAt,
 };

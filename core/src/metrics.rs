@@ -104,6 +104,11 @@ pub struct EngineMetrics {
     pub rejected_batches: u64,
     pub retention_deleted_segments: u64,
     pub retention_deleted_bytes: u64,
+    /// Committed position and lag per group and partition.
+    pub groups: Vec<crate::engine::GroupLag>,
+    pub group_commit_requests: u64,
+    pub group_commit_syncs: u64,
+    pub group_log_compactions: u64,
 }
 
 #[cfg(test)]

@@ -7,6 +7,13 @@ use sluice_core::{EngineMetrics, HistogramSnapshot, LATENCY_BUCKETS_US};
 
 use crate::process::ProcessStats;
 
+/// Escapes a label value (group ids are free text; topic names cannot need it).
+fn escape(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
 struct Out(String);
 
 impl Out {
@@ -194,6 +201,58 @@ pub(crate) fn render(engine: &EngineMetrics, process: &ProcessStats, ready: bool
         engine.retention_deleted_bytes,
     );
 
+    o.header(
+        "sluice_group_committed_offset",
+        "gauge",
+        "Committed offset per consumer group and partition.",
+    );
+    for g in &engine.groups {
+        o.sample(
+            "sluice_group_committed_offset",
+            &format!(
+                "group=\"{}\",topic=\"{}\",partition=\"{}\"",
+                escape(&g.group),
+                g.topic,
+                g.partition
+            ),
+            g.committed,
+        );
+    }
+    o.header(
+        "sluice_group_lag",
+        "gauge",
+        "High watermark minus the committed offset, per group and partition.",
+    );
+    for g in &engine.groups {
+        o.sample(
+            "sluice_group_lag",
+            &format!(
+                "group=\"{}\",topic=\"{}\",partition=\"{}\"",
+                escape(&g.group),
+                g.topic,
+                g.partition
+            ),
+            g.lag,
+        );
+    }
+    o.single(
+        "sluice_group_commit_requests_total",
+        "counter",
+        "Group offset commit requests made durable.",
+        engine.group_commit_requests,
+    );
+    o.single(
+        "sluice_group_commit_syncs_total",
+        "counter",
+        "fsyncs of the group offsets log (commits are batched).",
+        engine.group_commit_syncs,
+    );
+    o.single(
+        "sluice_group_log_compactions_total",
+        "counter",
+        "Rewrites of the group offsets log as a snapshot.",
+        engine.group_log_compactions,
+    );
     o.single(
         "process_cpu_seconds_total",
         "counter",
@@ -260,6 +319,16 @@ mod tests {
             fsync: h.clone(),
             append_latency: h,
             rejected_batches: 1,
+            groups: vec![sluice_core::GroupLag {
+                group: "analytics \"eu\"".into(),
+                topic: "cams".into(),
+                partition: 2,
+                committed: 40,
+                lag: 2,
+            }],
+            group_commit_requests: 10,
+            group_commit_syncs: 2,
+            group_log_compactions: 0,
             retention_deleted_segments: 0,
             retention_deleted_bytes: 0,
         };
@@ -281,6 +350,7 @@ mod tests {
         assert!(text.contains("sluice_fsync_duration_seconds_bucket{le=\"+Inf\"} 3\n"));
         assert!(text.contains("sluice_fsync_duration_seconds_sum 0.0009\n"));
         assert!(text.contains("sluice_ready 1\n"));
+        assert!(text.contains("sluice_group_lag{group=\"analytics \\\"eu\\\"\",topic=\"cams\",partition=\"2\"} 2\n"), "{text}");
         assert!(text.contains("sluice_live_subscribers{topic=\"cams\",partition=\"2\"} 100000\n"));
         assert!(text.contains("process_max_fds 20000\n"));
         // Every sample line belongs to a declared family.
