@@ -18,6 +18,10 @@ use crate::metrics::{EngineCounters, EngineMetrics, PartitionMetrics};
 use crate::partition::{Partition, WriterSettings};
 use crate::partitioner::partition_for_key;
 use crate::policy::TopicPolicy;
+use crate::subscription::{
+    Consumer, InitialPosition, SubscribeOptions, Subscription, SubscriptionCounters,
+    SubscriptionDescription, validate_name,
+};
 
 /// Most partitions one topic may have.
 pub const MAX_PARTITIONS: u32 = 10_000;
@@ -36,6 +40,9 @@ pub struct EngineConfig {
     /// Catch-up reads (live subscribers behind the in-memory ring) that may run at once,
     /// engine-wide: their I/O budget, kept apart from the live path.
     pub catchup_readers: usize,
+    /// How often changed named-subscription ack state is written: acknowledgements younger
+    /// than this may be delivered again after a crash.
+    pub subscription_flush_interval: Duration,
 }
 
 impl EngineConfig {
@@ -47,6 +54,7 @@ impl EngineConfig {
             default_policy: TopicPolicy::default(),
             writer: WriterSettings::default(),
             catchup_readers: 4,
+            subscription_flush_interval: Duration::from_secs(1),
         }
     }
 }
@@ -95,6 +103,8 @@ struct Topic {
     meta: parking_lot::RwLock<TopicMeta>,
     partitions: Vec<Partition>,
     round_robin: AtomicU32,
+    /// Signalled after every commit to any partition.
+    data: Arc<tokio::sync::Notify>,
 }
 
 #[derive(Debug)]
@@ -109,6 +119,8 @@ struct Inner {
     counters: Arc<EngineCounters>,
     catchup: Arc<tokio::sync::Semaphore>,
     groups: GroupOffsets,
+    subscriptions: DashMap<(String, String), Arc<Subscription>>,
+    sub_counters: Arc<SubscriptionCounters>,
     closing: AtomicBool,
 }
 
@@ -185,6 +197,8 @@ impl Engine {
                 .map_err(|_| CoreError::ShuttingDown)??
         };
         let inner = Arc::new(Inner {
+            subscriptions: DashMap::new(),
+            sub_counters: Arc::new(SubscriptionCounters::default()),
             groups,
             catchup,
             config,
@@ -208,12 +222,30 @@ impl Engine {
             let name = topic.meta.read().name.clone();
             engine.inner.topics.insert(name, topic);
         }
+        engine.load_subscriptions().await?;
+        let flusher = Arc::downgrade(&engine.inner);
+        let interval = engine.inner.config.subscription_flush_interval;
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(interval);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let Some(inner) = flusher.upgrade() else {
+                    break;
+                };
+                if inner.closing.load(Ordering::Acquire) {
+                    break;
+                }
+                Engine { inner }.flush_subscriptions().await;
+            }
+        });
         Ok(engine)
     }
 
     async fn open_topic(&self, meta: TopicMeta) -> Result<Arc<Topic>> {
         let inner = &self.inner;
         let mut partitions = Vec::with_capacity(meta.partitions as usize);
+        let data = Arc::new(tokio::sync::Notify::new());
         for id in 0..meta.partitions {
             let dir = inner.store.partition_dir(&meta.name, id);
             let storage = inner.storage.clone();
@@ -240,12 +272,14 @@ impl Engine {
                 meta.policy.clone(),
                 &inner.config.writer,
                 inner.counters.clone(),
+                data.clone(),
             ));
         }
         Ok(Arc::new(Topic {
             meta: parking_lot::RwLock::new(meta),
             partitions,
             round_robin: AtomicU32::new(0),
+            data,
         }))
     }
 
@@ -312,6 +346,15 @@ impl Engine {
             .await
             .map_err(|_| CoreError::ShuttingDown)??;
         self.inner.groups.delete_topic(name).await?;
+        self.inner.subscriptions.retain(|(t, _), sub| {
+            if t == name {
+                sub.mark_deleted();
+            }
+            t != name
+        });
+        let dir = self.subscriptions_dir().join(name);
+        let storage = self.inner.storage.clone();
+        let _ = tokio::task::spawn_blocking(move || storage.remove_dir_all(&dir)).await;
         info!(topic = name, "topic deleted");
         Ok(())
     }
@@ -645,6 +688,256 @@ impl Engine {
         out
     }
 
+    fn subscriptions_dir(&self) -> PathBuf {
+        self.inner.config.data_dir.join("subscriptions")
+    }
+
+    async fn load_subscriptions(&self) -> Result<()> {
+        let root = self.subscriptions_dir();
+        let storage = self.inner.storage.clone();
+        let found =
+            tokio::task::spawn_blocking(move || -> Result<Vec<(String, PathBuf, Vec<u8>)>> {
+                storage
+                    .create_dir_all(&root)
+                    .map_err(CoreError::metadata(&root))?;
+                let mut out = Vec::new();
+                for topic in storage
+                    .list_dir(&root)
+                    .map_err(CoreError::metadata(&root))?
+                {
+                    let dir = root.join(&topic);
+                    for file in storage.list_dir(&dir).map_err(CoreError::metadata(&dir))? {
+                        let path = dir.join(&file);
+                        if file.ends_with(".tmp") {
+                            let _ = storage.remove_file(&path);
+                            continue;
+                        }
+                        let bytes = storage
+                            .read_file(&path)
+                            .map_err(CoreError::metadata(&path))?;
+                        out.push((topic.clone(), path, bytes));
+                    }
+                }
+                Ok(out)
+            })
+            .await
+            .map_err(|_| CoreError::ShuttingDown)??;
+        for (topic, path, bytes) in found {
+            let Some(persisted) = Subscription::parse_persisted(&bytes) else {
+                return Err(CoreError::metadata(&path)(std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    "not a subscription file",
+                )));
+            };
+            let Ok(t) = self.topic(&topic) else {
+                continue;
+            };
+            let name = path
+                .file_stem()
+                .and_then(|s| s.to_str())
+                .unwrap_or_default()
+                .to_owned();
+            let sub = Subscription::new(
+                &topic,
+                &name,
+                path.clone(),
+                SubscribeOptions::default(),
+                &vec![0; t.partitions.len()],
+                Some(persisted),
+                self.inner.sub_counters.clone(),
+            )?;
+            self.inner
+                .subscriptions
+                .insert((topic, name), Arc::new(sub));
+        }
+        Ok(())
+    }
+
+    /// Attaches a consumer to a named subscription, creating the subscription (durably) on
+    /// first use with `options`. Later attaches keep the subscription's type; `Exclusive`
+    /// refuses a second consumer.
+    pub async fn subscribe(
+        &self,
+        topic: &str,
+        name: &str,
+        options: SubscribeOptions,
+    ) -> Result<Consumer> {
+        validate_name(name)?;
+        self.ensure_topic(topic).await?;
+        let t = self.topic(topic)?;
+        let key = (topic.to_owned(), name.to_owned());
+        let existing = self
+            .inner
+            .subscriptions
+            .get(&key)
+            .map(|s| s.value().clone());
+        let sub = match existing {
+            Some(sub) => sub,
+            None => {
+                let _admin = self.inner.admin.lock().await;
+                match self
+                    .inner
+                    .subscriptions
+                    .get(&key)
+                    .map(|s| s.value().clone())
+                {
+                    Some(sub) => sub,
+                    None => {
+                        let starts: Vec<u64> = t
+                            .partitions
+                            .iter()
+                            .map(|p| match options.initial_position {
+                                InitialPosition::Earliest => p.reader.log_start(),
+                                InitialPosition::Latest => p.reader.high_watermark(),
+                            })
+                            .collect();
+                        let path = self
+                            .subscriptions_dir()
+                            .join(topic)
+                            .join(format!("{name}.json"));
+                        let sub = Arc::new(Subscription::new(
+                            topic,
+                            name,
+                            path,
+                            options,
+                            &starts,
+                            None,
+                            self.inner.sub_counters.clone(),
+                        )?);
+                        self.write_subscription(&sub).await?;
+                        self.inner.subscriptions.insert(key, sub.clone());
+                        info!(topic, subscription = name, kind = ?sub.kind, "subscription created");
+                        sub
+                    }
+                }
+            }
+        };
+        let id = sub.attach()?;
+        Ok(Consumer {
+            sub,
+            id,
+            engine: self.clone(),
+            data: t.data.clone(),
+        })
+    }
+
+    async fn write_subscription(&self, sub: &Arc<Subscription>) -> Result<()> {
+        let Some(bytes) = sub.snapshot_if_dirty() else {
+            return Ok(());
+        };
+        let storage = self.inner.storage.clone();
+        let path = sub.path().clone();
+        let written = tokio::task::spawn_blocking(move || {
+            if let Some(dir) = path.parent() {
+                storage.create_dir_all(dir)?;
+            }
+            storage.write_file_atomic(&path, &bytes)
+        })
+        .await
+        .map_err(|_| CoreError::ShuttingDown)?;
+        written.map_err(|e| {
+            sub.mark_dirty();
+            CoreError::metadata(sub.path())(e)
+        })
+    }
+
+    /// Writes the ack state of every subscription that changed.
+    async fn flush_subscriptions(&self) {
+        let subs: Vec<Arc<Subscription>> = self
+            .inner
+            .subscriptions
+            .iter()
+            .map(|s| s.value().clone())
+            .collect();
+        for sub in subs {
+            if let Err(e) = self.write_subscription(&sub).await {
+                tracing::warn!(error = %e, "writing subscription state failed; will retry");
+            }
+        }
+    }
+
+    /// Deletes a named subscription with no consumers attached.
+    pub async fn delete_subscription(&self, topic: &str, name: &str) -> Result<()> {
+        let key = (topic.to_owned(), name.to_owned());
+        let sub = self
+            .inner
+            .subscriptions
+            .get(&key)
+            .map(|s| s.value().clone())
+            .ok_or_else(|| CoreError::UnknownSubscription {
+                topic: topic.to_owned(),
+                subscription: name.to_owned(),
+            })?;
+        if sub.consumer_count() > 0 {
+            return Err(CoreError::ConsumerBusy {
+                topic: topic.to_owned(),
+                subscription: name.to_owned(),
+            });
+        }
+        self.inner.subscriptions.remove(&key);
+        sub.mark_deleted();
+        let storage = self.inner.storage.clone();
+        let path = sub.path().clone();
+        tokio::task::spawn_blocking(move || storage.remove_file(&path))
+            .await
+            .map_err(|_| CoreError::ShuttingDown)?
+            .map_err(CoreError::metadata(sub.path()))
+    }
+
+    /// Named subscriptions of a topic, sorted by name.
+    pub fn list_subscriptions(&self, topic: &str) -> Vec<String> {
+        let mut names: Vec<String> = self
+            .inner
+            .subscriptions
+            .iter()
+            .filter(|e| e.key().0 == topic)
+            .map(|e| e.key().1.clone())
+            .collect();
+        names.sort();
+        names
+    }
+
+    /// A subscription's consumers and, per partition, its position and backlog.
+    pub fn describe_subscription(
+        &self,
+        topic: &str,
+        name: &str,
+    ) -> Result<SubscriptionDescription> {
+        let sub = self
+            .inner
+            .subscriptions
+            .get(&(topic.to_owned(), name.to_owned()))
+            .map(|s| s.value().clone())
+            .ok_or_else(|| CoreError::UnknownSubscription {
+                topic: topic.to_owned(),
+                subscription: name.to_owned(),
+            })?;
+        let hws: Vec<u64> = self
+            .topic(topic)
+            .map(|t| {
+                t.partitions
+                    .iter()
+                    .map(|p| p.reader.high_watermark())
+                    .collect()
+            })
+            .unwrap_or_default();
+        Ok(sub.describe(&hws))
+    }
+
+    /// Backlog and consumers of every named subscription, per partition.
+    fn subscription_backlogs(&self) -> Vec<SubscriptionDescription> {
+        let mut subs: Vec<(String, String)> = self
+            .inner
+            .subscriptions
+            .iter()
+            .map(|e| e.key().clone())
+            .collect();
+        subs.sort();
+        subs.iter()
+            .filter_map(|(t, n)| self.describe_subscription(t, n).ok())
+            .collect()
+    }
+
     /// Number of partitions of a topic.
     pub fn partition_count(&self, topic: &str) -> Result<u32> {
         Ok(self.topic(topic)?.partitions.len() as u32)
@@ -660,6 +953,7 @@ impl Engine {
     /// Refuses new produces, lets every writer finish what is queued, fsyncs and stops.
     pub async fn shutdown(&self) {
         self.inner.closing.store(true, Ordering::Release);
+        self.flush_subscriptions().await;
         let topics: Vec<Arc<Topic>> = self
             .inner
             .topics
@@ -677,6 +971,7 @@ impl Engine {
     pub fn metrics(&self) -> EngineMetrics {
         let c = &self.inner.counters;
         let g = &self.inner.groups.counters;
+        let sc = &self.inner.sub_counters;
         let mut partitions = Vec::new();
         let mut topics: Vec<Arc<Topic>> = self
             .inner
@@ -722,6 +1017,10 @@ impl Engine {
             retention_deleted_segments: c.retention_deleted_segments.load(Ordering::Relaxed),
             retention_deleted_bytes: c.retention_deleted_bytes.load(Ordering::Relaxed),
             groups: self.group_lags(),
+            subscriptions: self.subscription_backlogs(),
+            subscription_redeliveries: sc.redeliveries.load(Ordering::Relaxed),
+            subscription_acks: sc.acks.load(Ordering::Relaxed),
+            subscription_dispatched: sc.dispatched.load(Ordering::Relaxed),
             group_commit_requests: g.requests.load(Ordering::Relaxed),
             group_commit_syncs: g.syncs.load(Ordering::Relaxed),
             group_log_compactions: g.compactions.load(Ordering::Relaxed),

@@ -57,6 +57,12 @@ pub enum CoreError {
     InvalidGroupId { group: String },
     #[error("commit metadata of {size} bytes exceeds {max} bytes")]
     CommitMetadataTooLarge { size: usize, max: usize },
+    #[error("invalid subscription name {name:?}: the same characters as a topic name")]
+    InvalidSubscriptionName { name: String },
+    #[error("unknown subscription {subscription:?} on topic {topic:?}")]
+    UnknownSubscription { topic: String, subscription: String },
+    #[error("subscription {subscription:?} on topic {topic:?} is exclusive and has a consumer")]
+    ConsumerBusy { topic: String, subscription: String },
     #[error("the engine is shutting down")]
     ShuttingDown,
 }

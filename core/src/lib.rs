@@ -5,6 +5,7 @@
 //! path over `sluice-storage`. It must never speak a wire protocol or read configuration files;
 //! the protocol crates and the gateway do that.
 
+mod ackset;
 mod engine;
 mod error;
 mod groups;
@@ -14,7 +15,9 @@ mod metrics;
 mod partition;
 mod partitioner;
 mod policy;
+mod subscription;
 
+pub use ackset::AckSet;
 pub use engine::{
     Engine, EngineConfig, GroupLag, MAX_COMMIT_METADATA, MAX_PARTITIONS, PartitionChoice,
     PartitionDescription, ProduceAck, TopicDescription, validate_group_id, validate_topic_name,
@@ -33,4 +36,8 @@ pub use policy::{Durability, TopicPolicy};
 pub use sluice_storage::{
     BatchError, BatchHeader, Clock, DecodedRecord, Faults, FaultyStorage, Fetched, FsStorage,
     ManualClock, Record, Storage, SystemClock, decode_records,
+};
+pub use subscription::{
+    Consumer, InitialPosition, Message, MessageId, SubscribeOptions, SubscriptionBacklog,
+    SubscriptionDescription, SubscriptionType,
 };

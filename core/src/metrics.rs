@@ -109,6 +109,11 @@ pub struct EngineMetrics {
     pub group_commit_requests: u64,
     pub group_commit_syncs: u64,
     pub group_log_compactions: u64,
+    /// Every named subscription with its backlog per partition.
+    pub subscriptions: Vec<crate::subscription::SubscriptionDescription>,
+    pub subscription_redeliveries: u64,
+    pub subscription_acks: u64,
+    pub subscription_dispatched: u64,
 }
 
 #[cfg(test)]

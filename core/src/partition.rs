@@ -81,6 +81,7 @@ impl Partition {
         policy: TopicPolicy,
         settings: &WriterSettings,
         engine: Arc<EngineCounters>,
+        topic_data: Arc<tokio::sync::Notify>,
     ) -> Self {
         let (tx, rx) = mpsc::channel(settings.queue_depth.max(1));
         let reader = log.reader();
@@ -91,6 +92,7 @@ impl Partition {
             settings.live_ring_bytes,
         ));
         let writer = Writer {
+            topic_data,
             ring: ring.clone(),
             topic: topic.to_owned(),
             id,
@@ -165,6 +167,8 @@ struct Writer {
     counters: Arc<PartitionCounters>,
     engine: Arc<EngineCounters>,
     ring: Arc<LiveRing>,
+    /// Signalled after every commit, for readers of the whole topic (named subscriptions).
+    topic_data: Arc<tokio::sync::Notify>,
     max_group_bytes: usize,
     last_sync: Instant,
 }
@@ -312,6 +316,7 @@ impl Writer {
                 c.group_commits.fetch_add(1, Ordering::Relaxed);
                 self.ring.push(committed, high_watermark);
                 self.high_watermark.send_replace(high_watermark);
+                self.topic_data.notify_waiters();
                 for (reply, info) in replies.into_iter().zip(infos) {
                     let _ = reply.send(Ok(info));
                 }

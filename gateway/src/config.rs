@@ -77,6 +77,7 @@ pub(crate) struct StorageSection {
     pub(crate) maintenance_interval_ms: u64,
     pub(crate) live_ring_bytes: usize,
     pub(crate) catchup_readers: usize,
+    pub(crate) subscription_flush_interval_ms: u64,
 }
 
 /// Values given on the command line; `None` leaves the lower layers' value.
@@ -272,6 +273,10 @@ impl Config {
             ("storage.maintenance_interval_ms", s.maintenance_interval_ms),
             ("storage.live_ring_bytes", s.live_ring_bytes as u64),
             ("storage.catchup_readers", s.catchup_readers as u64),
+            (
+                "storage.subscription_flush_interval_ms",
+                s.subscription_flush_interval_ms,
+            ),
         ] {
             if v == 0 {
                 return invalid(format!("{key} must be positive"));
@@ -293,6 +298,9 @@ impl Config {
                 live_ring_bytes: self.storage.live_ring_bytes,
             },
             catchup_readers: self.storage.catchup_readers,
+            subscription_flush_interval: Duration::from_millis(
+                self.storage.subscription_flush_interval_ms,
+            ),
         }
     }
 }

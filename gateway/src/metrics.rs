@@ -253,6 +253,53 @@ pub(crate) fn render(engine: &EngineMetrics, process: &ProcessStats, ready: bool
         "Rewrites of the group offsets log as a snapshot.",
         engine.group_log_compactions,
     );
+    o.header(
+        "sluice_subscription_backlog",
+        "gauge",
+        "Messages up to the high watermark not acknowledged, per named subscription and partition.",
+    );
+    for sub in &engine.subscriptions {
+        for p in &sub.partitions {
+            o.sample(
+                "sluice_subscription_backlog",
+                &format!(
+                    "topic=\"{}\",subscription=\"{}\",partition=\"{}\"",
+                    sub.topic, sub.name, p.partition
+                ),
+                p.backlog,
+            );
+        }
+    }
+    o.header(
+        "sluice_subscription_consumers",
+        "gauge",
+        "Consumers attached, per named subscription.",
+    );
+    for sub in &engine.subscriptions {
+        o.sample(
+            "sluice_subscription_consumers",
+            &format!("topic=\"{}\",subscription=\"{}\"", sub.topic, sub.name),
+            sub.consumers,
+        );
+    }
+    o.single(
+        "sluice_subscription_redeliveries_total",
+        "counter",
+        "Messages queued for redelivery (nack, ack timeout, consumer lost).",
+        engine.subscription_redeliveries,
+    );
+    o.single(
+        "sluice_subscription_acks_total",
+        "counter",
+        "Messages acknowledged on named subscriptions.",
+        engine.subscription_acks,
+    );
+    o.single(
+        "sluice_subscription_dispatched_total",
+        "counter",
+        "Messages handed to consumers of named subscriptions.",
+        engine.subscription_dispatched,
+    );
     o.single(
         "process_cpu_seconds_total",
         "counter",
@@ -329,6 +376,22 @@ mod tests {
             group_commit_requests: 10,
             group_commit_syncs: 2,
             group_log_compactions: 0,
+            subscriptions: vec![sluice_core::SubscriptionDescription {
+                topic: "cams".into(),
+                name: "thumbnails".into(),
+                kind: sluice_core::SubscriptionType::Shared,
+                consumers: 3,
+                partitions: vec![sluice_core::SubscriptionBacklog {
+                    partition: 2,
+                    mark_delete: 30,
+                    acked_ranges: 1,
+                    backlog: 11,
+                    unacked_dispatched: 4,
+                }],
+            }],
+            subscription_redeliveries: 0,
+            subscription_acks: 0,
+            subscription_dispatched: 0,
             retention_deleted_segments: 0,
             retention_deleted_bytes: 0,
         };
@@ -350,6 +413,7 @@ mod tests {
         assert!(text.contains("sluice_fsync_duration_seconds_bucket{le=\"+Inf\"} 3\n"));
         assert!(text.contains("sluice_fsync_duration_seconds_sum 0.0009\n"));
         assert!(text.contains("sluice_ready 1\n"));
+        assert!(text.contains("sluice_subscription_backlog{topic=\"cams\",subscription=\"thumbnails\",partition=\"2\"} 11\n"));
         assert!(text.contains("sluice_group_lag{group=\"analytics \\\"eu\\\"\",topic=\"cams\",partition=\"2\"} 2\n"), "{text}");
         assert!(text.contains("sluice_live_subscribers{topic=\"cams\",partition=\"2\"} 100000\n"));
         assert!(text.contains("process_max_fds 20000\n"));
