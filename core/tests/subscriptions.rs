@@ -378,3 +378,18 @@ async fn subscriptions_are_listed_described_and_deleted() {
     assert!(engine.list_subscriptions("t").is_empty());
     assert!(!dir.path().join("subscriptions/t").exists());
 }
+
+#[tokio::test]
+async fn a_waiting_consumer_wakes_when_data_arrives() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = open(dir.path()).await;
+    engine.create_topic("t", 3, None).await.unwrap();
+    let c = engine.subscribe("t", "s", options(SubscriptionType::Shared)).await.unwrap();
+    let waiter = tokio::spawn(async move { c.receive(10, Duration::from_secs(60)).await.unwrap() });
+    tokio::task::yield_now().await;
+    produce(&engine, "t", &["late"], 1).await;
+    // Returns with the record, not empty-handed at the 60 s timeout.
+    let got = waiter.await.unwrap();
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].record.record.value.as_deref(), Some(&b"late:0"[..]));
+}

@@ -271,6 +271,22 @@ pub(crate) fn render(engine: &EngineMetrics, process: &ProcessStats, ready: bool
         }
     }
     o.header(
+        "sluice_topic_subscriptions",
+        "gauge",
+        "Named subscriptions per topic.",
+    );
+    let mut per_topic: std::collections::BTreeMap<&str, usize> = std::collections::BTreeMap::new();
+    for sub in &engine.subscriptions {
+        *per_topic.entry(&sub.topic).or_default() += 1;
+    }
+    for (topic, n) in per_topic {
+        o.sample(
+            "sluice_topic_subscriptions",
+            &format!("topic=\"{topic}\""),
+            n,
+        );
+    }
+    o.header(
         "sluice_subscription_consumers",
         "gauge",
         "Consumers attached, per named subscription.",
@@ -413,6 +429,7 @@ mod tests {
         assert!(text.contains("sluice_fsync_duration_seconds_bucket{le=\"+Inf\"} 3\n"));
         assert!(text.contains("sluice_fsync_duration_seconds_sum 0.0009\n"));
         assert!(text.contains("sluice_ready 1\n"));
+        assert!(text.contains("sluice_topic_subscriptions{topic=\"cams\"} 1\n"));
         assert!(text.contains("sluice_subscription_backlog{topic=\"cams\",subscription=\"thumbnails\",partition=\"2\"} 11\n"));
         assert!(text.contains("sluice_group_lag{group=\"analytics \\\"eu\\\"\",topic=\"cams\",partition=\"2\"} 2\n"), "{text}");
         assert!(text.contains("sluice_live_subscribers{topic=\"cams\",partition=\"2\"} 100000\n"));
