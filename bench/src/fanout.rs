@@ -113,6 +113,7 @@ struct Shared {
     all: SharedHistogram,
     messages: Vec<Message>,
     copies: AtomicU64,
+    copied_bytes: AtomicU64,
     attached: AtomicU64,
 }
 
@@ -157,6 +158,7 @@ pub(crate) async fn run(args: FanoutArgs) -> anyhow::Result<()> {
             })
             .collect(),
         copies: AtomicU64::new(0),
+        copied_bytes: AtomicU64::new(0),
         attached: AtomicU64::new(0),
     });
 
@@ -187,6 +189,9 @@ pub(crate) async fn run(args: FanoutArgs) -> anyhow::Result<()> {
                     };
                     if !buf.contains(&v.as_ptr()) {
                         shared.copies.fetch_add(1, Ordering::Relaxed);
+                        shared
+                            .copied_bytes
+                            .fetch_add(v.len() as u64, Ordering::Relaxed);
                     }
                     let index = u64::from_be_bytes(v[..8].try_into().unwrap_or_default());
                     let sent = u64::from_be_bytes(v[8..16].try_into().unwrap_or_default());
@@ -276,39 +281,34 @@ pub(crate) async fn run(args: FanoutArgs) -> anyhow::Result<()> {
             .unwrap_or(0.0)
     };
 
+    let mut all_last: Vec<f64> = steady_last.iter().chain(&burst_last).copied().collect();
+    all_last.sort_by(f64::total_cmp);
+    let deliveries = shared.all.count.load(Ordering::Relaxed);
+    let copied_per_delivery =
+        shared.copied_bytes.load(Ordering::Relaxed) as f64 / deliveries.max(1) as f64;
     println!(
         "Fan-out in process: {} live subscribers on one partition, durability fsync (default).\n",
         args.subscribers
     );
     println!(
-        "| subscribers | attach all | memory / subscriber | deliveries | lost | dropped | payload copies | latency p50 | p99 | max | last subscriber p50 | last subscriber max |"
+        "| subscribers | attach all | memory / subscriber | deliveries | lost | dropped | payload bytes copied / delivery | latency p50 | p99 | max | to last subscriber p50 | p99 | max |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     println!(
-        "| {} | {:.0} ms | {:.0} B | {} | {} | {} | {} | {:.1} ms | {:.1} ms | {:.1} ms | {:.1} ms | {:.1} ms |",
+        "| {} | {:.0} ms | {:.0} B | {} | {} | {} | {:.0} B | {:.1} ms | {:.1} ms | {:.1} ms | {:.1} ms | {:.1} ms | {:.1} ms |",
         args.subscribers,
         attach_time.as_secs_f64() * 1e3,
         per_sub,
-        shared.all.count.load(Ordering::Relaxed),
+        deliveries,
         lost,
         dropped,
-        shared.copies.load(Ordering::Relaxed),
+        copied_per_delivery,
         shared.all.quantile_ms(0.5),
         shared.all.quantile_ms(0.99),
         shared.all.max_us.load(Ordering::Relaxed) as f64 / 1e3,
-        pct(
-            &steady_last
-                .iter()
-                .chain(&burst_last)
-                .copied()
-                .collect::<Vec<_>>(),
-            0.5
-        ),
-        steady_last
-            .iter()
-            .chain(&burst_last)
-            .copied()
-            .fold(0.0, f64::max),
+        pct(&all_last, 0.5),
+        pct(&all_last, 0.99),
+        all_last.last().copied().unwrap_or(0.0),
     );
     println!(
         "\n| phase | records | to last subscriber p50 | max | CPU per delivery | deliveries/s |"
@@ -336,6 +336,7 @@ pub(crate) async fn run(args: FanoutArgs) -> anyhow::Result<()> {
             "dropped": dropped,
             "lost": lost,
             "payload_copies": shared.copies.load(Ordering::Relaxed),
+            "payload_bytes_copied": shared.copied_bytes.load(Ordering::Relaxed),
             "latency_ms": {
                 "p50": shared.all.quantile_ms(0.5),
                 "p99": shared.all.quantile_ms(0.99),

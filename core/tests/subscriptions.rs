@@ -384,7 +384,10 @@ async fn a_waiting_consumer_wakes_when_data_arrives() {
     let dir = tempfile::tempdir().unwrap();
     let engine = open(dir.path()).await;
     engine.create_topic("t", 3, None).await.unwrap();
-    let c = engine.subscribe("t", "s", options(SubscriptionType::Shared)).await.unwrap();
+    let c = engine
+        .subscribe("t", "s", options(SubscriptionType::Shared))
+        .await
+        .unwrap();
     let waiter = tokio::spawn(async move { c.receive(10, Duration::from_secs(60)).await.unwrap() });
     tokio::task::yield_now().await;
     produce(&engine, "t", &["late"], 1).await;
