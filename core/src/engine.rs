@@ -529,16 +529,21 @@ impl Engine {
         })
     }
 
-    fn partition<R>(&self, topic: &str, id: u32, f: impl FnOnce(&Partition) -> R) -> Result<R> {
+    /// The topic, after checking that it has partition `id`.
+    fn topic_with_partition(&self, topic: &str, id: u32) -> Result<Arc<Topic>> {
         let t = self.topic(topic)?;
-        let p = t
-            .partitions
-            .get(id as usize)
-            .ok_or_else(|| CoreError::UnknownPartition {
+        if id as usize >= t.partitions.len() {
+            return Err(CoreError::UnknownPartition {
                 topic: topic.to_owned(),
                 partition: id,
-            })?;
-        Ok(f(p))
+            });
+        }
+        Ok(t)
+    }
+
+    fn partition<R>(&self, topic: &str, id: u32, f: impl FnOnce(&Partition) -> R) -> Result<R> {
+        let t = self.topic_with_partition(topic, id)?;
+        Ok(f(&t.partitions[id as usize]))
     }
 
     /// Whole batches from the one holding `offset`, up to `max_bytes` (always at least one
@@ -570,15 +575,10 @@ impl Engine {
         offset: u64,
         timeout: Duration,
     ) -> Result<u64> {
-        let t = self.topic(topic)?;
-        let p =
-            t.partitions
-                .get(partition as usize)
-                .ok_or_else(|| CoreError::UnknownPartition {
-                    topic: topic.to_owned(),
-                    partition,
-                })?;
-        Ok(p.wait_past(offset, timeout).await)
+        let t = self.topic_with_partition(topic, partition)?;
+        Ok(t.partitions[partition as usize]
+            .wait_past(offset, timeout)
+            .await)
     }
 
     /// First offset whose timestamp is at or after `timestamp`; `None` if every record is
@@ -608,17 +608,11 @@ impl Engine {
         partition: u32,
         options: LiveOptions,
     ) -> Result<LiveSubscriber> {
-        let t = self.topic(topic)?;
-        let p =
-            t.partitions
-                .get(partition as usize)
-                .ok_or_else(|| CoreError::UnknownPartition {
-                    topic: topic.to_owned(),
-                    partition,
-                })?;
+        let (ring, reader) =
+            self.partition(topic, partition, |p| (p.ring.clone(), p.reader.clone()))?;
         Ok(LiveSubscriber::new(
-            p.ring.clone(),
-            p.reader.clone(),
+            ring,
+            reader,
             self.inner.catchup.clone(),
             Arc::from(topic),
             partition,

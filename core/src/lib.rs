@@ -35,7 +35,7 @@ pub use partition::WriterSettings;
 pub use policy::{Durability, TopicPolicy};
 pub use sluice_storage::{
     BatchError, BatchHeader, Clock, DecodedRecord, Faults, FaultyStorage, Fetched, FsStorage,
-    ManualClock, Record, Storage, SystemClock, decode_records,
+    ManualClock, Record, Storage, SystemClock, decode_records, split_batches,
 };
 pub use subscription::{
     Consumer, InitialPosition, Message, MessageId, SubscribeOptions, SubscriptionBacklog,

@@ -18,7 +18,9 @@ use std::sync::{Arc, OnceLock};
 
 use bytes::Bytes;
 use parking_lot::RwLock;
-use sluice_storage::{BatchError, BatchHeader, DecodedRecord, LogReader, decode_records};
+use sluice_storage::{
+    BatchError, BatchHeader, DecodedRecord, LogReader, decode_records, split_batches,
+};
 use tokio::sync::{Notify, Semaphore};
 
 use crate::error::{CoreError, Result};
@@ -370,13 +372,7 @@ impl LiveSubscriber {
             .catchup_reads
             .fetch_add(1, Ordering::Relaxed);
         self.cursor = cursor;
-        let mut data = fetched.data;
-        while !data.is_empty() {
-            let len = BatchHeader::parse(&data)?
-                .total_len()
-                .unwrap_or(data.len())
-                .min(data.len());
-            let batch = data.split_to(len);
+        for batch in split_batches(fetched.data)? {
             self.pending.push_back(Arc::new(LiveBatch::new(batch)?));
         }
         Ok(())

@@ -22,7 +22,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
-use sluice_storage::{BatchHeader, DecodedRecord, decode_records};
+use sluice_storage::{DecodedRecord, decode_records, split_batches};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
@@ -477,17 +477,24 @@ impl Subscription {
         p.read_position = p.acks.next_unacked(next);
     }
 
+    fn partition_mut<'a>(
+        &self,
+        st: &'a mut State,
+        id: MessageId,
+    ) -> Result<&'a mut PartitionState> {
+        st.partitions
+            .get_mut(id.partition as usize)
+            .ok_or_else(|| CoreError::UnknownPartition {
+                topic: self.topic.clone(),
+                partition: id.partition,
+            })
+    }
+
     pub(crate) fn ack(&self, ids: &[MessageId]) -> Result<()> {
         let mut st = self.state.lock();
         let mut n = 0;
-        for id in ids {
-            let p = st
-                .partitions
-                .get_mut(id.partition as usize)
-                .ok_or_else(|| CoreError::UnknownPartition {
-                    topic: self.topic.clone(),
-                    partition: id.partition,
-                })?;
+        for &id in ids {
+            let p = self.partition_mut(&mut st, id)?;
             p.pending.remove(&id.offset);
             p.redeliver.remove(&id.offset);
             p.redelivery_counts.remove(&id.offset);
@@ -503,14 +510,8 @@ impl Subscription {
     pub(crate) fn nack(&self, ids: &[MessageId]) -> Result<()> {
         let mut st = self.state.lock();
         let mut n = 0;
-        for id in ids {
-            let p = st
-                .partitions
-                .get_mut(id.partition as usize)
-                .ok_or_else(|| CoreError::UnknownPartition {
-                    topic: self.topic.clone(),
-                    partition: id.partition,
-                })?;
+        for &id in ids {
+            let p = self.partition_mut(&mut st, id)?;
             if let Some(d) = p.pending.remove(&id.offset) {
                 p.redeliver.insert(id.offset, d.slot);
                 n += 1;
@@ -602,14 +603,10 @@ struct Taken {
     detached: bool,
 }
 
-fn split_records(mut data: Bytes) -> Result<Vec<DecodedRecord>> {
+fn split_records(data: Bytes) -> Result<Vec<DecodedRecord>> {
     let mut out = Vec::new();
-    while !data.is_empty() {
-        let len = BatchHeader::parse(&data)?
-            .total_len()
-            .unwrap_or(data.len())
-            .min(data.len());
-        out.extend(decode_records(&data.split_to(len))?);
+    for batch in split_batches(data)? {
+        out.extend(decode_records(&batch)?);
     }
     Ok(out)
 }

@@ -287,6 +287,24 @@ pub fn encode(records: &[Record], producer: ProducerInfo) -> BytesMut {
     buf
 }
 
+/// Splits whole consecutive batches (as a log read returns them) without copying.
+pub fn split_batches(mut data: Bytes) -> Result<Vec<Bytes>, BatchError> {
+    let mut out = Vec::new();
+    while !data.is_empty() {
+        let header = BatchHeader::parse(&data)?;
+        let len =
+            header
+                .total_len()
+                .filter(|&l| l <= data.len())
+                .ok_or(BatchError::LengthMismatch {
+                    declared: i64::from(header.batch_length) + BATCH_LOG_OVERHEAD as i64,
+                    actual: data.len(),
+                })?;
+        out.push(data.split_to(len));
+    }
+    Ok(out)
+}
+
 /// A record decoded from a batch, with its absolute offset. Key, value and header values are
 /// slices of the batch's `Bytes` (no copy).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -419,6 +437,24 @@ mod tests {
         assert_eq!(decoded[1].offset, 43);
         assert_eq!(decoded[0].record, records[0]);
         assert_eq!(decoded[1].record, records[1]);
+    }
+
+    #[test]
+    fn split_batches_cuts_at_batch_boundaries() {
+        let a = encode(&[rec(1, None, b"one")], ProducerInfo::NONE);
+        let b = encode(
+            &[rec(2, None, b"two"), rec(3, None, b"three")],
+            ProducerInfo::NONE,
+        );
+        let mut both = a.clone();
+        both.extend_from_slice(&b);
+        let parts = split_batches(both.clone().freeze()).unwrap();
+        assert_eq!(parts, vec![a.freeze(), b.freeze()]);
+        both.truncate(both.len() - 1);
+        assert!(matches!(
+            split_batches(both.freeze()),
+            Err(BatchError::LengthMismatch { .. })
+        ));
     }
 
     #[test]

@@ -16,7 +16,8 @@ mod segment;
 
 pub use batch::{
     BATCH_HEADER_LEN, BatchError, BatchHeader, Compression, DecodedRecord, ProducerInfo, Record,
-    decode_records, encode as encode_batch, set_base_offset, validate as validate_batch,
+    decode_records, encode as encode_batch, set_base_offset, split_batches,
+    validate as validate_batch,
 };
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use error::{Result, StorageError};

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use sluice_core::{
     Clock, DecodedRecord, Engine, EngineConfig, FsStorage, Record, Storage, SystemClock,
-    decode_records,
+    decode_records, split_batches,
 };
 
 pub async fn open(dir: &Path) -> Engine {
@@ -54,20 +54,13 @@ pub async fn read_all(engine: &Engine, topic: &str, partition: u32) -> Vec<Decod
             .fetch(topic, partition, offset, 1 << 20)
             .await
             .unwrap();
-        let mut data = &fetched.data[..];
-        while !data.is_empty() {
-            let len = sluice_core::BatchHeader::parse(data)
-                .unwrap()
-                .total_len()
-                .unwrap();
-            let batch = Bytes::copy_from_slice(&data[..len]);
+        for batch in split_batches(fetched.data).unwrap() {
             out.extend(
                 decode_records(&batch)
                     .unwrap()
                     .into_iter()
                     .filter(|r| r.offset as u64 >= offset),
             );
-            data = &data[len..];
         }
         offset = fetched.next_offset;
     }

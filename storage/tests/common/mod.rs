@@ -75,15 +75,12 @@ pub fn read_all(reader: &LogReader, max_bytes: usize) -> Vec<DecodedRecord> {
 }
 
 /// Splits whole batches and decodes them.
-pub fn records_of(mut data: &[u8]) -> Vec<DecodedRecord> {
-    let mut out = Vec::new();
-    while !data.is_empty() {
-        let header = sluice_storage::BatchHeader::parse(data).unwrap();
-        let len = header.total_len().unwrap();
-        out.extend(decode_records(&Bytes::copy_from_slice(&data[..len])).unwrap());
-        data = &data[len..];
-    }
-    out
+pub fn records_of(data: &Bytes) -> Vec<DecodedRecord> {
+    sluice_storage::split_batches(data.clone())
+        .unwrap()
+        .iter()
+        .flat_map(|b| decode_records(b).unwrap())
+        .collect()
 }
 
 pub fn small_segments(segment_bytes: u64) -> LogConfig {
