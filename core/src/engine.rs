@@ -555,7 +555,20 @@ impl Engine {
         offset: u64,
         max_bytes: usize,
     ) -> Result<Fetched> {
-        let reader = self.partition(topic, partition, |p| p.reader.clone())?;
+        let (ring, reader, counters) = self.partition(topic, partition, |p| {
+            (p.ring.clone(), p.reader.clone(), p.counters.clone())
+        })?;
+        // Tailing readers are served from memory, without a system call.
+        if let Some((data, next_offset, high_watermark)) = ring.read(offset, max_bytes) {
+            counters.fetch_ring.fetch_add(1, Ordering::Relaxed);
+            return Ok(Fetched {
+                data,
+                next_offset,
+                high_watermark,
+                log_start: reader.log_start(),
+            });
+        }
+        counters.fetch_log.fetch_add(1, Ordering::Relaxed);
         let owned = topic.to_owned();
         tokio::task::spawn_blocking(move || {
             reader
@@ -581,14 +594,14 @@ impl Engine {
             .await)
     }
 
-    /// First offset whose timestamp is at or after `timestamp`; `None` if every record is
-    /// older.
+    /// First offset whose timestamp is at or after `timestamp`, with that record's timestamp;
+    /// `None` if every record is older.
     pub async fn offset_for_timestamp(
         &self,
         topic: &str,
         partition: u32,
         timestamp: i64,
-    ) -> Result<Option<u64>> {
+    ) -> Result<Option<(u64, i64)>> {
         let reader = self.partition(topic, partition, |p| p.reader.clone())?;
         let owned = topic.to_owned();
         tokio::task::spawn_blocking(move || {
@@ -987,6 +1000,8 @@ impl Engine {
                     live_disconnected: live.disconnected.load(Ordering::Relaxed),
                     live_catchup_reads: live.catchup_reads.load(Ordering::Relaxed),
                     live_ring_bytes: ring_bytes as u64,
+                    fetches_from_ring: pc.fetch_ring.load(Ordering::Relaxed),
+                    fetches_from_log: pc.fetch_log.load(Ordering::Relaxed),
                     topic: name.clone(),
                     partition: p.id,
                     records_appended: pc.records.load(Ordering::Relaxed),

@@ -167,6 +167,38 @@ impl LiveRing {
         (front, st.next_offset, st.bytes)
     }
 
+    /// Whole batches from the one holding `offset`, up to `max_bytes` (at least one), if the ring
+    /// holds that offset: (bytes, next offset, high watermark). One batch is returned without a
+    /// copy; several are concatenated.
+    pub(crate) fn read(&self, offset: u64, max_bytes: usize) -> Option<(Bytes, u64, u64)> {
+        let st = self.state.read();
+        let front = st.batches.front()?.base_offset;
+        if offset < front || offset >= st.next_offset {
+            return None;
+        }
+        let first = st.batches.partition_point(|b| b.last_offset < offset);
+        let mut taken: Vec<&Arc<LiveBatch>> = Vec::new();
+        let mut bytes = 0usize;
+        for b in st.batches.range(first..) {
+            if !taken.is_empty() && bytes + b.bytes.len() > max_bytes {
+                break;
+            }
+            bytes += b.bytes.len();
+            taken.push(b);
+        }
+        let next = taken.last()?.last_offset + 1;
+        let data = if let [one] = taken.as_slice() {
+            one.bytes.clone()
+        } else {
+            let mut buf = bytes::BytesMut::with_capacity(bytes);
+            for b in &taken {
+                buf.extend_from_slice(&b.bytes);
+            }
+            buf.freeze()
+        };
+        Some((data, next, st.next_offset))
+    }
+
     /// Offset of the newest record in the ring that carries `header` with a true-ish value.
     fn latest_flagged(&self, header: &str) -> Option<u64> {
         let batches: Vec<Arc<LiveBatch>> = self.state.read().batches.iter().cloned().collect();

@@ -58,6 +58,9 @@ pub(crate) struct PartitionCounters {
     pub(crate) batches: AtomicU64,
     pub(crate) group_commits: AtomicU64,
     pub(crate) append_errors: AtomicU64,
+    /// Fetches answered from the in-memory ring and from the segment files.
+    pub(crate) fetch_ring: AtomicU64,
+    pub(crate) fetch_log: AtomicU64,
 }
 
 /// Engine-wide metrics.
@@ -92,6 +95,8 @@ pub struct PartitionMetrics {
     pub live_disconnected: u64,
     pub live_catchup_reads: u64,
     pub live_ring_bytes: u64,
+    pub fetches_from_ring: u64,
+    pub fetches_from_log: u64,
 }
 
 /// Everything the engine exports, read at scrape time.

@@ -136,20 +136,23 @@ async fn produce_fetch_offsets_and_timestamps() {
     assert_eq!(engine.offsets("t", p).unwrap(), (0, 10));
     assert_eq!(
         engine.offset_for_timestamp("t", p, t0 + 35).await.unwrap(),
-        Some(4)
+        Some((4, t0 + 40)),
+        "the first record at or after the time, with its own timestamp"
     );
     assert_eq!(
         engine
             .offset_for_timestamp("t", p, t0 - 1000)
             .await
-            .unwrap(),
+            .unwrap()
+            .map(|(o, _)| o),
         Some(0)
     );
     assert_eq!(
         engine
             .offset_for_timestamp("t", p, t0 + 5_000)
             .await
-            .unwrap(),
+            .unwrap()
+            .map(|(o, _)| o),
         None
     );
     assert!(matches!(
@@ -514,4 +517,43 @@ async fn shutdown_drains_queued_appends_then_refuses() {
             "acknowledged offset {offset} lost"
         );
     }
+}
+
+#[tokio::test]
+async fn tailing_fetches_come_from_memory_and_older_ones_from_disk() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = EngineConfig::new(dir.path());
+    config.writer.live_ring_bytes = 3000;
+    let engine = open_with(config, Arc::new(FsStorage), Arc::new(SystemClock)).await;
+    engine.create_topic("t", 1, None).await.unwrap();
+    for i in 0..20u8 {
+        engine
+            .produce(
+                "t",
+                PartitionChoice::Id(0),
+                &[record("k", &[i; 1000], now())],
+            )
+            .await
+            .unwrap();
+    }
+    let tail = engine.fetch("t", 0, 19, 1 << 20).await.unwrap();
+    let m = &engine.metrics().partitions[0];
+    assert_eq!((m.fetches_from_ring, m.fetches_from_log), (1, 0));
+    let old = engine.fetch("t", 0, 0, 1 << 20).await.unwrap();
+    let m = &engine.metrics().partitions[0];
+    assert_eq!((m.fetches_from_ring, m.fetches_from_log), (1, 1));
+    let first = |data: bytes::Bytes| {
+        let batch = sluice_core::split_batches(data).unwrap().remove(0);
+        sluice_core::decode_records(&batch).unwrap().remove(0)
+    };
+    let (t, o) = (first(tail.data), first(old.data));
+    assert_eq!(
+        (t.offset, t.record.value.as_deref()),
+        (19, Some(&[19u8; 1000][..]))
+    );
+    assert_eq!(
+        (o.offset, o.record.value.as_deref()),
+        (0, Some(&[0u8; 1000][..]))
+    );
+    assert_eq!(tail.next_offset, 20);
 }

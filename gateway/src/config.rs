@@ -36,7 +36,7 @@ pub(crate) struct Config {
     pub(crate) log: LogSection,
     pub(crate) http: ListenerSection,
     pub(crate) mqtt: ListenerSection,
-    pub(crate) kafka: ListenerSection,
+    pub(crate) kafka: sluice_kafka::KafkaSettings,
     pub(crate) topics: TopicsSection,
     pub(crate) storage: StorageSection,
 }
@@ -237,15 +237,35 @@ impl Config {
 
     fn validate(&self) -> Result<(), ConfigError> {
         let invalid = |m: String| Err(ConfigError::Invalid(m));
-        for (key, l) in [
-            ("http.addr", &self.http),
-            ("mqtt.addr", &self.mqtt),
-            ("kafka.addr", &self.kafka),
+        for (key, addr) in [
+            ("http.addr", &self.http.addr),
+            ("mqtt.addr", &self.mqtt.addr),
+            ("kafka.addr", &self.kafka.addr),
         ] {
-            match l.addr.to_socket_addrs().map(|mut a| a.next()) {
+            match addr.to_socket_addrs().map(|mut a| a.next()) {
                 Ok(Some(_)) => {}
-                Ok(None) => return invalid(format!("{key} = {:?} resolves to no address", l.addr)),
-                Err(e) => return invalid(format!("{key} = {:?} is not HOST:PORT: {e}", l.addr)),
+                Ok(None) => return invalid(format!("{key} = {addr:?} resolves to no address")),
+                Err(e) => return invalid(format!("{key} = {addr:?} is not HOST:PORT: {e}")),
+            }
+        }
+        let k = &self.kafka;
+        if k.max_request_bytes < 1024 {
+            return invalid("kafka.max_request_bytes must be at least 1024".into());
+        }
+        if k.group_min_session_timeout_ms == 0
+            || k.group_min_session_timeout_ms > k.group_max_session_timeout_ms
+        {
+            return invalid(
+                "kafka.group_min_session_timeout_ms must be positive and at most kafka.group_max_session_timeout_ms"
+                    .into(),
+            );
+        }
+        for (user, hash) in &k.sasl_plain_users {
+            let hex = hash.strip_prefix("sha256:").unwrap_or_default();
+            if hex.len() != 64 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+                return invalid(format!(
+                    "kafka.sasl_plain_users.{user} must be \"sha256:\" and 64 hex digits"
+                ));
             }
         }
         if let Err(e) = tracing_subscriber::EnvFilter::try_new(&self.log.level) {

@@ -16,6 +16,8 @@ pub(crate) struct AppState {
     pub(crate) engine: Engine,
     /// True once every listener is up; false again as soon as shutdown begins.
     pub(crate) ready: Arc<AtomicBool>,
+    /// The Kafka server, once its listener is bound.
+    pub(crate) kafka: Arc<std::sync::OnceLock<Arc<sluice_kafka::KafkaServer>>>,
 }
 
 pub(crate) fn router(state: AppState) -> Router {
@@ -43,7 +45,10 @@ async fn readyz(State(state): State<AppState>) -> impl IntoResponse {
 async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
     let engine = state.engine.metrics();
     let process = crate::process::stats();
-    let body = crate::metrics::render(&engine, &process, state.ready.load(Ordering::Acquire));
+    let mut body = crate::metrics::render(&engine, &process, state.ready.load(Ordering::Acquire));
+    if let Some(kafka) = state.kafka.get() {
+        crate::metrics::render_kafka(&mut body, &kafka.metrics);
+    }
     (
         [(
             header::CONTENT_TYPE,

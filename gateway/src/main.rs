@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 use sluice_core::{Engine, FsStorage, SystemClock};
+use sluice_kafka::KafkaServer;
 use tokio::net::TcpListener;
 use tracing::{info, warn};
 
@@ -179,11 +180,13 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("binding the HTTP listener to {}", config.http.addr))?;
     let http_addr = http_listener.local_addr()?;
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let kafka_metrics = Arc::new(std::sync::OnceLock::new());
     let app = http::router(http::AppState {
         engine: engine.clone(),
         ready: ready.clone(),
+        kafka: kafka_metrics.clone(),
     });
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let mut http_stop = stop_rx.clone();
     let http_task = tokio::spawn(async move {
         axum::serve(http_listener, app)
@@ -193,9 +196,17 @@ async fn serve(config: Config) -> anyhow::Result<()> {
             .await
     });
     info!(protocol = "http", addr = %http_addr, routes = "/healthz /readyz /metrics", "listening");
-    for (protocol, addr) in [("mqtt", &config.mqtt.addr), ("kafka", &config.kafka.addr)] {
-        warn!(protocol, addr = %addr, "listener not available yet in this build; nothing listens on this address");
-    }
+
+    let kafka_listener = TcpListener::bind(&config.kafka.addr)
+        .await
+        .with_context(|| format!("binding the Kafka listener to {}", config.kafka.addr))?;
+    let kafka_addr = kafka_listener.local_addr()?;
+    let kafka = KafkaServer::new(engine.clone(), config.kafka.clone(), kafka_addr);
+    let (adv_host, adv_port) = kafka.advertised();
+    let _ = kafka_metrics.set(kafka.clone());
+    let kafka_task = tokio::spawn(kafka.clone().serve(kafka_listener, stop_rx.clone()));
+    info!(protocol = "kafka", addr = %kafka_addr, advertised = %format!("{adv_host}:{adv_port}"), sasl = !config.kafka.sasl_plain_users.is_empty(), "listening");
+    warn!(protocol = "mqtt", addr = %config.mqtt.addr, "listener not available yet in this build; nothing listens on this address");
     ready.store(true, Ordering::Release);
     info!("ready");
 
@@ -210,6 +221,9 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         Ok(Ok(())) => {}
         Ok(Err(e)) => warn!(error = %e, "HTTP server stopped with an error"),
         Err(e) => warn!(error = %e, "HTTP server task failed"),
+    }
+    if let Err(e) = kafka_task.await {
+        warn!(error = %e, "Kafka listener task failed");
     }
     engine.shutdown().await;
     info!("stopped");

@@ -52,6 +52,55 @@ impl Out {
     }
 }
 
+/// Appends the Kafka listener's counters.
+pub(crate) fn render_kafka(body: &mut String, k: &sluice_kafka::KafkaMetrics) {
+    use std::sync::atomic::Ordering::Relaxed;
+    let mut o = Out(std::mem::take(body));
+    o.single(
+        "sluice_kafka_connections_accepted_total",
+        "counter",
+        "Kafka connections accepted.",
+        k.connections_accepted.load(Relaxed),
+    );
+    o.single(
+        "sluice_kafka_connections_open",
+        "gauge",
+        "Kafka connections open.",
+        k.connections_open.load(Relaxed),
+    );
+    o.single(
+        "sluice_kafka_requests_total",
+        "counter",
+        "Kafka requests decoded.",
+        k.requests.load(Relaxed),
+    );
+    o.single(
+        "sluice_kafka_bad_requests_total",
+        "counter",
+        "Kafka connections closed for malformed, oversized or unsupported requests.",
+        k.bad_requests.load(Relaxed),
+    );
+    o.single(
+        "sluice_kafka_auth_failures_total",
+        "counter",
+        "Kafka SASL failures and requests before authentication.",
+        k.auth_failures.load(Relaxed),
+    );
+    o.single(
+        "sluice_kafka_received_bytes_total",
+        "counter",
+        "Bytes of Kafka requests.",
+        k.bytes_in.load(Relaxed),
+    );
+    o.single(
+        "sluice_kafka_sent_bytes_total",
+        "counter",
+        "Bytes of Kafka responses.",
+        k.bytes_out.load(Relaxed),
+    );
+    *body = o.0;
+}
+
 /// Renders everything for one scrape.
 pub(crate) fn render(engine: &EngineMetrics, process: &ProcessStats, ready: bool) -> String {
     let mut o = Out(String::with_capacity(4096));
@@ -70,7 +119,7 @@ pub(crate) fn render(engine: &EngineMetrics, process: &ProcessStats, ready: bool
     o.single("sluice_topics", "gauge", "Number of topics.", engine.topics);
 
     type Field = fn(&sluice_core::PartitionMetrics) -> u64;
-    let per_partition: [(&str, &str, &str, Field); 15] = [
+    let per_partition: [(&str, &str, &str, Field); 17] = [
         (
             "sluice_partition_records_appended_total",
             "counter",
@@ -160,6 +209,18 @@ pub(crate) fn render(engine: &EngineMetrics, process: &ProcessStats, ready: bool
             "gauge",
             "Bytes of recent batches held in memory for live subscribers.",
             |p| p.live_ring_bytes,
+        ),
+        (
+            "sluice_partition_fetches_from_ring_total",
+            "counter",
+            "Fetches answered from the in-memory ring.",
+            |p| p.fetches_from_ring,
+        ),
+        (
+            "sluice_partition_fetches_from_log_total",
+            "counter",
+            "Fetches answered from the segment files.",
+            |p| p.fetches_from_log,
         ),
     ];
     for (name, kind, help, field) in per_partition {
@@ -378,6 +439,8 @@ mod tests {
                 live_disconnected: 0,
                 live_catchup_reads: 0,
                 live_ring_bytes: 4200,
+                fetches_from_ring: 5,
+                fetches_from_log: 1,
             }],
             fsync: h.clone(),
             append_latency: h,

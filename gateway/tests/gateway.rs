@@ -26,6 +26,10 @@ impl Gateway {
                 data_dir.to_str().unwrap(),
                 "--http-addr",
                 "127.0.0.1:0",
+                "--kafka-addr",
+                "127.0.0.1:0",
+                "--mqtt-addr",
+                "127.0.0.1:0",
             ])
             .args(extra)
             .env_remove("RUST_LOG")

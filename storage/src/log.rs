@@ -814,9 +814,9 @@ impl LogReader {
         Ok(empty)
     }
 
-    /// The first offset whose record timestamp is at or after `timestamp`, or `None` when every
-    /// record is older.
-    pub fn offset_for_timestamp(&self, timestamp: i64) -> Result<Option<u64>> {
+    /// The first offset whose record timestamp is at or after `timestamp` (with that record's
+    /// timestamp), or `None` when every record is older.
+    pub fn offset_for_timestamp(&self, timestamp: i64) -> Result<Option<(u64, i64)>> {
         let high_watermark = self.high_watermark();
         let segments = self.segments_from(self.log_start());
         for segment in segments {

@@ -226,12 +226,13 @@ impl Segment {
         }))
     }
 
-    /// First offset in this segment whose record timestamp is at or after `timestamp`.
+    /// First offset in this segment whose record timestamp is at or after `timestamp`, with
+    /// that record's timestamp.
     pub(crate) fn offset_for_timestamp(
         &self,
         timestamp: i64,
         high_watermark: u64,
-    ) -> Result<Option<u64>> {
+    ) -> Result<Option<(u64, i64)>> {
         let end = self.size();
         let start = u64::from(self.index.read().lookup_time(timestamp));
         let Some((pos, header)) =
@@ -242,7 +243,7 @@ impl Segment {
         if header.compression() != Compression::None {
             // Compressed records would need decompressing to find the exact record; the batch
             // base is the closest offset not after the answer.
-            return Ok(Some(header.base_offset as u64));
+            return Ok(Some((header.base_offset as u64, header.max_timestamp)));
         }
         let len = header.total_len().unwrap_or(BATCH_HEADER_LEN);
         let bytes = Bytes::from(self.read(pos, len)?);
@@ -250,7 +251,7 @@ impl Segment {
         Ok(records
             .iter()
             .find(|r| r.record.timestamp >= timestamp)
-            .map(|r| r.offset as u64))
+            .map(|r| (r.offset as u64, r.record.timestamp)))
     }
 
     /// Validates every batch from the start of the file: length, magic, CRC32C and offset

@@ -230,7 +230,7 @@ fn lookup_by_timestamp_returns_first_offset_at_or_after() {
             .find(|r| r.record.timestamp >= target)
             .map(|r| r.offset as u64);
         assert_eq!(
-            reader.offset_for_timestamp(target).unwrap(),
+            reader.offset_for_timestamp(target).unwrap().map(|(o, _)| o),
             expected,
             "target {target}"
         );

@@ -1,0 +1,50 @@
+//! Kafka error codes and the mapping from the core's errors to them.
+
+use sluice_core::{BatchError, CoreError};
+
+pub(crate) const NONE: i16 = 0;
+pub(crate) const UNKNOWN_SERVER_ERROR: i16 = -1;
+pub(crate) const OFFSET_OUT_OF_RANGE: i16 = 1;
+pub(crate) const CORRUPT_MESSAGE: i16 = 2;
+pub(crate) const UNKNOWN_TOPIC_OR_PARTITION: i16 = 3;
+pub(crate) const NOT_LEADER_OR_FOLLOWER: i16 = 6;
+pub(crate) const MESSAGE_TOO_LARGE: i16 = 10;
+pub(crate) const OFFSET_METADATA_TOO_LARGE: i16 = 12;
+pub(crate) const INVALID_TOPIC_EXCEPTION: i16 = 17;
+pub(crate) const INVALID_GROUP_ID: i16 = 24;
+pub(crate) const UNSUPPORTED_SASL_MECHANISM: i16 = 33;
+pub(crate) const ILLEGAL_SASL_STATE: i16 = 34;
+pub(crate) const TOPIC_ALREADY_EXISTS: i16 = 36;
+pub(crate) const INVALID_PARTITIONS: i16 = 37;
+pub(crate) const INVALID_REPLICATION_FACTOR: i16 = 38;
+pub(crate) const INVALID_CONFIG: i16 = 40;
+pub(crate) const INVALID_REQUEST: i16 = 42;
+pub(crate) const OUT_OF_ORDER_SEQUENCE_NUMBER: i16 = 45;
+pub(crate) const INVALID_PRODUCER_EPOCH: i16 = 47;
+pub(crate) const TRANSACTIONAL_ID_AUTHORIZATION_FAILED: i16 = 53;
+pub(crate) const KAFKA_STORAGE_ERROR: i16 = 56;
+pub(crate) const SASL_AUTHENTICATION_FAILED: i16 = 58;
+pub(crate) const INVALID_RECORD: i16 = 87;
+
+/// The Kafka error code for a core error.
+pub(crate) fn code(e: &CoreError) -> i16 {
+    match e {
+        CoreError::UnknownTopic { .. } | CoreError::UnknownPartition { .. } => {
+            UNKNOWN_TOPIC_OR_PARTITION
+        }
+        CoreError::TopicExists { .. } => TOPIC_ALREADY_EXISTS,
+        CoreError::InvalidTopicName { .. } => INVALID_TOPIC_EXCEPTION,
+        CoreError::InvalidPolicy { .. } => INVALID_CONFIG,
+        CoreError::InvalidPartitionCount { .. } => INVALID_PARTITIONS,
+        CoreError::MessageTooLarge { .. } => MESSAGE_TOO_LARGE,
+        CoreError::InvalidBatch(BatchError::CrcMismatch { .. }) => CORRUPT_MESSAGE,
+        CoreError::InvalidBatch(_) | CoreError::EmptyProduce => INVALID_RECORD,
+        CoreError::OffsetOutOfRange { .. } => OFFSET_OUT_OF_RANGE,
+        CoreError::Storage { .. } | CoreError::Metadata { .. } => KAFKA_STORAGE_ERROR,
+        CoreError::InvalidGroupId { .. } => INVALID_GROUP_ID,
+        CoreError::CommitMetadataTooLarge { .. } => OFFSET_METADATA_TOO_LARGE,
+        // Retriable: the client reconnects and retries against the restarted gateway.
+        CoreError::ShuttingDown => NOT_LEADER_OR_FOLLOWER,
+        _ => UNKNOWN_SERVER_ERROR,
+    }
+}

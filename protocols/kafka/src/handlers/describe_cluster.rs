@@ -1,0 +1,21 @@
+use kafka_protocol::messages::describe_cluster_response::DescribeClusterBroker;
+use kafka_protocol::messages::{BrokerId, DescribeClusterResponse};
+
+use super::s;
+use crate::server::{KafkaServer, NODE_ID};
+
+pub(crate) fn handle(server: &KafkaServer, version: i16) -> DescribeClusterResponse {
+    let (host, port) = server.advertised();
+    let mut broker = DescribeClusterBroker::default();
+    broker.broker_id = BrokerId(NODE_ID);
+    broker.host = s(host);
+    broker.port = port;
+    let mut r = DescribeClusterResponse::default();
+    r.cluster_id = s(server.cluster_id.clone());
+    r.controller_id = BrokerId(NODE_ID);
+    r.brokers = vec![broker];
+    if version >= 1 {
+        r.endpoint_type = 1;
+    }
+    r
+}

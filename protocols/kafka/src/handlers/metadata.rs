@@ -1,0 +1,75 @@
+use kafka_protocol::messages::metadata_response::{
+    MetadataResponseBroker, MetadataResponsePartition, MetadataResponseTopic,
+};
+use kafka_protocol::messages::{BrokerId, MetadataRequest, MetadataResponse, TopicName};
+
+use super::s;
+use crate::errors;
+use crate::server::{KafkaServer, NODE_ID};
+
+pub(crate) async fn handle(
+    server: &KafkaServer,
+    req: MetadataRequest,
+    version: i16,
+) -> MetadataResponse {
+    let engine = &server.engine;
+    // v0: an empty list means every topic; v1+: null means every topic, empty means none.
+    let requested: Option<Vec<String>> = match req.topics {
+        None => None,
+        Some(t) if t.is_empty() && version == 0 => None,
+        Some(t) => Some(
+            t.into_iter()
+                .filter_map(|t| t.name.map(|n| n.0.as_str().to_owned()))
+                .collect(),
+        ),
+    };
+    let auto_create = version < 4 || req.allow_auto_topic_creation;
+    let names = match &requested {
+        None => engine.list_topics(),
+        Some(names) => names.clone(),
+    };
+    let mut topics = Vec::with_capacity(names.len());
+    for name in names {
+        let mut t = MetadataResponseTopic::default();
+        t.name = Some(TopicName(s(name.clone())));
+        let count = if auto_create {
+            engine.ensure_topic(&name).await
+        } else {
+            engine.partition_count(&name)
+        };
+        match count {
+            Ok(n) => {
+                t.partitions = (0..n)
+                    .map(|p| {
+                        let mut mp = MetadataResponsePartition::default();
+                        mp.partition_index = p as i32;
+                        mp.leader_id = BrokerId(NODE_ID);
+                        if version >= 7 {
+                            mp.leader_epoch = 0;
+                        }
+                        mp.replica_nodes = vec![BrokerId(NODE_ID)];
+                        mp.isr_nodes = vec![BrokerId(NODE_ID)];
+                        mp
+                    })
+                    .collect();
+            }
+            Err(e) => t.error_code = errors::code(&e),
+        }
+        topics.push(t);
+    }
+    let (host, port) = server.advertised();
+    let mut broker = MetadataResponseBroker::default();
+    broker.node_id = BrokerId(NODE_ID);
+    broker.host = s(host);
+    broker.port = port;
+    let mut r = MetadataResponse::default();
+    r.brokers = vec![broker];
+    if version >= 2 {
+        r.cluster_id = Some(s(server.cluster_id.clone()));
+    }
+    if version >= 1 {
+        r.controller_id = BrokerId(NODE_ID);
+    }
+    r.topics = topics;
+    r
+}

@@ -1,0 +1,160 @@
+use bytes::{Bytes, BytesMut};
+use kafka_protocol::messages::produce_response::{PartitionProduceResponse, TopicProduceResponse};
+use kafka_protocol::messages::{ProduceRequest, ProduceResponse};
+use sluice_core::{BatchHeader, PartitionChoice, split_batches};
+use tokio::task::JoinSet;
+
+use crate::errors;
+use crate::producers::Verdict;
+use crate::server::KafkaServer;
+use std::sync::Arc;
+
+/// Appends each partition's batches (partitions in parallel, batches of a partition in order)
+/// and answers once they are durable per the topic's policy. `acks = 0` gets no response.
+pub(crate) async fn handle(
+    server: &Arc<KafkaServer>,
+    req: ProduceRequest,
+    version: i16,
+) -> Option<ProduceResponse> {
+    if req.transactional_id.is_some() {
+        return respond_all(req, errors::TRANSACTIONAL_ID_AUTHORIZATION_FAILED);
+    }
+    let acks = req.acks;
+    let mut tasks = JoinSet::new();
+    let mut order = Vec::new();
+    for topic in req.topic_data {
+        let name = topic.name.0.as_str().to_owned();
+        let known = server.engine.ensure_topic(&name).await;
+        for pd in topic.partition_data {
+            order.push((name.clone(), pd.index));
+            let slot = order.len() - 1;
+            let server = server.clone();
+            let name = name.clone();
+            let known = known.clone();
+            tasks.spawn(async move {
+                let result = match known {
+                    Err(e) => (errors::code(&e), -1, -1),
+                    Ok(n) if pd.index < 0 || pd.index as u32 >= n => {
+                        (errors::UNKNOWN_TOPIC_OR_PARTITION, -1, -1)
+                    }
+                    Ok(_) => {
+                        append(
+                            &server,
+                            &name,
+                            pd.index as u32,
+                            pd.records.unwrap_or_default(),
+                        )
+                        .await
+                    }
+                };
+                (slot, result)
+            });
+        }
+    }
+    let mut results = vec![(errors::UNKNOWN_SERVER_ERROR, -1i64, -1i64); order.len()];
+    while let Some(joined) = tasks.join_next().await {
+        if let Ok((slot, result)) = joined {
+            results[slot] = result;
+        }
+    }
+    if acks == 0 {
+        return None;
+    }
+    let mut resp = ProduceResponse::default();
+    for ((topic, index), (code, base, log_start)) in order.into_iter().zip(results) {
+        let mut p = PartitionProduceResponse::default();
+        p.index = index;
+        p.error_code = code;
+        p.base_offset = base;
+        p.log_append_time_ms = -1;
+        if version >= 5 {
+            p.log_start_offset = log_start;
+        }
+        match resp
+            .responses
+            .iter_mut()
+            .find(|t| t.name.0.as_str() == topic)
+        {
+            Some(t) => t.partition_responses.push(p),
+            None => {
+                let mut t = TopicProduceResponse::default();
+                t.name = kafka_protocol::messages::TopicName(super::s(topic));
+                t.partition_responses.push(p);
+                resp.responses.push(t);
+            }
+        }
+    }
+    Some(resp)
+}
+
+/// (error code, base offset of the first batch, log start offset).
+async fn append(
+    server: &KafkaServer,
+    topic: &str,
+    partition: u32,
+    records: Bytes,
+) -> (i16, i64, i64) {
+    let batches = match split_batches(records) {
+        Ok(b) if !b.is_empty() => b,
+        _ => return (errors::CORRUPT_MESSAGE, -1, -1),
+    };
+    let mut first_base = None;
+    for batch in batches {
+        let Ok(header) = BatchHeader::parse(&batch) else {
+            return (errors::CORRUPT_MESSAGE, -1, -1);
+        };
+        let base = match server.producers.check(topic, partition, &header) {
+            Verdict::Duplicate(base) => base,
+            Verdict::Reject(code) => return (code, -1, -1),
+            Verdict::Append => {
+                // The request frame is shared and immutable; the log rewrites the base offset in
+                // place, so the batch gets its own buffer here (one copy per produced batch).
+                let owned = BytesMut::from(&batch[..]);
+                match server
+                    .engine
+                    .append_batch(topic, PartitionChoice::Id(partition), owned)
+                    .await
+                {
+                    Ok(ack) => {
+                        server
+                            .producers
+                            .appended(topic, partition, &header, ack.base_offset);
+                        ack.base_offset
+                    }
+                    Err(e) => return (errors::code(&e), -1, -1),
+                }
+            }
+        };
+        first_base.get_or_insert(base);
+    }
+    let log_start = server
+        .engine
+        .offsets(topic, partition)
+        .map_or(-1, |(start, _)| start as i64);
+    (errors::NONE, first_base.map_or(-1, |b| b as i64), log_start)
+}
+
+fn respond_all(req: ProduceRequest, code: i16) -> Option<ProduceResponse> {
+    if req.acks == 0 {
+        return None;
+    }
+    let mut resp = ProduceResponse::default();
+    for topic in req.topic_data {
+        let mut t = TopicProduceResponse::default();
+        t.name = topic.name;
+        t.partition_responses = topic
+            .partition_data
+            .into_iter()
+            .map(|pd| {
+                let mut p = PartitionProduceResponse::default();
+                p.index = pd.index;
+                p.error_code = code;
+                p.base_offset = -1;
+                p.log_append_time_ms = -1;
+                p
+            })
+            .collect();
+        resp.responses.push(t);
+    }
+    Some(resp)
+}

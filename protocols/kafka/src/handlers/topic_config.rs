@@ -1,0 +1,132 @@
+//! Kafka topic configs ↔ Sluice topic policy.
+
+use sluice_core::{Durability, TopicPolicy};
+
+/// Configs accepted on topic creation but fixed in Sluice, with the only value allowed (None:
+/// any value, ignored because a single node has no replicas).
+const FIXED: &[(&str, Option<&str>)] = &[
+    ("cleanup.policy", Some("delete")),
+    ("compression.type", Some("producer")),
+    ("message.timestamp.type", Some("CreateTime")),
+    ("min.insync.replicas", None),
+    ("unclean.leader.election.enable", None),
+];
+
+/// Applies `name = value` to a policy; an error says why it cannot be.
+pub(crate) fn apply(policy: &mut TopicPolicy, name: &str, value: &str) -> Result<(), String> {
+    let int = || {
+        value
+            .parse::<i64>()
+            .map_err(|_| format!("{name} = {value:?} is not a number"))
+    };
+    let pos = || {
+        value
+            .parse::<u64>()
+            .map_err(|_| format!("{name} = {value:?} is not a positive number"))
+    };
+    match name {
+        "retention.ms" => policy.retention_ms = int()?,
+        "retention.bytes" => policy.retention_bytes = int()?,
+        "segment.bytes" => policy.segment_bytes = pos()?,
+        "segment.ms" => policy.segment_ms = int()?,
+        "max.message.bytes" => policy.max_message_bytes = pos()?,
+        "index.interval.bytes" => policy.index_interval_bytes = pos()?,
+        // Kafka's flush settings map onto Sluice's durability modes.
+        "flush.messages" => {
+            if pos()? <= 1 {
+                policy.durability = Durability::Fsync;
+            }
+        }
+        "flush.ms" => {
+            policy.durability = Durability::Interval;
+            policy.flush_interval_ms = pos()?;
+        }
+        "sluice.durability" => {
+            policy.durability = match value {
+                "fsync" => Durability::Fsync,
+                "interval" => Durability::Interval,
+                "none" => Durability::None,
+                _ => {
+                    return Err(format!(
+                        "sluice.durability = {value:?}: fsync, interval or none"
+                    ));
+                }
+            }
+        }
+        _ => match FIXED.iter().find(|(n, _)| *n == name) {
+            Some((_, Some(allowed))) if *allowed != value => {
+                return Err(format!(
+                    "{name} must be {allowed:?} in Sluice, not {value:?}"
+                ));
+            }
+            Some(_) => {}
+            None => return Err(format!("unknown topic config {name:?}")),
+        },
+    }
+    Ok(())
+}
+
+/// A policy as Kafka topic configs.
+pub(crate) fn describe(policy: &TopicPolicy) -> Vec<(&'static str, String)> {
+    let durability = match policy.durability {
+        Durability::Fsync => "fsync",
+        Durability::Interval => "interval",
+        Durability::None => "none",
+    };
+    vec![
+        ("cleanup.policy", "delete".into()),
+        ("compression.type", "producer".into()),
+        ("retention.ms", policy.retention_ms.to_string()),
+        ("retention.bytes", policy.retention_bytes.to_string()),
+        ("segment.bytes", policy.segment_bytes.to_string()),
+        ("segment.ms", policy.segment_ms.to_string()),
+        ("max.message.bytes", policy.max_message_bytes.to_string()),
+        (
+            "index.interval.bytes",
+            policy.index_interval_bytes.to_string(),
+        ),
+        ("message.timestamp.type", "CreateTime".into()),
+        ("min.insync.replicas", "1".into()),
+        ("sluice.durability", durability.into()),
+        ("flush.ms", policy.flush_interval_ms.to_string()),
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn known_configs_apply_and_round_trip() {
+        let mut p = TopicPolicy::default();
+        apply(&mut p, "retention.ms", "60000").unwrap();
+        apply(&mut p, "max.message.bytes", "10485760").unwrap();
+        apply(&mut p, "cleanup.policy", "delete").unwrap();
+        apply(&mut p, "min.insync.replicas", "2").unwrap();
+        apply(&mut p, "flush.ms", "100").unwrap();
+        assert_eq!((p.retention_ms, p.max_message_bytes), (60_000, 10_485_760));
+        assert_eq!(
+            (p.durability, p.flush_interval_ms),
+            (Durability::Interval, 100)
+        );
+        let described = describe(&p);
+        assert!(described.contains(&("retention.ms", "60000".into())));
+        assert!(described.contains(&("sluice.durability", "interval".into())));
+    }
+
+    #[test]
+    fn unsupported_configs_are_refused() {
+        let mut p = TopicPolicy::default();
+        assert!(
+            apply(&mut p, "cleanup.policy", "compact")
+                .unwrap_err()
+                .contains("delete")
+        );
+        assert!(apply(&mut p, "retention.ms", "soon").is_err());
+        assert!(
+            apply(&mut p, "no.such.config", "1")
+                .unwrap_err()
+                .contains("unknown")
+        );
+    }
+}

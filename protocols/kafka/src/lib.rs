@@ -1,0 +1,45 @@
+//! Sluice's Kafka wire protocol server: stock Kafka clients (librdkafka, kafka-python, kcat,
+//! the Java client) produce to and fetch from the ledger, and use consumer groups, with nothing
+//! changed but the bootstrap address.
+//!
+//! It owns the listener, framing (`codec`), one handler per API (`handlers/`) and the group
+//! coordinator (`coordinator/`). Topics, offsets and durability are the core's: this crate never
+//! touches files, and stores producers' batches verbatim through `sluice-core`.
+
+mod codec;
+mod coordinator;
+mod errors;
+mod handlers;
+mod producers;
+mod server;
+mod versions;
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+pub use server::{KafkaMetrics, KafkaServer};
+
+/// Settings of the Kafka listener (the gateway's `[kafka]` section).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KafkaSettings {
+    /// Listener address, HOST:PORT.
+    pub addr: String,
+    /// Host clients are told to connect to (Metadata, FindCoordinator). Empty: the listener's
+    /// IP, or this machine's host name when listening on all interfaces.
+    pub advertised_host: String,
+    /// Port clients are told to connect to; 0: the listener's port.
+    pub advertised_port: u16,
+    /// Largest request frame accepted; larger ones close the connection.
+    pub max_request_bytes: usize,
+    /// Wait for more members when a group rebalances from empty (Kafka's
+    /// `group.initial.rebalance.delay.ms`).
+    pub group_initial_rebalance_delay_ms: u64,
+    /// Bounds on the session timeout consumers may ask for.
+    pub group_min_session_timeout_ms: u64,
+    pub group_max_session_timeout_ms: u64,
+    /// SASL/PLAIN users as `name = "sha256:<hex of SHA-256 of the password>"`. Empty: no
+    /// authentication.
+    pub sasl_plain_users: BTreeMap<String, String>,
+}

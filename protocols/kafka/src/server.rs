@@ -1,0 +1,307 @@
+//! The listener and one task per connection. Requests on a connection are handled one at a
+//! time, in order, as a Kafka broker does; concurrency comes from connections.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use kafka_protocol::messages::{ApiKey, RequestKind, ResponseKind};
+use sluice_core::Engine;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+use tracing::{debug, info, warn};
+
+use crate::KafkaSettings;
+use crate::codec::{self, DecodeError};
+use crate::coordinator::{Coordinator, GroupSettings};
+use crate::handlers;
+use crate::producers::Producers;
+
+/// Counters of the Kafka listener (no label per client).
+#[derive(Debug, Default)]
+pub struct KafkaMetrics {
+    pub connections_accepted: AtomicU64,
+    pub connections_open: AtomicU64,
+    pub requests: AtomicU64,
+    /// Connections closed for malformed, oversized or unsupported requests.
+    pub bad_requests: AtomicU64,
+    pub bytes_in: AtomicU64,
+    pub bytes_out: AtomicU64,
+    pub auth_failures: AtomicU64,
+}
+
+/// The Kafka protocol server; shared by its connection tasks.
+#[derive(Debug)]
+pub struct KafkaServer {
+    pub(crate) engine: Engine,
+    pub(crate) settings: KafkaSettings,
+    pub(crate) coordinator: Arc<Coordinator>,
+    pub(crate) producers: Producers,
+    pub(crate) advertised: (String, i32),
+    pub(crate) cluster_id: String,
+    pub metrics: KafkaMetrics,
+}
+
+/// Per-connection facts handlers may need.
+#[derive(Debug)]
+pub(crate) struct Conn {
+    pub(crate) peer: SocketAddr,
+    pub(crate) client_id: String,
+    /// SASL state: a mechanism was agreed (handshake) and the client authenticated.
+    pub(crate) sasl_mechanism_ok: bool,
+    pub(crate) authenticated: bool,
+}
+
+/// The node id of this single-node cluster.
+pub(crate) const NODE_ID: i32 = 0;
+
+impl KafkaServer {
+    /// Builds the server for a bound listener (the advertised address defaults to it).
+    pub fn new(engine: Engine, settings: KafkaSettings, bound: SocketAddr) -> Arc<Self> {
+        let host = if !settings.advertised_host.is_empty() {
+            settings.advertised_host.clone()
+        } else if bound.ip().is_unspecified() {
+            hostname().unwrap_or_else(|| "127.0.0.1".into())
+        } else {
+            bound.ip().to_string()
+        };
+        let port = if settings.advertised_port != 0 {
+            i32::from(settings.advertised_port)
+        } else {
+            i32::from(bound.port())
+        };
+        let coordinator = Coordinator::start(GroupSettings {
+            min_session_timeout: Duration::from_millis(settings.group_min_session_timeout_ms),
+            max_session_timeout: Duration::from_millis(settings.group_max_session_timeout_ms),
+            initial_rebalance_delay: Duration::from_millis(
+                settings.group_initial_rebalance_delay_ms,
+            ),
+        });
+        let producers = Producers::new(engine.now_ms());
+        Arc::new(Self {
+            engine,
+            settings,
+            coordinator,
+            producers,
+            advertised: (host, port),
+            cluster_id: "sluice".into(),
+            metrics: KafkaMetrics::default(),
+        })
+    }
+
+    /// The address clients are told to connect to.
+    pub fn advertised(&self) -> (String, i32) {
+        self.advertised.clone()
+    }
+
+    /// Accepts connections until `shutdown` turns true; open connections end at their next
+    /// request boundary.
+    pub async fn serve(
+        self: Arc<Self>,
+        listener: TcpListener,
+        mut shutdown: watch::Receiver<bool>,
+    ) {
+        loop {
+            let accepted = tokio::select! {
+                r = listener.accept() => r,
+                _ = shutdown.wait_for(|&s| s) => break,
+            };
+            match accepted {
+                Ok((stream, peer)) => {
+                    let _ = stream.set_nodelay(true);
+                    self.metrics
+                        .connections_accepted
+                        .fetch_add(1, Ordering::Relaxed);
+                    let server = self.clone();
+                    let shutdown = shutdown.clone();
+                    tokio::spawn(async move {
+                        server
+                            .metrics
+                            .connections_open
+                            .fetch_add(1, Ordering::Relaxed);
+                        if let Err(e) = server.connection(stream, peer, shutdown).await {
+                            debug!(%peer, error = %e, "kafka connection ended");
+                        }
+                        server
+                            .metrics
+                            .connections_open
+                            .fetch_sub(1, Ordering::Relaxed);
+                    });
+                }
+                Err(e) => {
+                    // Out of file descriptors or similar: back off instead of spinning.
+                    warn!(error = %e, "kafka accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        }
+        info!("kafka listener stopped");
+    }
+
+    async fn connection(
+        self: &Arc<Self>,
+        mut stream: TcpStream,
+        peer: SocketAddr,
+        mut shutdown: watch::Receiver<bool>,
+    ) -> std::io::Result<()> {
+        let mut conn = Conn {
+            peer,
+            client_id: String::new(),
+            sasl_mechanism_ok: false,
+            authenticated: self.settings.sasl_plain_users.is_empty(),
+        };
+        loop {
+            let mut len = [0u8; 4];
+            tokio::select! {
+                r = stream.read_exact(&mut len) => { r?; }
+                _ = shutdown.wait_for(|&s| s) => return Ok(()),
+            }
+            let len = i32::from_be_bytes(len);
+            if len < 0 || len as usize > self.settings.max_request_bytes {
+                self.metrics.bad_requests.fetch_add(1, Ordering::Relaxed);
+                warn!(%peer, len, max = self.settings.max_request_bytes, "kafka request size out of bounds; closing the connection");
+                return Ok(());
+            }
+            let mut frame = BytesMut::zeroed(len as usize);
+            stream.read_exact(&mut frame).await?;
+            self.metrics
+                .bytes_in
+                .fetch_add(4 + len as u64, Ordering::Relaxed);
+            let out = match codec::decode_request(frame.freeze()) {
+                Ok(req) => {
+                    self.metrics.requests.fetch_add(1, Ordering::Relaxed);
+                    conn.client_id.clone_from(&req.client_id);
+                    match self.handle(&mut conn, req).await {
+                        Handled::Respond(bytes) => Some(bytes),
+                        Handled::NoResponse => None,
+                        Handled::Close(reason) => {
+                            self.metrics.bad_requests.fetch_add(1, Ordering::Relaxed);
+                            warn!(%peer, client = conn.client_id, reason, "closing kafka connection");
+                            return Ok(());
+                        }
+                    }
+                }
+                Err(DecodeError::ApiVersionsTooNew {
+                    correlation_id,
+                    version,
+                }) => {
+                    debug!(%peer, version, "ApiVersions above the supported range");
+                    Some(codec::api_versions_too_new(correlation_id).freeze())
+                }
+                Err(e) => {
+                    self.metrics.bad_requests.fetch_add(1, Ordering::Relaxed);
+                    warn!(%peer, error = %e, "bad kafka request; closing the connection");
+                    return Ok(());
+                }
+            };
+            if let Some(bytes) = out {
+                self.metrics
+                    .bytes_out
+                    .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+                stream.write_all(&bytes).await?;
+            }
+        }
+    }
+
+    async fn handle(self: &Arc<Self>, conn: &mut Conn, req: codec::Request) -> Handled {
+        let api = req.api_key;
+        let allowed_unauthenticated = matches!(
+            api,
+            ApiKey::ApiVersions | ApiKey::SaslHandshake | ApiKey::SaslAuthenticate
+        );
+        if !conn.authenticated && !allowed_unauthenticated {
+            self.metrics.auth_failures.fetch_add(1, Ordering::Relaxed);
+            return Handled::Close(format!("{api:?} before SASL authentication"));
+        }
+        let v = req.version;
+        let body = match req.body {
+            RequestKind::ApiVersions(_) => {
+                ResponseKind::ApiVersions(handlers::api_versions::handle())
+            }
+            RequestKind::Metadata(r) => {
+                ResponseKind::Metadata(handlers::metadata::handle(self, r, v).await)
+            }
+            RequestKind::Produce(r) => match handlers::produce::handle(self, r, v).await {
+                Some(resp) => ResponseKind::Produce(resp),
+                None => return Handled::NoResponse,
+            },
+            RequestKind::Fetch(r) => ResponseKind::Fetch(handlers::fetch::handle(self, r, v).await),
+            RequestKind::ListOffsets(r) => {
+                ResponseKind::ListOffsets(handlers::list_offsets::handle(self, r, v).await)
+            }
+            RequestKind::FindCoordinator(r) => {
+                ResponseKind::FindCoordinator(handlers::find_coordinator::handle(self, r, v))
+            }
+            RequestKind::JoinGroup(r) => {
+                ResponseKind::JoinGroup(handlers::join_group::handle(self, conn, r, v).await)
+            }
+            RequestKind::SyncGroup(r) => {
+                ResponseKind::SyncGroup(handlers::sync_group::handle(self, r, v).await)
+            }
+            RequestKind::Heartbeat(r) => {
+                ResponseKind::Heartbeat(handlers::heartbeat::handle(self, r))
+            }
+            RequestKind::LeaveGroup(r) => {
+                ResponseKind::LeaveGroup(handlers::leave_group::handle(self, r, v))
+            }
+            RequestKind::OffsetCommit(r) => {
+                ResponseKind::OffsetCommit(handlers::offset_commit::handle(self, r).await)
+            }
+            RequestKind::OffsetFetch(r) => {
+                ResponseKind::OffsetFetch(handlers::offset_fetch::handle(self, r))
+            }
+            RequestKind::ListGroups(_) => {
+                ResponseKind::ListGroups(handlers::list_groups::handle(self, v))
+            }
+            RequestKind::DescribeGroups(r) => {
+                ResponseKind::DescribeGroups(handlers::describe_groups::handle(self, r, v))
+            }
+            RequestKind::InitProducerId(r) => {
+                ResponseKind::InitProducerId(handlers::init_producer_id::handle(self, r))
+            }
+            RequestKind::CreateTopics(r) => {
+                ResponseKind::CreateTopics(handlers::create_topics::handle(self, r, v).await)
+            }
+            RequestKind::DeleteTopics(r) => {
+                ResponseKind::DeleteTopics(handlers::delete_topics::handle(self, r).await)
+            }
+            RequestKind::DescribeConfigs(r) => {
+                ResponseKind::DescribeConfigs(handlers::describe_configs::handle(self, r))
+            }
+            RequestKind::DescribeCluster(_) => {
+                ResponseKind::DescribeCluster(handlers::describe_cluster::handle(self, v))
+            }
+            RequestKind::SaslHandshake(r) => {
+                ResponseKind::SaslHandshake(handlers::sasl::handshake(self, conn, r))
+            }
+            RequestKind::SaslAuthenticate(r) => {
+                let resp = handlers::sasl::authenticate(self, conn, r);
+                if resp.error_code != 0 {
+                    self.metrics.auth_failures.fetch_add(1, Ordering::Relaxed);
+                }
+                ResponseKind::SaslAuthenticate(resp)
+            }
+            other => return Handled::Close(format!("no handler for {other:?}")),
+        };
+        match codec::encode_response(api, v, req.correlation_id, &body) {
+            Ok(bytes) => Handled::Respond(bytes.freeze()),
+            Err(e) => Handled::Close(format!("encoding the {api:?} v{v} response failed: {e}")),
+        }
+    }
+}
+
+enum Handled {
+    Respond(Bytes),
+    NoResponse,
+    Close(String),
+}
+
+fn hostname() -> Option<String> {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|s| s.trim().to_owned())
+        .filter(|s| !s.is_empty())
+}

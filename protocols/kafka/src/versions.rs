@@ -1,0 +1,96 @@
+//! The APIs and versions this server implements: the one table that ApiVersions advertises and
+//! the decoder enforces. `docs/KAFKA_COMPAT.md` explains each range.
+
+use kafka_protocol::messages::ApiKey;
+use kafka_protocol::messages::api_versions_response::ApiVersion;
+use kafka_protocol::protocol::VersionRange;
+
+pub(crate) const UNSUPPORTED_VERSION: i16 = 35;
+
+/// (API, min, max). Minimums are the codec's (Kafka 4 dropped older request formats); maximums
+/// stop before versions that address topics by id only, which Sluice does not assign.
+const TABLE: &[(ApiKey, i16, i16)] = &[
+    (ApiKey::Produce, 3, 9),
+    (ApiKey::Fetch, 4, 12),
+    (ApiKey::ListOffsets, 1, 6),
+    (ApiKey::Metadata, 0, 9),
+    (ApiKey::OffsetCommit, 2, 8),
+    (ApiKey::OffsetFetch, 1, 7),
+    (ApiKey::FindCoordinator, 0, 3),
+    (ApiKey::JoinGroup, 0, 7),
+    (ApiKey::Heartbeat, 0, 4),
+    (ApiKey::LeaveGroup, 0, 4),
+    (ApiKey::SyncGroup, 0, 5),
+    (ApiKey::DescribeGroups, 0, 5),
+    (ApiKey::ListGroups, 0, 4),
+    (ApiKey::SaslHandshake, 0, 1),
+    (ApiKey::ApiVersions, 0, 3),
+    (ApiKey::CreateTopics, 2, 5),
+    (ApiKey::DeleteTopics, 1, 5),
+    (ApiKey::InitProducerId, 0, 4),
+    (ApiKey::DescribeConfigs, 1, 4),
+    (ApiKey::SaslAuthenticate, 0, 2),
+    (ApiKey::DescribeCluster, 0, 1),
+];
+
+/// The version range implemented for `key`, if any.
+pub(crate) fn supported(key: ApiKey) -> Option<VersionRange> {
+    TABLE
+        .iter()
+        .find(|(k, _, _)| *k == key)
+        .map(|&(_, min, max)| VersionRange { min, max })
+}
+
+/// The ApiVersions list.
+pub(crate) fn advertised() -> Vec<ApiVersion> {
+    TABLE
+        .iter()
+        .map(|&(key, min, max)| {
+            let mut v = ApiVersion::default();
+            v.api_key = key as i16;
+            v.min_version = min;
+            v.max_version = max;
+            v
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every advertised range lies inside what the codec can decode and encode.
+    #[test]
+    fn advertised_ranges_fit_the_codec() {
+        for &(key, min, max) in TABLE {
+            let codec = key.valid_versions();
+            assert!(min <= max, "{key:?}");
+            assert!(
+                codec.min <= min && max <= codec.max,
+                "{key:?} {min}-{max} outside {codec}"
+            );
+        }
+    }
+
+    /// librdkafka enables compression codecs, idempotence and consumer groups only when these
+    /// versions are inside the advertised ranges (rdkafka_feature.c).
+    #[test]
+    fn librdkafka_feature_probes_pass() {
+        let has = |key, v| supported(key).is_some_and(|r| r.min <= v && v <= r.max);
+        assert!(has(ApiKey::Produce, 3) && has(ApiKey::Fetch, 4), "MsgVer2");
+        assert!(has(ApiKey::Produce, 7) && has(ApiKey::Fetch, 10), "ZSTD");
+        assert!(has(ApiKey::FindCoordinator, 0), "LZ4 and group coordinator");
+        assert!(has(ApiKey::InitProducerId, 0), "idempotent producer");
+        assert!(has(ApiKey::ListOffsets, 1), "offsets by time");
+        for key in [
+            ApiKey::JoinGroup,
+            ApiKey::SyncGroup,
+            ApiKey::Heartbeat,
+            ApiKey::LeaveGroup,
+        ] {
+            assert!(has(key, 0), "balanced consumer: {key:?}");
+        }
+        assert!(has(ApiKey::OffsetCommit, 2) && has(ApiKey::OffsetFetch, 1));
+        assert!(has(ApiKey::SaslHandshake, 1) && has(ApiKey::SaslAuthenticate, 0));
+    }
+}
