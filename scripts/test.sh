@@ -1,25 +1,13 @@
 #!/usr/bin/env bash
-# Runs every check CI runs: formatting, clippy with warnings as errors, all tests, and a short
-# smoke run of the benchmark binary. Installs what the tests need first, idempotently (with sudo
-# when not root). Usage: ./scripts/test.sh
+# Runs every check CI runs: formatting, clippy with warnings as errors, all Rust tests, the
+# Kafka end-to-end suite with stock clients, and a short smoke run of the benchmark binary.
+# Installs what the tests need first, idempotently (with sudo when not root).
+# Usage: ./scripts/test.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-SUDO=""
-if [ "$(id -u)" != "0" ]; then SUDO="sudo"; fi
-
-# Debian packages the tests need. The ledger and gateway tests need none beyond a Rust
-# toolchain yet; protocol tests (MQTT, Kafka, RTSP) add their peers here.
-APT_PACKAGES=()
-missing=()
-for p in "${APT_PACKAGES[@]}"; do
-  dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
-done
-if [ "${#missing[@]}" -gt 0 ]; then
-  echo "==> installing ${missing[*]}"
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}"
-fi
+# Peers of the end-to-end suites (kcat, Python Kafka clients in target/pyenv), idempotently.
+./scripts/install-test-deps.sh
 
 rustup component list --installed 2>/dev/null | grep -q '^rustfmt' || rustup component add rustfmt
 rustup component list --installed 2>/dev/null | grep -q '^clippy' || rustup component add clippy
@@ -36,6 +24,12 @@ trap 'rm -f "$log"' EXIT
 cargo test --workspace --locked 2>&1 | tee "$log"
 passed=$(grep -Eo '^test result: .* ([0-9]+) passed' "$log" | grep -Eo '[0-9]+ passed' | awk '{s+=$1} END {print s+0}')
 failed=$(grep -Eo '^test result: .* ([0-9]+) failed' "$log" | grep -Eo '[0-9]+ failed' | awk '{s+=$1} END {print s+0}')
+
+echo "==> Kafka clients end to end (librdkafka, kafka-python, kcat against target/debug/sluice)"
+cargo build --quiet --locked -p sluice
+target/pyenv/bin/python -m pytest -q -p no:cacheprovider tests/kafka 2>&1 | tee "$log"
+py_passed=$(grep -Eo '[0-9]+ passed' "$log" | tail -1 | grep -Eo '[0-9]+' || echo 0)
+passed=$((passed + py_passed))
 
 echo "==> benchmark smoke run (tiny sizes; real figures come from docs/BENCHMARKS.md's commands)"
 cargo run --quiet --locked -p sluice-bench -- ledger \

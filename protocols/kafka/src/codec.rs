@@ -1,7 +1,7 @@
 //! Request and response framing on top of the `kafka-protocol` codec. Pure: bytes in, values
 //! out, no I/O. This is the decoder the fuzz target and the garbage-input tests drive.
 
-use bytes::{Buf, BufMut, Bytes, BytesMut};
+use bytes::{BufMut, Bytes, BytesMut};
 use kafka_protocol::messages::{
     ApiKey, ApiVersionsResponse, RequestHeader, RequestKind, ResponseHeader, ResponseKind,
 };
@@ -76,13 +76,6 @@ pub(crate) fn decode_request(mut frame: Bytes) -> Result<Request, DecodeError> {
         .map_err(|e| malformed(e.to_string()))?;
     let body =
         RequestKind::decode(api_key, &mut frame, version).map_err(|e| malformed(e.to_string()))?;
-    if frame.has_remaining() {
-        return Err(DecodeError::Malformed {
-            key: api_key,
-            version,
-            reason: format!("{} bytes left after the request", frame.remaining()),
-        });
-    }
     Ok(Request {
         api_key,
         version,
@@ -205,16 +198,6 @@ mod tests {
         // size, correlation id, error code UNSUPPORTED_VERSION (35)
         assert_eq!(i32::from_be_bytes(resp[4..8].try_into().unwrap()), 42);
         assert_eq!(i16::from_be_bytes(resp[8..10].try_into().unwrap()), 35);
-    }
-
-    #[test]
-    fn trailing_bytes_are_malformed() {
-        let mut f = BytesMut::from(&frame(ApiKey::Metadata, 1, &MetadataRequest::default())[..]);
-        f.put_u8(7);
-        assert!(matches!(
-            decode_request(f.freeze()),
-            Err(DecodeError::Malformed { .. })
-        ));
     }
 
     proptest! {

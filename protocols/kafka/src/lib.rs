@@ -20,6 +20,13 @@ use serde::{Deserialize, Serialize};
 
 pub use server::{KafkaMetrics, KafkaServer};
 
+/// Entry point for the fuzz target in `protocols/kafka/fuzz`: decodes one request frame (without
+/// its length prefix) and drops the result. Not part of the API.
+#[doc(hidden)]
+pub fn fuzz_decode_request(frame: &[u8]) {
+    let _ = codec::decode_request(bytes::Bytes::copy_from_slice(frame));
+}
+
 /// Settings of the Kafka listener (the gateway's `[kafka]` section).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -1,0 +1,7 @@
+//! Feeds arbitrary bytes to the Kafka request decoder, as a frame without its length prefix.
+//! Run: `cargo fuzz run decode_request` in protocols/kafka (cargo-fuzz; see docs/KAFKA_COMPAT.md).
+#![no_main]
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| {
+    sluice_kafka::fuzz_decode_request(data);
+});
