@@ -1,0 +1,105 @@
+"""Produce acks levels, per-topic limits and configs, out-of-range fetches and group
+administration, through confluent-kafka (librdkafka)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+from confluent_kafka import KafkaError, OFFSET_BEGINNING, TopicPartition
+from confluent_kafka.admin import ConfigResource, NewTopic
+
+from conftest import poll_messages
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.mark.parametrize("acks", ["0", "1", "all"])
+def test_every_acks_level_stores_the_records(gateway, acks):
+    topic = unique(f"acks{acks}")
+    records = [{"key": f"k{i}".encode(), "value": f"v{i}".encode()} for i in range(20)]
+    gateway.produce(topic, records, acks=acks)
+    got = gateway.consume(topic, 20)
+    assert [m.value() for m in got] == [r["value"] for r in records]
+    assert [m.offset() for m in got] == list(range(20))
+
+
+def test_topic_max_message_bytes_is_enforced(gateway):
+    topic = unique("small")
+    admin = gateway.admin()
+    new = NewTopic(topic, num_partitions=1, replication_factor=1, config={"max.message.bytes": "4096"})
+    admin.create_topics([new], operation_timeout=10)[topic].result(timeout=30)
+    p = gateway.producer(**{"message.max.bytes": 1_000_000, "message.timeout.ms": 10000})
+    reports = []
+    # One at a time: the limit applies to a whole batch, and librdkafka would batch both.
+    p.produce(topic, value=b"x" * 20_000, on_delivery=lambda err, msg: reports.append(err))
+    assert p.flush(30) == 0
+    p.produce(topic, value=b"fits", on_delivery=lambda err, msg: reports.append(err))
+    assert p.flush(30) == 0
+    too_large = [e for e in reports if e is not None]
+    assert len(too_large) == 1 and too_large[0].code() == KafkaError.MSG_SIZE_TOO_LARGE, reports
+    assert [m.value() for m in gateway.consume(topic, 1)] == [b"fits"]
+
+
+def test_topic_configs_are_applied_described_and_validated(gateway):
+    topic = unique("configs")
+    admin = gateway.admin()
+    new = NewTopic(topic, num_partitions=2, replication_factor=1,
+                   config={"retention.ms": "3600000", "segment.bytes": "1048576"})
+    admin.create_topics([new], operation_timeout=10)[topic].result(timeout=30)
+    described = admin.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, topic)])
+    configs = list(described.values())[0].result(timeout=30)
+    assert configs["retention.ms"].value == "3600000"
+    assert configs["segment.bytes"].value == "1048576"
+    assert configs["cleanup.policy"].value == "delete"
+
+    bad = NewTopic(unique("compacted"), num_partitions=1, replication_factor=1, config={"cleanup.policy": "compact"})
+    with pytest.raises(Exception) as e:
+        admin.create_topics([bad], operation_timeout=10)[bad.topic].result(timeout=30)
+    assert e.value.args[0].code() == KafkaError.INVALID_CONFIG
+    replicated = NewTopic(unique("replicated"), num_partitions=1, replication_factor=3)
+    with pytest.raises(Exception) as e:
+        admin.create_topics([replicated], operation_timeout=10)[replicated.topic].result(timeout=30)
+    assert e.value.args[0].code() == KafkaError.INVALID_REPLICATION_FACTOR
+    assert bad.topic not in admin.list_topics(timeout=10).topics
+
+
+def test_fetching_past_the_end_is_offset_out_of_range(gateway):
+    topic = unique("range")
+    gateway.produce(topic, [{"value": b"only"}])
+    c = gateway.consumer(**{"auto.offset.reset": "error", "enable.partition.eof": False})
+    c.assign([TopicPartition(topic, 0, 1000)])
+    errors = []
+    deadline = time.monotonic() + 30
+    while not errors and time.monotonic() < deadline:
+        m = c.poll(0.5)
+        if m is not None and m.error():
+            errors.append(m.error())
+    assert errors, "no error for an offset past the end"
+    # librdkafka reports the broker's OFFSET_OUT_OF_RANGE as an auto-offset-reset failure.
+    assert errors[0].code() in (KafkaError._AUTO_OFFSET_RESET, KafkaError.OFFSET_OUT_OF_RANGE), errors[0]
+    c.assign([TopicPartition(topic, 0, OFFSET_BEGINNING)])
+    assert [m.value() for m in poll_messages(c, 1, 30)] == [b"only"]
+
+
+def test_groups_are_listed_and_described(gateway):
+    topic = unique("grouped")
+    group = unique("analytics")
+    gateway.produce(topic, [{"value": b"a"}, {"value": b"b"}])
+    c = gateway.consumer(**{"group.id": group, "auto.offset.reset": "earliest", "enable.auto.commit": False})
+    c.subscribe([topic])
+    got = poll_messages(c, 2, 60)
+    c.commit(message=got[-1], asynchronous=False)
+    admin = gateway.admin()
+    listed = admin.list_consumer_groups().result(timeout=30)
+    assert group in [g.group_id for g in listed.valid]
+    described = admin.describe_consumer_groups([group])[group].result(timeout=30)
+    assert described.group_id == group
+    assert len(described.members) == 1
+    assigned = described.members[0].assignment.topic_partitions
+    assert [(tp.topic, tp.partition) for tp in assigned] == [(topic, 0)]
+    committed = c.committed([TopicPartition(topic, 0)], timeout=30)
+    assert committed[0].offset == 2
