@@ -10,26 +10,39 @@ cd "$(dirname "$0")/.."
 SUDO=""
 if [ "$(id -u)" != "0" ]; then SUDO="sudo"; fi
 
-APT_PACKAGES=(kcat)
-missing=()
-for p in "${APT_PACKAGES[@]}"; do
-  dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
-done
-if [ "${#missing[@]}" -gt 0 ]; then
+PYTHON="${PYTHON:-python3}"
+
+APT_UPDATED=""
+apt_install() {
+  local missing=() p
+  for p in "$@"; do
+    dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+  done
+  [ "${#missing[@]}" -gt 0 ] || return 0
   echo "==> installing ${missing[*]}"
-  $SUDO apt-get update -qq
+  if [ -z "$APT_UPDATED" ]; then
+    $SUDO apt-get update -qq
+    APT_UPDATED=1
+  fi
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-fi
+}
+
+apt_install kcat
 
 PYENV=target/pyenv
 REQUIREMENTS=tests/kafka/requirements.txt
-PYTHON="${PYTHON:-python3}"
 
 if [ ! -x "$PYENV/bin/python" ]; then
   echo "==> creating Python virtual environment $PYENV"
   rm -rf "$PYENV"
   mkdir -p "$(dirname "$PYENV")"
-  "$PYTHON" -m venv "$PYENV"
+  if ! "$PYTHON" -m venv "$PYENV" >/dev/null 2>&1; then
+    # Debian's own python3 needs python3-venv for venv's ensurepip; pyenv or official builds
+    # have it built in.
+    rm -rf "$PYENV"
+    apt_install python3-venv
+    "$PYTHON" -m venv "$PYENV"
+  fi
 fi
 
 sum=$(sha256sum "$REQUIREMENTS" | cut -d' ' -f1)

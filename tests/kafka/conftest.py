@@ -493,6 +493,8 @@ def pytest_runtest_makereport(item, call):
 
 
 def pytest_configure(config):
+    # Registered here too, so that the suite runs (without limits) where pytest-timeout is missing.
+    config.addinivalue_line("markers", "timeout(seconds): fail the test after this many seconds")
     # kafka-python 3.0.12 loads its schemas with deprecated importlib.resources calls.
     config.addinivalue_line("filterwarnings", "ignore:read_text is deprecated:DeprecationWarning")
     config.addinivalue_line("filterwarnings", "ignore:open_text is deprecated:DeprecationWarning")

@@ -308,6 +308,7 @@ def test_kcat_produce_consume_and_metadata(gateway):
 # ---- consumer groups -------------------------------------------------------------------------
 
 
+@pytest.mark.timeout(180)
 def test_consumer_group_split_rebalance_and_resume_after_restart(gateway_factory):
     gw = gateway_factory(env={"SLUICE_TOPICS__DEFAULT_PARTITIONS": "2"})
     topic, group = unique("group"), unique("g")
@@ -358,7 +359,7 @@ def test_consumer_group_split_rebalance_and_resume_after_restart(gateway_factory
         a1, a2 = owned(c1), owned(c2)
         return bool(a1) and bool(a2) and not (a1 & a2) and a1 | a2 == {0, 1}
 
-    pump({1: c1, 2: c2}, split, 45, "two consumers with disjoint assignments covering both partitions")
+    pump({1: c1, 2: c2}, split, 30, "two consumers with disjoint assignments covering both partitions")
 
     def at_end():
         if not split():
@@ -369,7 +370,7 @@ def test_consumer_group_split_rebalance_and_resume_after_restart(gateway_factory
                 return False
         return True
 
-    pump({1: c1, 2: c2}, at_end, 30, "both consumers at the end of their partitions")
+    pump({1: c1, 2: c2}, at_end, 20, "both consumers at the end of their partitions")
     # Every first-phase record reached one of the two consumers.
     assert {m.key() for m in seen[1] + seen[2]} == {r["key"] for r in phase("a", 5)}
 
@@ -385,7 +386,7 @@ def test_consumer_group_split_rebalance_and_resume_after_restart(gateway_factory
     pump({1: c1}, lambda: owned(c1) == {0, 1}, 30, "the remaining consumer owning both partitions")
     gw.produce(topic, phase("b", 3))
     b_keys = sorted(r["key"] for r in phase("b", 3))
-    pump({1: c1}, lambda: {m.key() for m in seen[1]} >= set(b_keys), 30, "second-phase records at the remaining consumer")
+    pump({1: c1}, lambda: {m.key() for m in seen[1]} >= set(b_keys), 20, "second-phase records at the remaining consumer")
     assert sorted(m.key() for m in seen[1]) == b_keys, "records before the committed offsets were delivered again"
     result = c1.commit(offsets=[TopicPartition(topic, p, 8) for p in (0, 1)], asynchronous=False)
     assert all(tp.error is None for tp in result), result
@@ -400,7 +401,7 @@ def test_consumer_group_split_rebalance_and_resume_after_restart(gateway_factory
     c3.subscribe([topic])
     seen[3] = []
     c_keys = sorted(r["key"] for r in phase("c", 2))
-    pump({3: c3}, lambda: {m.key() for m in seen[3]} >= set(c_keys), 45, "third-phase records after the restart")
+    pump({3: c3}, lambda: {m.key() for m in seen[3]} >= set(c_keys), 30, "third-phase records after the restart")
     assert sorted(m.key() for m in seen[3]) == c_keys, "a committed record was delivered again after the restart"
 
 
