@@ -20,6 +20,10 @@ use tracing::{info, warn};
 
 use crate::config::{CliOverrides, Config, DEFAULT_CONFIG, ENV_CONFIG_FILE, LogFormat};
 
+/// Peers' claimed element counts must not be able to abort the process (see GuardedAlloc).
+#[global_allocator]
+static ALLOC: sluice_kafka::GuardedAlloc = sluice_kafka::GuardedAlloc;
+
 #[derive(Debug, Parser)]
 #[command(
     name = "sluice",

@@ -142,6 +142,10 @@ def test_api_versions_with_unsupported_version_answers_with_v0_error(gateway):
 
 
 GARBAGE = {
+    # Metadata v0 whose topic array claims 0x7a01000a (two billion) entries in a 14-byte frame:
+    # the codec sizes the array before reading it (found by the fuzz target; the gateway's
+    # allocator turns the ~150 GB request into untouched address space).
+    "huge_array_count": frame(bytes([0, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0x7A, 0x01, 0x00, 0x0A])),
     # A well-framed request with an api key no Kafka version has, and random bytes after it.
     "unknown_api_key": frame(struct.pack(">hhi", 0x7F3A, 0x1234, 1) + random.Random(7).randbytes(120)),
     # 4096 random bytes whose first four read as a huge length.

@@ -6,6 +6,7 @@
 //! coordinator (`coordinator/`). Topics, offsets and durability are the core's: this crate never
 //! touches files, and stores producers' batches verbatim through `sluice-core`.
 
+mod alloc_guard;
 mod codec;
 mod coordinator;
 mod errors;
@@ -18,6 +19,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+pub use alloc_guard::GuardedAlloc;
 pub use server::{KafkaMetrics, KafkaServer};
 
 /// Entry point for the fuzz target in `protocols/kafka/fuzz`: decodes one request frame (without
