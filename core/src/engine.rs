@@ -568,6 +568,17 @@ impl Engine {
                 log_start: reader.log_start(),
             });
         }
+        // At the high watermark there is nothing to read: answer without a trip to the
+        // blocking pool (every idle long-poll lands here).
+        let (log_start, high_watermark) = (reader.log_start(), reader.high_watermark());
+        if offset == high_watermark && offset >= log_start {
+            return Ok(Fetched {
+                data: bytes::Bytes::new(),
+                next_offset: offset,
+                high_watermark,
+                log_start,
+            });
+        }
         counters.fetch_log.fetch_add(1, Ordering::Relaxed);
         let owned = topic.to_owned();
         tokio::task::spawn_blocking(move || {
