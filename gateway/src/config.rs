@@ -35,7 +35,7 @@ pub(crate) struct Config {
     pub(crate) data_dir: PathBuf,
     pub(crate) log: LogSection,
     pub(crate) http: ListenerSection,
-    pub(crate) mqtt: ListenerSection,
+    pub(crate) mqtt: sluice_mqtt::MqttSettings,
     pub(crate) kafka: sluice_kafka::KafkaSettings,
     pub(crate) topics: TopicsSection,
     pub(crate) storage: StorageSection,
@@ -247,6 +247,12 @@ impl Config {
                 Ok(None) => return invalid(format!("{key} = {addr:?} resolves to no address")),
                 Err(e) => return invalid(format!("{key} = {addr:?} is not HOST:PORT: {e}")),
             }
+        }
+        if self.mqtt.max_packet_bytes < 1024 || self.mqtt.max_packet_bytes > 268_435_455 {
+            return invalid(
+                "mqtt.max_packet_bytes must be between 1024 and 268435455 (the MQTT maximum)"
+                    .into(),
+            );
         }
         let k = &self.kafka;
         if k.max_request_bytes < 1024 {

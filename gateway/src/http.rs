@@ -18,6 +18,8 @@ pub(crate) struct AppState {
     pub(crate) ready: Arc<AtomicBool>,
     /// The Kafka server, once its listener is bound.
     pub(crate) kafka: Arc<std::sync::OnceLock<Arc<sluice_kafka::KafkaServer>>>,
+    /// The MQTT server, once its listener is bound.
+    pub(crate) mqtt: Arc<std::sync::OnceLock<Arc<sluice_mqtt::MqttServer>>>,
 }
 
 pub(crate) fn router(state: AppState) -> Router {
@@ -48,6 +50,9 @@ async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
     let mut body = crate::metrics::render(&engine, &process, state.ready.load(Ordering::Acquire));
     if let Some(kafka) = state.kafka.get() {
         crate::metrics::render_kafka(&mut body, &kafka.metrics);
+    }
+    if let Some(mqtt) = state.mqtt.get() {
+        crate::metrics::render_mqtt(&mut body, mqtt);
     }
     (
         [(

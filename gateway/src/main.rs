@@ -15,6 +15,7 @@ use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 use sluice_core::{Engine, FsStorage, SystemClock};
 use sluice_kafka::KafkaServer;
+use sluice_mqtt::MqttServer;
 use tokio::net::TcpListener;
 use tracing::{info, warn};
 
@@ -186,10 +187,12 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     let http_addr = http_listener.local_addr()?;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let kafka_metrics = Arc::new(std::sync::OnceLock::new());
+    let mqtt_metrics = Arc::new(std::sync::OnceLock::new());
     let app = http::router(http::AppState {
         engine: engine.clone(),
         ready: ready.clone(),
         kafka: kafka_metrics.clone(),
+        mqtt: mqtt_metrics.clone(),
     });
     let mut http_stop = stop_rx.clone();
     let http_task = tokio::spawn(async move {
@@ -210,7 +213,17 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     let _ = kafka_metrics.set(kafka.clone());
     let kafka_task = tokio::spawn(kafka.clone().serve(kafka_listener, stop_rx.clone()));
     info!(protocol = "kafka", addr = %kafka_addr, advertised = %format!("{adv_host}:{adv_port}"), sasl = !config.kafka.sasl_plain_users.is_empty(), "listening");
-    warn!(protocol = "mqtt", addr = %config.mqtt.addr, "listener not available yet in this build; nothing listens on this address");
+
+    let mqtt_listener = TcpListener::bind(&config.mqtt.addr)
+        .await
+        .with_context(|| format!("binding the MQTT listener to {}", config.mqtt.addr))?;
+    let mqtt_addr = mqtt_listener.local_addr()?;
+    let mqtt = MqttServer::new(engine.clone(), config.mqtt.clone())
+        .await
+        .context("starting the MQTT server")?;
+    let _ = mqtt_metrics.set(mqtt.clone());
+    let mqtt_task = tokio::spawn(mqtt.clone().serve(mqtt_listener, stop_rx.clone()));
+    info!(protocol = "mqtt", addr = %mqtt_addr, routes = config.mqtt.routes.len(), default_topic = %config.mqtt.default_topic, "listening");
     ready.store(true, Ordering::Release);
     info!("ready");
 
@@ -228,6 +241,9 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     }
     if let Err(e) = kafka_task.await {
         warn!(error = %e, "Kafka listener task failed");
+    }
+    if let Err(e) = mqtt_task.await {
+        warn!(error = %e, "MQTT listener task failed");
     }
     engine.shutdown().await;
     info!("stopped");

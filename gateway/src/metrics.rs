@@ -101,6 +101,98 @@ pub(crate) fn render_kafka(body: &mut String, k: &sluice_kafka::KafkaMetrics) {
     *body = o.0;
 }
 
+/// Appends the MQTT listener's counters.
+pub(crate) fn render_mqtt(body: &mut String, server: &sluice_mqtt::MqttServer) {
+    use std::sync::atomic::Ordering::Relaxed;
+    let m = &server.metrics;
+    let mut o = Out(std::mem::take(body));
+    o.single(
+        "sluice_mqtt_connections_accepted_total",
+        "counter",
+        "MQTT connections accepted.",
+        m.connections_accepted.load(Relaxed),
+    );
+    o.single(
+        "sluice_mqtt_connections_open",
+        "gauge",
+        "MQTT connections open.",
+        m.connections_open.load(Relaxed),
+    );
+    o.single(
+        "sluice_mqtt_packets_received_total",
+        "counter",
+        "MQTT packets received.",
+        m.packets_in.load(Relaxed),
+    );
+    o.single(
+        "sluice_mqtt_packets_sent_total",
+        "counter",
+        "MQTT packets sent.",
+        m.packets_out.load(Relaxed),
+    );
+    o.single(
+        "sluice_mqtt_received_bytes_total",
+        "counter",
+        "Bytes received on MQTT connections.",
+        m.bytes_in.load(Relaxed),
+    );
+    o.single(
+        "sluice_mqtt_sent_bytes_total",
+        "counter",
+        "Bytes sent on MQTT connections.",
+        m.bytes_out.load(Relaxed),
+    );
+    o.single(
+        "sluice_mqtt_bad_packets_total",
+        "counter",
+        "MQTT connections closed for malformed, oversized or out-of-order packets.",
+        m.bad_packets.load(Relaxed),
+    );
+    o.single(
+        "sluice_mqtt_publishes_received_total",
+        "counter",
+        "PUBLISH packets received.",
+        m.publishes_in.load(Relaxed),
+    );
+    o.single(
+        "sluice_mqtt_publishes_refused_total",
+        "counter",
+        "Publishes refused (no route, invalid name, or not stored).",
+        m.publishes_refused.load(Relaxed),
+    );
+    o.single(
+        "sluice_mqtt_deliveries_total",
+        "counter",
+        "PUBLISH packets delivered to subscribers.",
+        m.deliveries.load(Relaxed),
+    );
+    o.single(
+        "sluice_mqtt_deliveries_too_large_total",
+        "counter",
+        "Deliveries skipped: larger than the client's maximum packet size.",
+        m.deliveries_too_large.load(Relaxed),
+    );
+    o.single(
+        "sluice_mqtt_takeovers_total",
+        "counter",
+        "Connections replaced by a new one with the same client id.",
+        m.takeovers.load(Relaxed),
+    );
+    o.single(
+        "sluice_mqtt_wills_published_total",
+        "counter",
+        "Will messages published.",
+        m.wills_published.load(Relaxed),
+    );
+    o.single(
+        "sluice_mqtt_retained_messages",
+        "gauge",
+        "Retained messages held.",
+        server.retained_count(),
+    );
+    *body = o.0;
+}
+
 /// Renders everything for one scrape.
 pub(crate) fn render(engine: &EngineMetrics, process: &ProcessStats, ready: bool) -> String {
     let mut o = Out(String::with_capacity(4096));

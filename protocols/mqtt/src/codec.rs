@@ -1,0 +1,753 @@
+//! Packets in and out, on rumqttc's `mqttbytes` codecs for MQTT 3.1.1 (v4) and 5, mapped to
+//! one version-neutral form. Pure: no I/O. Outgoing PUBLISH headers are written here by hand so
+//! that the payload can follow as a separate, shared buffer (vectored write, no copy).
+
+use bytes::{BufMut, Bytes, BytesMut};
+use rumqttc::mqttbytes::{Error as Error4, QoS as QoS4, v4};
+use rumqttc::v5::mqttbytes::{Error as Error5, QoS as QoS5, v5};
+
+/// The protocol a connection speaks, from its CONNECT.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Version {
+    V4,
+    V5,
+}
+
+/// MQTT 5 publish properties that travel with a message (and become record headers).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Props {
+    pub(crate) payload_format: Option<u8>,
+    pub(crate) message_expiry: Option<u32>,
+    pub(crate) content_type: Option<String>,
+    pub(crate) response_topic: Option<String>,
+    pub(crate) correlation_data: Option<Bytes>,
+    pub(crate) user: Vec<(String, String)>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Will {
+    pub(crate) topic: String,
+    pub(crate) payload: Bytes,
+    pub(crate) qos: u8,
+    pub(crate) retain: bool,
+    pub(crate) delay_secs: u32,
+    pub(crate) props: Props,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Connect {
+    pub(crate) version: Version,
+    pub(crate) client_id: String,
+    pub(crate) clean_start: bool,
+    pub(crate) keep_alive: u16,
+    pub(crate) username: Option<String>,
+    pub(crate) password: Option<String>,
+    pub(crate) will: Option<Will>,
+    pub(crate) session_expiry: u32,
+    pub(crate) receive_max: u16,
+    pub(crate) max_packet_size: Option<u32>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Publish {
+    pub(crate) topic: String,
+    pub(crate) qos: u8,
+    pub(crate) retain: bool,
+    pub(crate) dup: bool,
+    pub(crate) pkid: u16,
+    pub(crate) payload: Bytes,
+    pub(crate) topic_alias: Option<u16>,
+    pub(crate) props: Props,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct SubFilter {
+    pub(crate) filter: String,
+    pub(crate) qos: u8,
+    pub(crate) no_local: bool,
+    pub(crate) retain_as_published: bool,
+    /// 0: send retained messages on subscribe, 1: only for a new subscription, 2: never.
+    pub(crate) retain_handling: u8,
+}
+
+/// A packet from a client.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum In {
+    Connect(Connect),
+    Publish(Publish),
+    PubAck(u16),
+    PubRec(u16),
+    PubRel(u16),
+    PubComp(u16),
+    Subscribe {
+        pkid: u16,
+        filters: Vec<SubFilter>,
+        id: Option<usize>,
+    },
+    Unsubscribe {
+        pkid: u16,
+        filters: Vec<String>,
+    },
+    PingReq,
+    Disconnect,
+    /// Something a server never receives (CONNACK, SUBACK, ...): a protocol error.
+    Unexpected(&'static str),
+}
+
+/// Why bytes could not become a packet.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum DecodeError {
+    #[error("need {0} more bytes")]
+    Incomplete(usize),
+    #[error("packet larger than the {max}-byte limit")]
+    TooLarge { max: usize },
+    #[error("unsupported protocol level {0}")]
+    UnsupportedProtocol(u8),
+    #[error("malformed packet: {0}")]
+    Malformed(String),
+}
+
+/// Reads the protocol level of a CONNECT at the start of `buf` without consuming it.
+pub(crate) fn connect_version(buf: &[u8]) -> Result<Version, DecodeError> {
+    if buf.is_empty() {
+        return Err(DecodeError::Incomplete(1));
+    }
+    if buf[0] >> 4 != 1 {
+        return Err(DecodeError::Malformed(
+            "the first packet must be CONNECT".into(),
+        ));
+    }
+    // Remaining length: up to four varint bytes.
+    let mut i = 1;
+    loop {
+        let Some(&b) = buf.get(i) else {
+            return Err(DecodeError::Incomplete(1));
+        };
+        i += 1;
+        if b & 0x80 == 0 {
+            break;
+        }
+        if i > 4 {
+            return Err(DecodeError::Malformed("remaining length too long".into()));
+        }
+    }
+    let Some(name_len) = buf
+        .get(i..i + 2)
+        .map(|b| usize::from(u16::from_be_bytes([b[0], b[1]])))
+    else {
+        return Err(DecodeError::Incomplete(2));
+    };
+    let Some(&level) = buf.get(i + 2 + name_len) else {
+        return Err(DecodeError::Incomplete(1));
+    };
+    match level {
+        4 => Ok(Version::V4),
+        5 => Ok(Version::V5),
+        other => Err(DecodeError::UnsupportedProtocol(other)),
+    }
+}
+
+fn qos4(q: QoS4) -> u8 {
+    q as u8
+}
+
+fn qos5(q: QoS5) -> u8 {
+    q as u8
+}
+
+fn props5(p: Option<v5::PublishProperties>) -> (Props, Option<u16>) {
+    let Some(p) = p else {
+        return (Props::default(), None);
+    };
+    (
+        Props {
+            payload_format: p.payload_format_indicator,
+            message_expiry: p.message_expiry_interval,
+            content_type: p.content_type,
+            response_topic: p.response_topic,
+            correlation_data: p.correlation_data,
+            user: p.user_properties,
+        },
+        p.topic_alias,
+    )
+}
+
+/// Decodes one packet from the front of `buf`, consuming it.
+pub(crate) fn read(buf: &mut BytesMut, version: Version, max: usize) -> Result<In, DecodeError> {
+    match version {
+        Version::V4 => match v4::Packet::read(buf, max) {
+            Ok(p) => Ok(from_v4(p)),
+            Err(Error4::InsufficientBytes(n)) => Err(DecodeError::Incomplete(n)),
+            Err(Error4::PayloadSizeLimitExceeded(_)) => Err(DecodeError::TooLarge { max }),
+            Err(e) => Err(DecodeError::Malformed(e.to_string())),
+        },
+        // MQTT 5 allows a bare DISCONNECT (remaining length 0: normal disconnection, no
+        // properties), which the library's decoder refuses.
+        Version::V5 if buf.starts_with(&[0xE0, 0x00]) => {
+            let _ = buf.split_to(2);
+            Ok(In::Disconnect)
+        }
+        Version::V5 => match v5::Packet::read(buf, Some(max as u32)) {
+            Ok(p) => Ok(from_v5(p)),
+            Err(Error5::InsufficientBytes(n)) => Err(DecodeError::Incomplete(n)),
+            Err(Error5::PayloadSizeLimitExceeded { .. }) => Err(DecodeError::TooLarge { max }),
+            Err(e) => Err(DecodeError::Malformed(e.to_string())),
+        },
+    }
+}
+
+fn from_v4(p: v4::Packet) -> In {
+    match p {
+        v4::Packet::Connect(c) => In::Connect(Connect {
+            version: Version::V4,
+            client_id: c.client_id,
+            clean_start: c.clean_session,
+            keep_alive: c.keep_alive,
+            username: c.login.as_ref().map(|l| l.username.clone()),
+            password: c.login.map(|l| l.password),
+            will: c.last_will.map(|w| Will {
+                topic: w.topic,
+                payload: w.message,
+                qos: qos4(w.qos),
+                retain: w.retain,
+                delay_secs: 0,
+                props: Props::default(),
+            }),
+            session_expiry: 0,
+            receive_max: u16::MAX,
+            max_packet_size: None,
+        }),
+        v4::Packet::Publish(p) => In::Publish(Publish {
+            topic: p.topic,
+            qos: qos4(p.qos),
+            retain: p.retain,
+            dup: p.dup,
+            pkid: p.pkid,
+            payload: p.payload,
+            topic_alias: None,
+            props: Props::default(),
+        }),
+        v4::Packet::PubAck(a) => In::PubAck(a.pkid),
+        v4::Packet::PubRec(a) => In::PubRec(a.pkid),
+        v4::Packet::PubRel(a) => In::PubRel(a.pkid),
+        v4::Packet::PubComp(a) => In::PubComp(a.pkid),
+        v4::Packet::Subscribe(s) => In::Subscribe {
+            pkid: s.pkid,
+            filters: s
+                .filters
+                .into_iter()
+                .map(|f| SubFilter {
+                    filter: f.path,
+                    qos: qos4(f.qos),
+                    no_local: false,
+                    retain_as_published: false,
+                    retain_handling: 0,
+                })
+                .collect(),
+            id: None,
+        },
+        v4::Packet::Unsubscribe(u) => In::Unsubscribe {
+            pkid: u.pkid,
+            filters: u.topics,
+        },
+        v4::Packet::PingReq => In::PingReq,
+        v4::Packet::Disconnect => In::Disconnect,
+        v4::Packet::ConnAck(_) => In::Unexpected("CONNACK"),
+        v4::Packet::SubAck(_) => In::Unexpected("SUBACK"),
+        v4::Packet::UnsubAck(_) => In::Unexpected("UNSUBACK"),
+        v4::Packet::PingResp => In::Unexpected("PINGRESP"),
+    }
+}
+
+fn from_v5(p: v5::Packet) -> In {
+    match p {
+        v5::Packet::Connect(c, will, login) => {
+            let props = c.properties.unwrap_or_default();
+            In::Connect(Connect {
+                version: Version::V5,
+                client_id: c.client_id,
+                clean_start: c.clean_start,
+                keep_alive: c.keep_alive,
+                username: login.as_ref().map(|l| l.username.clone()),
+                password: login.map(|l| l.password),
+                will: will.map(|w| {
+                    let (delay_secs, props) = match w.properties {
+                        Some(wp) => (
+                            wp.delay_interval.unwrap_or(0),
+                            Props {
+                                payload_format: wp.payload_format_indicator,
+                                message_expiry: wp.message_expiry_interval,
+                                content_type: wp.content_type,
+                                response_topic: wp.response_topic,
+                                correlation_data: wp.correlation_data,
+                                user: wp.user_properties,
+                            },
+                        ),
+                        None => (0, Props::default()),
+                    };
+                    Will {
+                        topic: String::from_utf8_lossy(&w.topic).into_owned(),
+                        payload: w.message,
+                        qos: qos5(w.qos),
+                        retain: w.retain,
+                        delay_secs,
+                        props,
+                    }
+                }),
+                session_expiry: props.session_expiry_interval.unwrap_or(0),
+                receive_max: props.receive_maximum.unwrap_or(u16::MAX),
+                max_packet_size: props.max_packet_size,
+            })
+        }
+        v5::Packet::Publish(p) => {
+            let (props, topic_alias) = props5(p.properties);
+            In::Publish(Publish {
+                topic: String::from_utf8_lossy(&p.topic).into_owned(),
+                qos: qos5(p.qos),
+                retain: p.retain,
+                dup: p.dup,
+                pkid: p.pkid,
+                payload: p.payload,
+                topic_alias,
+                props,
+            })
+        }
+        v5::Packet::PubAck(a) => In::PubAck(a.pkid),
+        v5::Packet::PubRec(a) => In::PubRec(a.pkid),
+        v5::Packet::PubRel(a) => In::PubRel(a.pkid),
+        v5::Packet::PubComp(a) => In::PubComp(a.pkid),
+        v5::Packet::Subscribe(s) => In::Subscribe {
+            pkid: s.pkid,
+            id: s.properties.and_then(|p| p.id),
+            filters: s
+                .filters
+                .into_iter()
+                .map(|f| SubFilter {
+                    filter: f.path,
+                    qos: qos5(f.qos),
+                    no_local: f.nolocal,
+                    retain_as_published: f.preserve_retain,
+                    retain_handling: match f.retain_forward_rule {
+                        v5::RetainForwardRule::OnEverySubscribe => 0,
+                        v5::RetainForwardRule::OnNewSubscribe => 1,
+                        v5::RetainForwardRule::Never => 2,
+                    },
+                })
+                .collect(),
+        },
+        v5::Packet::Unsubscribe(u) => In::Unsubscribe {
+            pkid: u.pkid,
+            filters: u.filters,
+        },
+        v5::Packet::PingReq(_) => In::PingReq,
+        v5::Packet::Disconnect(_) => In::Disconnect,
+        v5::Packet::Auth(_) => In::Unexpected("AUTH"),
+        v5::Packet::ConnAck(_) => In::Unexpected("CONNACK"),
+        v5::Packet::SubAck(_) => In::Unexpected("SUBACK"),
+        v5::Packet::UnsubAck(_) => In::Unexpected("UNSUBACK"),
+        v5::Packet::PingResp(_) => In::Unexpected("PINGRESP"),
+    }
+}
+
+/// Reason codes the server sends (MQTT 5 values; v4 maps them to its few return codes).
+pub(crate) mod reason {
+    pub(crate) const SUCCESS: u8 = 0x00;
+    pub(crate) const UNSPECIFIED: u8 = 0x80;
+    pub(crate) const MALFORMED: u8 = 0x81;
+    pub(crate) const PROTOCOL_ERROR: u8 = 0x82;
+    pub(crate) const UNSUPPORTED_VERSION: u8 = 0x84;
+    pub(crate) const CLIENT_ID_INVALID: u8 = 0x85;
+    pub(crate) const TOPIC_FILTER_INVALID: u8 = 0x8F;
+    pub(crate) const TOPIC_NAME_INVALID: u8 = 0x90;
+    pub(crate) const PACKET_ID_NOT_FOUND: u8 = 0x92;
+    pub(crate) const PACKET_TOO_LARGE: u8 = 0x95;
+    pub(crate) const SESSION_TAKEN_OVER: u8 = 0x8E;
+    pub(crate) const KEEP_ALIVE_TIMEOUT: u8 = 0x8D;
+    pub(crate) const SERVER_SHUTTING_DOWN: u8 = 0x8B;
+    pub(crate) const IMPLEMENTATION_SPECIFIC: u8 = 0x83;
+}
+
+/// CONNACK. For v4, any failure is "server unavailable" or "unacceptable protocol version".
+pub(crate) fn connack(
+    version: Version,
+    session_present: bool,
+    code: u8,
+    max_packet: u32,
+    assigned_client_id: Option<String>,
+    out: &mut BytesMut,
+) {
+    match version {
+        Version::V4 => {
+            let rc = match code {
+                reason::SUCCESS => v4::ConnectReturnCode::Success,
+                reason::UNSUPPORTED_VERSION => v4::ConnectReturnCode::RefusedProtocolVersion,
+                reason::CLIENT_ID_INVALID => v4::ConnectReturnCode::BadClientId,
+                _ => v4::ConnectReturnCode::ServiceUnavailable,
+            };
+            let _ = v4::ConnAck::new(rc, session_present).write(out);
+        }
+        Version::V5 => {
+            let rc = match code {
+                reason::SUCCESS => v5::ConnectReturnCode::Success,
+                reason::UNSUPPORTED_VERSION => v5::ConnectReturnCode::UnsupportedProtocolVersion,
+                reason::CLIENT_ID_INVALID => v5::ConnectReturnCode::ClientIdentifierNotValid,
+                reason::TOPIC_NAME_INVALID => v5::ConnectReturnCode::TopicNameInvalid,
+                reason::PACKET_TOO_LARGE => v5::ConnectReturnCode::PacketTooLarge,
+                reason::MALFORMED => v5::ConnectReturnCode::MalformedPacket,
+                reason::PROTOCOL_ERROR => v5::ConnectReturnCode::ProtocolError,
+                _ => v5::ConnectReturnCode::UnspecifiedError,
+            };
+            let props = v5::ConnAckProperties {
+                session_expiry_interval: None,
+                receive_max: None,
+                max_qos: None,
+                retain_available: Some(1),
+                max_packet_size: Some(max_packet),
+                assigned_client_identifier: assigned_client_id,
+                topic_alias_max: Some(u16::MAX),
+                reason_string: None,
+                user_properties: Vec::new(),
+                wildcard_subscription_available: None,
+                subscription_identifiers_available: None,
+                shared_subscription_available: Some(0),
+                server_keep_alive: None,
+                response_information: None,
+                server_reference: None,
+                authentication_method: None,
+                authentication_data: None,
+            };
+            let ack = v5::ConnAck {
+                session_present,
+                code: rc,
+                properties: Some(props),
+            };
+            let _ = v5::Packet::ConnAck(ack).write(out, None);
+        }
+    }
+}
+
+/// PUBACK / PUBREC / PUBREL / PUBCOMP.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Ack {
+    Puback,
+    Pubrec,
+    Pubrel,
+    Pubcomp,
+}
+
+pub(crate) fn ack(version: Version, kind: Ack, pkid: u16, code: u8, out: &mut BytesMut) {
+    match version {
+        Version::V4 => {
+            let _ = match kind {
+                Ack::Puback => v4::PubAck::new(pkid).write(out),
+                Ack::Pubrec => v4::PubRec::new(pkid).write(out),
+                Ack::Pubrel => v4::PubRel::new(pkid).write(out),
+                Ack::Pubcomp => v4::PubComp::new(pkid).write(out),
+            };
+        }
+        Version::V5 => {
+            let p = match kind {
+                Ack::Puback => v5::Packet::PubAck(v5::PubAck {
+                    pkid,
+                    reason: match code {
+                        reason::SUCCESS => v5::PubAckReason::Success,
+                        reason::TOPIC_NAME_INVALID => v5::PubAckReason::TopicNameInvalid,
+                        reason::IMPLEMENTATION_SPECIFIC => {
+                            v5::PubAckReason::ImplementationSpecificError
+                        }
+                        _ => v5::PubAckReason::UnspecifiedError,
+                    },
+                    properties: None,
+                }),
+                Ack::Pubrec => v5::Packet::PubRec(v5::PubRec {
+                    pkid,
+                    reason: match code {
+                        reason::SUCCESS => v5::PubRecReason::Success,
+                        reason::TOPIC_NAME_INVALID => v5::PubRecReason::TopicNameInvalid,
+                        reason::IMPLEMENTATION_SPECIFIC => {
+                            v5::PubRecReason::ImplementationSpecificError
+                        }
+                        _ => v5::PubRecReason::UnspecifiedError,
+                    },
+                    properties: None,
+                }),
+                Ack::Pubrel => v5::Packet::PubRel(v5::PubRel {
+                    pkid,
+                    reason: v5::PubRelReason::Success,
+                    properties: None,
+                }),
+                Ack::Pubcomp => v5::Packet::PubComp(v5::PubComp {
+                    pkid,
+                    reason: if code == reason::SUCCESS {
+                        v5::PubCompReason::Success
+                    } else {
+                        v5::PubCompReason::PacketIdentifierNotFound
+                    },
+                    properties: None,
+                }),
+            };
+            let _ = p.write(out, None);
+        }
+    }
+}
+
+/// SUBACK with one granted QoS (0–2) or failure reason (≥ 0x80) per filter.
+pub(crate) fn suback(version: Version, pkid: u16, codes: &[u8], out: &mut BytesMut) {
+    match version {
+        Version::V4 => {
+            let rc = codes
+                .iter()
+                .map(|&c| match c {
+                    0 => v4::SubscribeReasonCode::Success(QoS4::AtMostOnce),
+                    1 => v4::SubscribeReasonCode::Success(QoS4::AtLeastOnce),
+                    2 => v4::SubscribeReasonCode::Success(QoS4::ExactlyOnce),
+                    _ => v4::SubscribeReasonCode::Failure,
+                })
+                .collect();
+            let _ = v4::SubAck::new(pkid, rc).write(out);
+        }
+        Version::V5 => {
+            let rc = codes
+                .iter()
+                .map(|&c| match c {
+                    0 => v5::SubscribeReasonCode::Success(QoS5::AtMostOnce),
+                    1 => v5::SubscribeReasonCode::Success(QoS5::AtLeastOnce),
+                    2 => v5::SubscribeReasonCode::Success(QoS5::ExactlyOnce),
+                    reason::TOPIC_FILTER_INVALID => v5::SubscribeReasonCode::TopicFilterInvalid,
+                    _ => v5::SubscribeReasonCode::Unspecified,
+                })
+                .collect();
+            let _ = v5::Packet::SubAck(v5::SubAck {
+                pkid,
+                return_codes: rc,
+                properties: None,
+            })
+            .write(out, None);
+        }
+    }
+}
+
+pub(crate) fn unsuback(version: Version, pkid: u16, n: usize, out: &mut BytesMut) {
+    match version {
+        Version::V4 => {
+            let _ = v4::UnsubAck::new(pkid).write(out);
+        }
+        Version::V5 => {
+            let _ = v5::Packet::UnsubAck(v5::UnsubAck {
+                pkid,
+                reasons: vec![v5::UnsubAckReason::Success; n],
+                properties: None,
+            })
+            .write(out, None);
+        }
+    }
+}
+
+pub(crate) fn pingresp(version: Version, out: &mut BytesMut) {
+    match version {
+        Version::V4 => {
+            let _ = v4::PingResp.write(out);
+        }
+        Version::V5 => {
+            let _ = v5::Packet::PingResp(v5::PingResp).write(out, None);
+        }
+    }
+}
+
+/// A server DISCONNECT (MQTT 5 only; v4 just closes the connection).
+pub(crate) fn disconnect(version: Version, code: u8, out: &mut BytesMut) {
+    if version == Version::V5 {
+        out.put_u8(0xE0);
+        out.put_u8(1);
+        out.put_u8(code);
+    }
+}
+
+fn put_varint(out: &mut BytesMut, mut v: usize) {
+    loop {
+        let mut b = (v % 128) as u8;
+        v /= 128;
+        if v > 0 {
+            b |= 0x80;
+        }
+        out.put_u8(b);
+        if v == 0 {
+            break;
+        }
+    }
+}
+
+fn put_str(out: &mut BytesMut, s: &[u8]) {
+    out.put_u16(s.len() as u16);
+    out.put_slice(s);
+}
+
+/// Writes everything of an outgoing PUBLISH except its payload, which the caller sends next as
+/// its own (shared) buffer. Returns the whole packet's size.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn publish_header(
+    version: Version,
+    topic: &str,
+    qos: u8,
+    retain: bool,
+    pkid: u16,
+    props: &Props,
+    subscription_id: Option<usize>,
+    payload_len: usize,
+    out: &mut BytesMut,
+) -> usize {
+    let mut vh = BytesMut::with_capacity(topic.len() + 32);
+    put_str(&mut vh, topic.as_bytes());
+    if qos > 0 {
+        vh.put_u16(pkid);
+    }
+    if version == Version::V5 {
+        let mut p = BytesMut::new();
+        if let Some(f) = props.payload_format {
+            p.put_u8(0x01);
+            p.put_u8(f);
+        }
+        if let Some(e) = props.message_expiry {
+            p.put_u8(0x02);
+            p.put_u32(e);
+        }
+        if let Some(ct) = &props.content_type {
+            p.put_u8(0x03);
+            put_str(&mut p, ct.as_bytes());
+        }
+        if let Some(rt) = &props.response_topic {
+            p.put_u8(0x08);
+            put_str(&mut p, rt.as_bytes());
+        }
+        if let Some(cd) = &props.correlation_data {
+            p.put_u8(0x09);
+            put_str(&mut p, cd);
+        }
+        if let Some(id) = subscription_id {
+            p.put_u8(0x0B);
+            put_varint(&mut p, id);
+        }
+        for (k, v) in &props.user {
+            p.put_u8(0x26);
+            put_str(&mut p, k.as_bytes());
+            put_str(&mut p, v.as_bytes());
+        }
+        put_varint(&mut vh, p.len());
+        vh.extend_from_slice(&p);
+    }
+    let remaining = vh.len() + payload_len;
+    let start = out.len();
+    out.put_u8(0x30 | (qos << 1) | u8::from(retain));
+    put_varint(out, remaining);
+    out.extend_from_slice(&vh);
+    out.len() - start + payload_len
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn encoded_v4(p: v4::Packet) -> BytesMut {
+        let mut b = BytesMut::new();
+        p.write(&mut b, usize::MAX).unwrap();
+        b
+    }
+
+    #[test]
+    fn detects_the_protocol_level() {
+        let mut c = v4::Connect::new("dev-1");
+        c.keep_alive = 30;
+        let b = encoded_v4(v4::Packet::Connect(c));
+        assert_eq!(connect_version(&b).unwrap(), Version::V4);
+        let mut b5 = BytesMut::new();
+        v5::Packet::Connect(
+            v5::Connect {
+                keep_alive: 30,
+                client_id: "d".into(),
+                clean_start: true,
+                properties: None,
+            },
+            None,
+            None,
+        )
+        .write(&mut b5, None)
+        .unwrap();
+        assert_eq!(connect_version(&b5).unwrap(), Version::V5);
+        assert!(matches!(
+            connect_version(&b[..3]),
+            Err(DecodeError::Incomplete(_))
+        ));
+        let mut v31 = b.to_vec();
+        // Type, one length byte, "\0\x04MQTT", then the level.
+        assert_eq!(&v31[2..8], b"\0\x04MQTT");
+        v31[8] = 3;
+        assert!(matches!(
+            connect_version(&v31),
+            Err(DecodeError::UnsupportedProtocol(3))
+        ));
+        assert!(matches!(
+            connect_version(&[0x30, 0]),
+            Err(DecodeError::Malformed(_))
+        ));
+    }
+
+    #[test]
+    fn hand_written_publish_decodes_with_the_library() {
+        for version in [Version::V4, Version::V5] {
+            let props = Props {
+                content_type: Some("image/jpeg".into()),
+                user: vec![("camera".into(), "7".into())],
+                correlation_data: Some(Bytes::from_static(b"c1")),
+                ..Default::default()
+            };
+            let mut out = BytesMut::new();
+            let payload = Bytes::from_static(b"frame-bytes");
+            let size = publish_header(
+                version,
+                "cameras/7/jpeg",
+                1,
+                true,
+                42,
+                &props,
+                Some(9),
+                payload.len(),
+                &mut out,
+            );
+            out.extend_from_slice(&payload);
+            assert_eq!(size, out.len());
+            match read(&mut out, version, 1 << 20).unwrap() {
+                In::Publish(p) => {
+                    assert_eq!(
+                        (p.topic.as_str(), p.qos, p.retain, p.pkid),
+                        ("cameras/7/jpeg", 1, true, 42)
+                    );
+                    assert_eq!(&p.payload[..], b"frame-bytes");
+                    if version == Version::V5 {
+                        assert_eq!(p.props.content_type.as_deref(), Some("image/jpeg"));
+                        assert_eq!(p.props.user, vec![("camera".to_string(), "7".to_string())]);
+                    }
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn a_bare_mqtt5_disconnect_is_a_disconnect() {
+        let mut b = BytesMut::from(&[0xE0u8, 0x00, 0xC0, 0x00][..]);
+        assert_eq!(read(&mut b, Version::V5, 1024).unwrap(), In::Disconnect);
+        assert_eq!(read(&mut b, Version::V5, 1024).unwrap(), In::PingReq);
+    }
+
+    proptest! {
+        #[test]
+        fn garbage_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..300)) {
+            for v in [Version::V4, Version::V5] {
+                let mut b = BytesMut::from(&bytes[..]);
+                let _ = read(&mut b, v, 1 << 16);
+            }
+            let _ = connect_version(&bytes);
+        }
+    }
+}

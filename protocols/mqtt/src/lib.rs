@@ -1,0 +1,47 @@
+//! Sluice's MQTT 3.1.1 and 5 server: devices publish into the ledger and subscribers follow it
+//! live. Sluice's own session layer on rumqttc's packet codecs (`mqttbytes` v4 and v5), so that
+//! a publish is acknowledged only once durable and a payload fanned out to many subscribers is
+//! never copied per subscriber.
+//!
+//! It owns the listener, sessions, routes between MQTT names and ledger topics, and retained
+//! messages (kept in a ledger topic). It never touches files: everything durable goes through
+//! `sluice-core`.
+
+mod codec;
+mod message;
+mod retained;
+mod routes;
+mod server;
+mod session;
+mod topic;
+
+use serde::{Deserialize, Serialize};
+
+pub use retained::RETAINED_TOPIC;
+pub use routes::Route;
+pub use server::{MqttMetrics, MqttServer};
+
+/// Settings of the MQTT listener (the gateway's `[mqtt]` section).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MqttSettings {
+    /// Listener address, HOST:PORT.
+    pub addr: String,
+    /// Largest packet accepted (and announced to MQTT 5 clients).
+    pub max_packet_bytes: usize,
+    /// Ledger topic for MQTT names no route matches; empty refuses them.
+    pub default_topic: String,
+    /// How long a new connection may take to send CONNECT.
+    pub connect_timeout_ms: u64,
+    /// MQTT topic filters → ledger topics, first match wins.
+    pub routes: Vec<Route>,
+}
+
+/// Entry point for fuzzing the packet decoder: a CONNECT (to pick the version) followed by any
+/// bytes. Not part of the API.
+#[doc(hidden)]
+pub fn fuzz_decode(data: &[u8]) {
+    let mut buf = bytes::BytesMut::from(data);
+    let version = codec::connect_version(data).unwrap_or(codec::Version::V5);
+    while let Ok(_packet) = codec::read(&mut buf, version, 1 << 20) {}
+}

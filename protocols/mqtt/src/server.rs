@@ -1,0 +1,135 @@
+//! The MQTT listener, the registry of connected client ids (for session takeover) and the
+//! server-wide counters.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use dashmap::DashMap;
+use sluice_core::{CoreError, Engine};
+use tokio::net::TcpListener;
+use tokio::sync::{Notify, watch};
+use tracing::{debug, info, warn};
+
+use crate::MqttSettings;
+use crate::retained::Retained;
+use crate::routes::Routes;
+use crate::session;
+
+/// Counters of the MQTT listener (no label per client).
+#[derive(Debug, Default)]
+pub struct MqttMetrics {
+    pub connections_accepted: AtomicU64,
+    pub connections_open: AtomicU64,
+    pub packets_in: AtomicU64,
+    pub packets_out: AtomicU64,
+    pub bytes_in: AtomicU64,
+    pub bytes_out: AtomicU64,
+    /// Connections closed for malformed, oversized or out-of-order packets.
+    pub bad_packets: AtomicU64,
+    pub publishes_in: AtomicU64,
+    /// Publishes refused: no route for the name, or the ledger refused the append.
+    pub publishes_refused: AtomicU64,
+    pub deliveries: AtomicU64,
+    /// Deliveries skipped because they exceed the client's maximum packet size.
+    pub deliveries_too_large: AtomicU64,
+    pub takeovers: AtomicU64,
+    pub wills_published: AtomicU64,
+}
+
+/// A connected client's handle in the registry.
+#[derive(Debug)]
+pub(crate) struct Registered {
+    pub(crate) connection: u64,
+    pub(crate) kick: Arc<Notify>,
+}
+
+/// The MQTT server; shared by its connection tasks.
+#[derive(Debug)]
+pub struct MqttServer {
+    pub(crate) engine: Engine,
+    pub(crate) settings: MqttSettings,
+    pub(crate) routes: Routes,
+    pub(crate) retained: Retained,
+    pub(crate) clients: DashMap<String, Registered>,
+    /// Wills waiting out their delay, by client id; a reconnect cancels them.
+    pub(crate) pending_wills: DashMap<String, tokio::task::JoinHandle<()>>,
+    next_connection: AtomicU64,
+    pub metrics: MqttMetrics,
+}
+
+impl MqttServer {
+    /// Builds the server: validates the routes and replays the retained messages.
+    pub async fn new(engine: Engine, settings: MqttSettings) -> Result<Arc<Self>, CoreError> {
+        let routes = Routes::new(settings.routes.clone(), &settings.default_topic)
+            .map_err(|reason| CoreError::InvalidPolicy { reason })?;
+        let retained = Retained::load(engine.clone()).await?;
+        if retained.len() > 0 {
+            info!(
+                retained = retained.len(),
+                "mqtt retained messages recovered"
+            );
+        }
+        Ok(Arc::new(Self {
+            engine,
+            settings,
+            routes,
+            retained,
+            clients: DashMap::new(),
+            pending_wills: DashMap::new(),
+            next_connection: AtomicU64::new(1),
+            metrics: MqttMetrics::default(),
+        }))
+    }
+
+    /// Retained messages held.
+    pub fn retained_count(&self) -> usize {
+        self.retained.len()
+    }
+
+    pub(crate) fn connection_id(&self) -> u64 {
+        self.next_connection.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Accepts connections until `shutdown` turns true.
+    pub async fn serve(
+        self: Arc<Self>,
+        listener: TcpListener,
+        mut shutdown: watch::Receiver<bool>,
+    ) {
+        loop {
+            let accepted = tokio::select! {
+                r = listener.accept() => r,
+                _ = shutdown.wait_for(|&s| s) => break,
+            };
+            match accepted {
+                Ok((stream, peer)) => {
+                    let _ = stream.set_nodelay(true);
+                    self.metrics
+                        .connections_accepted
+                        .fetch_add(1, Ordering::Relaxed);
+                    let server = self.clone();
+                    let shutdown = shutdown.clone();
+                    tokio::spawn(async move {
+                        server
+                            .metrics
+                            .connections_open
+                            .fetch_add(1, Ordering::Relaxed);
+                        if let Err(e) = session::run(&server, stream, peer, shutdown).await {
+                            debug!(%peer, error = %e, "mqtt connection ended");
+                        }
+                        server
+                            .metrics
+                            .connections_open
+                            .fetch_sub(1, Ordering::Relaxed);
+                    });
+                }
+                Err(e) => {
+                    warn!(error = %e, "mqtt accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        }
+        info!("mqtt listener stopped");
+    }
+}

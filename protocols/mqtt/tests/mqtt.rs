@@ -1,0 +1,525 @@
+//! The MQTT server against rumqttc clients (MQTT 3.1.1 and 5) over real sockets.
+#![allow(clippy::unwrap_used)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use rumqttc::{AsyncClient, Event, MqttOptions, Packet, QoS};
+use sluice_core::{Engine, EngineConfig, FsStorage, PartitionChoice, Record, SystemClock};
+use sluice_mqtt::{MqttServer, MqttSettings, Route};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+
+const PATIENCE: Duration = Duration::from_secs(30);
+
+struct Gateway {
+    engine: Engine,
+    server: Arc<MqttServer>,
+    port: u16,
+    stop: tokio::sync::watch::Sender<bool>,
+}
+
+async fn start(dir: &std::path::Path) -> Gateway {
+    let engine = Engine::open(
+        EngineConfig::new(dir),
+        Arc::new(FsStorage),
+        Arc::new(SystemClock),
+    )
+    .await
+    .unwrap();
+    let settings = MqttSettings {
+        addr: "127.0.0.1:0".into(),
+        max_packet_bytes: 8 * 1024 * 1024,
+        default_topic: "mqtt".into(),
+        connect_timeout_ms: 10_000,
+        routes: vec![Route {
+            filter: "cameras/+/jpeg".into(),
+            topic: "camera-images".into(),
+        }],
+    };
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let server = MqttServer::new(engine.clone(), settings).await.unwrap();
+    let (stop, stop_rx) = tokio::sync::watch::channel(false);
+    tokio::spawn(server.clone().serve(listener, stop_rx));
+    Gateway {
+        engine,
+        server,
+        port,
+        stop,
+    }
+}
+
+impl Gateway {
+    async fn stop(self) {
+        let _ = self.stop.send(true);
+        self.engine.shutdown().await;
+    }
+}
+
+/// A rumqttc (v4) client whose incoming packets arrive on a channel.
+async fn client(
+    port: u16,
+    id: &str,
+    configure: impl FnOnce(&mut MqttOptions),
+) -> (AsyncClient, mpsc::UnboundedReceiver<Packet>) {
+    let mut opts = MqttOptions::new(id, "127.0.0.1", port);
+    opts.set_keep_alive(Duration::from_secs(30));
+    opts.set_max_packet_size(16 * 1024 * 1024, 16 * 1024 * 1024);
+    configure(&mut opts);
+    let (c, mut events) = AsyncClient::new(opts, 100);
+    let (tx, rx) = mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        loop {
+            match events.poll().await {
+                Ok(Event::Incoming(p)) => {
+                    if tx.send(p).is_err() {
+                        break;
+                    }
+                }
+                Ok(Event::Outgoing(_)) => {}
+                Err(_) => break,
+            }
+        }
+    });
+    (c, rx)
+}
+
+/// The next packet matching `f`, skipping others.
+async fn next_matching<T>(
+    rx: &mut mpsc::UnboundedReceiver<Packet>,
+    mut f: impl FnMut(Packet) -> Option<T>,
+) -> T {
+    tokio::time::timeout(PATIENCE, async {
+        loop {
+            let p = rx.recv().await.expect("connection ended");
+            if let Some(t) = f(p) {
+                return t;
+            }
+        }
+    })
+    .await
+    .expect("no matching packet in time")
+}
+
+async fn publish_of(rx: &mut mpsc::UnboundedReceiver<Packet>) -> rumqttc::Publish {
+    next_matching(rx, |p| match p {
+        Packet::Publish(p) => Some(p),
+        _ => None,
+    })
+    .await
+}
+
+async fn subscribed(rx: &mut mpsc::UnboundedReceiver<Packet>) -> Vec<rumqttc::SubscribeReasonCode> {
+    next_matching(rx, |p| match p {
+        Packet::SubAck(a) => Some(a.return_codes),
+        _ => None,
+    })
+    .await
+}
+
+#[tokio::test]
+async fn every_qos_is_delivered_and_acknowledged_only_when_stored() {
+    let dir = tempfile::tempdir().unwrap();
+    let gw = start(dir.path()).await;
+    let (sub, mut sub_rx) = client(gw.port, "sub", |_| {}).await;
+    sub.subscribe("sensors/#", QoS::AtLeastOnce).await.unwrap();
+    assert_eq!(
+        subscribed(&mut sub_rx).await,
+        vec![rumqttc::SubscribeReasonCode::Success(QoS::AtLeastOnce)]
+    );
+    let (publisher, mut pub_rx) = client(gw.port, "pub", |_| {}).await;
+    for (i, qos) in [QoS::AtMostOnce, QoS::AtLeastOnce, QoS::ExactlyOnce]
+        .into_iter()
+        .enumerate()
+    {
+        publisher
+            .publish(format!("sensors/{i}"), qos, false, vec![i as u8; 10])
+            .await
+            .unwrap();
+        match qos {
+            QoS::AtLeastOnce => {
+                next_matching(&mut pub_rx, |p| {
+                    matches!(p, Packet::PubAck(_)).then_some(())
+                })
+                .await;
+                // PUBACK means stored: the record is readable from the ledger right away.
+                assert_eq!(gw.engine.offsets("mqtt", 0).unwrap().1, 2);
+            }
+            QoS::ExactlyOnce => {
+                next_matching(&mut pub_rx, |p| {
+                    matches!(p, Packet::PubComp(_)).then_some(())
+                })
+                .await;
+                assert_eq!(
+                    gw.engine.offsets("mqtt", 0).unwrap().1,
+                    3,
+                    "stored once despite the two-step handshake"
+                );
+            }
+            QoS::AtMostOnce => {}
+        }
+        let got = publish_of(&mut sub_rx).await;
+        assert_eq!(got.topic, format!("sensors/{i}"));
+        assert_eq!(&got.payload[..], &vec![i as u8; 10][..]);
+    }
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn mqtt5_properties_round_trip_through_the_ledger() {
+    use rumqttc::v5::mqttbytes::v5::{Packet as P5, PublishProperties};
+    use rumqttc::v5::{AsyncClient as Client5, Event as Event5, MqttOptions as Options5};
+    let dir = tempfile::tempdir().unwrap();
+    let gw = start(dir.path()).await;
+    let run = |id: &str| {
+        let (c, mut events) = Client5::new(Options5::new(id, "127.0.0.1", gw.port), 100);
+        let (tx, rx) = mpsc::unbounded_channel::<P5>();
+        tokio::spawn(async move {
+            while let Ok(e) = events.poll().await {
+                if let Event5::Incoming(p) = e
+                    && tx.send(p).is_err()
+                {
+                    break;
+                }
+            }
+        });
+        (c, rx)
+    };
+    let (sub, mut sub_rx) = run("sub5");
+    sub.subscribe("cameras/+/jpeg", rumqttc::v5::mqttbytes::QoS::AtLeastOnce)
+        .await
+        .unwrap();
+    tokio::time::timeout(PATIENCE, async {
+        while !matches!(sub_rx.recv().await, Some(P5::SubAck(_))) {}
+    })
+    .await
+    .unwrap();
+    let (publisher, _pub_rx) = run("pub5");
+    let props = PublishProperties {
+        content_type: Some("image/jpeg".into()),
+        response_topic: Some("replies/cam7".into()),
+        correlation_data: Some(Bytes::from_static(b"req-1")),
+        user_properties: vec![("site".into(), "north".into())],
+        ..Default::default()
+    };
+    publisher
+        .publish_with_properties(
+            "cameras/7/jpeg",
+            rumqttc::v5::mqttbytes::QoS::AtLeastOnce,
+            false,
+            Bytes::from_static(b"jpeg-bytes"),
+            props,
+        )
+        .await
+        .unwrap();
+    let got = tokio::time::timeout(PATIENCE, async {
+        loop {
+            if let Some(P5::Publish(p)) = sub_rx.recv().await {
+                return p;
+            }
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!(&got.topic[..], b"cameras/7/jpeg");
+    let p = got.properties.unwrap();
+    assert_eq!(p.content_type.as_deref(), Some("image/jpeg"));
+    assert_eq!(p.response_topic.as_deref(), Some("replies/cam7"));
+    assert_eq!(p.correlation_data.as_deref(), Some(&b"req-1"[..]));
+    assert_eq!(
+        p.user_properties,
+        vec![("site".to_string(), "north".to_string())]
+    );
+    // Routed to its ledger topic, keyed by the MQTT name, properties as headers (what Kafka sees).
+    let fetched = gw
+        .engine
+        .fetch("camera-images", 0, 0, 1 << 20)
+        .await
+        .unwrap();
+    let batch = sluice_core::split_batches(fetched.data).unwrap().remove(0);
+    let r = sluice_core::decode_records(&batch)
+        .unwrap()
+        .remove(0)
+        .record;
+    assert_eq!(r.key.as_deref(), Some(&b"cameras/7/jpeg"[..]));
+    assert!(
+        r.headers
+            .contains(&("content-type".into(), Bytes::from_static(b"image/jpeg")))
+    );
+    assert!(
+        r.headers
+            .contains(&("site".into(), Bytes::from_static(b"north")))
+    );
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn records_from_other_protocols_reach_mqtt_under_their_names() {
+    let dir = tempfile::tempdir().unwrap();
+    let gw = start(dir.path()).await;
+    let (sub, mut rx) = client(gw.port, "sub", |_| {}).await;
+    sub.subscribe("cameras/#", QoS::AtMostOnce).await.unwrap();
+    sub.subscribe("camera-images", QoS::AtMostOnce)
+        .await
+        .unwrap();
+    subscribed(&mut rx).await;
+    subscribed(&mut rx).await;
+    let record = |key: &[u8]| Record {
+        timestamp: gw.engine.now_ms(),
+        key: Some(Bytes::copy_from_slice(key)),
+        value: Some(Bytes::from_static(b"from kafka")),
+        headers: vec![],
+    };
+    // As a Kafka producer would write it: key = an MQTT name routed to this topic...
+    gw.engine
+        .produce(
+            "camera-images",
+            PartitionChoice::Id(0),
+            &[record(b"cameras/9/jpeg")],
+        )
+        .await
+        .unwrap();
+    assert_eq!(publish_of(&mut rx).await.topic, "cameras/9/jpeg");
+    // ...or a key that is no MQTT name: delivered under the ledger topic's name.
+    gw.engine
+        .produce(
+            "camera-images",
+            PartitionChoice::Id(0),
+            &[record(b"device 9")],
+        )
+        .await
+        .unwrap();
+    let p = publish_of(&mut rx).await;
+    assert_eq!(
+        (p.topic.as_str(), &p.payload[..]),
+        ("camera-images", &b"from kafka"[..])
+    );
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn retained_messages_are_delivered_cleared_and_survive_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let gw = start(dir.path()).await;
+    let (p, mut prx) = client(gw.port, "pub", |_| {}).await;
+    p.publish("status/a", QoS::AtLeastOnce, true, "online")
+        .await
+        .unwrap();
+    next_matching(&mut prx, |x| matches!(x, Packet::PubAck(_)).then_some(())).await;
+    p.publish("status/b", QoS::AtLeastOnce, true, "busy")
+        .await
+        .unwrap();
+    next_matching(&mut prx, |x| matches!(x, Packet::PubAck(_)).then_some(())).await;
+    p.publish("status/b", QoS::AtLeastOnce, true, "")
+        .await
+        .unwrap();
+    next_matching(&mut prx, |x| matches!(x, Packet::PubAck(_)).then_some(())).await;
+    assert_eq!(
+        gw.server.retained_count(),
+        1,
+        "an empty retained payload clears"
+    );
+    drop(p);
+    gw.stop().await;
+
+    let gw = start(dir.path()).await;
+    let (s, mut rx) = client(gw.port, "late-subscriber", |_| {}).await;
+    s.subscribe("status/+", QoS::AtLeastOnce).await.unwrap();
+    let got = publish_of(&mut rx).await;
+    assert_eq!(
+        (got.topic.as_str(), &got.payload[..], got.retain),
+        ("status/a", &b"online"[..], true)
+    );
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn the_will_is_published_when_a_client_vanishes() {
+    let dir = tempfile::tempdir().unwrap();
+    let gw = start(dir.path()).await;
+    let (watcher, mut rx) = client(gw.port, "watcher", |_| {}).await;
+    watcher
+        .subscribe("wills/#", QoS::AtLeastOnce)
+        .await
+        .unwrap();
+    subscribed(&mut rx).await;
+    // A raw client: CONNECT with a will, then the socket simply closes.
+    let mut raw = TcpStream::connect(("127.0.0.1", gw.port)).await.unwrap();
+    let mut connect = bytes::BytesMut::new();
+    let mut c = rumqttc::Connect::new("car-7");
+    c.keep_alive = 30;
+    c.last_will = Some(rumqttc::LastWill::new(
+        "wills/car-7",
+        "gone",
+        QoS::AtLeastOnce,
+        false,
+    ));
+    rumqttc::Packet::Connect(c)
+        .write(&mut connect, usize::MAX)
+        .unwrap();
+    raw.write_all(&connect).await.unwrap();
+    let mut connack = [0u8; 4];
+    raw.read_exact(&mut connack).await.unwrap();
+    assert_eq!(connack, [0x20, 2, 0, 0]);
+    drop(raw);
+    let will = publish_of(&mut rx).await;
+    assert_eq!(
+        (will.topic.as_str(), &will.payload[..]),
+        ("wills/car-7", &b"gone"[..])
+    );
+    // A clean DISCONNECT publishes no will.
+    let (polite, _prx) = client(gw.port, "polite", |o| {
+        o.set_last_will(rumqttc::LastWill::new(
+            "wills/polite",
+            "gone",
+            QoS::AtLeastOnce,
+            false,
+        ));
+    })
+    .await;
+    polite.disconnect().await.unwrap();
+    // Wait until the server has closed the polite connection, then send a marker: had a will
+    // been published, it would arrive before the marker.
+    let open = || {
+        gw.server
+            .metrics
+            .connections_open
+            .load(std::sync::atomic::Ordering::Relaxed)
+    };
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    while open() > 1 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the polite connection never closed"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    watcher
+        .publish("wills/marker", QoS::AtLeastOnce, false, "end")
+        .await
+        .unwrap();
+    assert_eq!(
+        publish_of(&mut rx).await.topic,
+        "wills/marker",
+        "no will after a clean disconnect"
+    );
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn a_second_connection_with_the_same_client_id_takes_over() {
+    let dir = tempfile::tempdir().unwrap();
+    let gw = start(dir.path()).await;
+    let mut first = TcpStream::connect(("127.0.0.1", gw.port)).await.unwrap();
+    let mut connect = bytes::BytesMut::new();
+    rumqttc::Packet::Connect(rumqttc::Connect::new("same-id"))
+        .write(&mut connect, usize::MAX)
+        .unwrap();
+    first.write_all(&connect).await.unwrap();
+    let mut connack = [0u8; 4];
+    first.read_exact(&mut connack).await.unwrap();
+    let (_second, mut rx) = client(gw.port, "same-id", |_| {}).await;
+    next_matching(&mut rx, |p| matches!(p, Packet::ConnAck(_)).then_some(())).await;
+    // The first connection is closed by the server.
+    let mut rest = Vec::new();
+    tokio::time::timeout(PATIENCE, first.read_to_end(&mut rest))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        gw.server
+            .metrics
+            .takeovers
+            .load(std::sync::atomic::Ordering::Relaxed),
+        1
+    );
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn a_two_megabyte_payload_round_trips() {
+    let dir = tempfile::tempdir().unwrap();
+    let gw = start(dir.path()).await;
+    let (sub, mut rx) = client(gw.port, "viewer", |_| {}).await;
+    sub.subscribe("cameras/1/jpeg", QoS::AtLeastOnce)
+        .await
+        .unwrap();
+    subscribed(&mut rx).await;
+    let (p, _prx) = client(gw.port, "camera", |_| {}).await;
+    let image: Vec<u8> = (0..2 * 1024 * 1024).map(|i| (i * 31 % 251) as u8).collect();
+    p.publish("cameras/1/jpeg", QoS::AtLeastOnce, false, image.clone())
+        .await
+        .unwrap();
+    let got = publish_of(&mut rx).await;
+    assert_eq!(got.payload.len(), image.len());
+    assert!(got.payload[..] == image[..]);
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn malformed_packets_close_only_their_connection() {
+    let dir = tempfile::tempdir().unwrap();
+    let gw = start(dir.path()).await;
+    let (healthy, mut rx) = client(gw.port, "healthy", |_| {}).await;
+    healthy.subscribe("ok/#", QoS::AtMostOnce).await.unwrap();
+    subscribed(&mut rx).await;
+    let mut connect = bytes::BytesMut::new();
+    rumqttc::Packet::Connect(rumqttc::Connect::new("bad"))
+        .write(&mut connect, usize::MAX)
+        .unwrap();
+    let cases: Vec<Vec<u8>> = vec![
+        vec![0xff, 0xff, 0xff, 0xff, 0xff], // not a CONNECT
+        [connect.to_vec(), vec![0x30, 0x03, 0x00, 0x09, b'x']].concat(), // topic longer than the packet
+        [connect.to_vec(), vec![0x82, 0x02, 0x00, 0x01]].concat(), // SUBSCRIBE without filters
+        [connect.to_vec(), vec![0x20, 0x02, 0x00, 0x00]].concat(), // a CONNACK from a client
+        [connect.to_vec(), vec![0x30, 0xff, 0xff, 0xff, 0x7f]].concat(), // 256 MB announced
+    ];
+    for bytes in cases {
+        let mut s = TcpStream::connect(("127.0.0.1", gw.port)).await.unwrap();
+        s.write_all(&bytes).await.unwrap();
+        let mut sink = Vec::new();
+        tokio::time::timeout(PATIENCE, s.read_to_end(&mut sink))
+            .await
+            .unwrap()
+            .ok();
+    }
+    assert!(
+        gw.server
+            .metrics
+            .bad_packets
+            .load(std::sync::atomic::Ordering::Relaxed)
+            >= 5
+    );
+    healthy
+        .publish("ok/still", QoS::AtMostOnce, false, "serving")
+        .await
+        .unwrap();
+    assert_eq!(publish_of(&mut rx).await.topic, "ok/still");
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn a_silent_client_is_dropped_after_its_keep_alive() {
+    let dir = tempfile::tempdir().unwrap();
+    let gw = start(dir.path()).await;
+    let mut s = TcpStream::connect(("127.0.0.1", gw.port)).await.unwrap();
+    let mut c = rumqttc::Connect::new("sleepy");
+    c.keep_alive = 1;
+    let mut connect = bytes::BytesMut::new();
+    rumqttc::Packet::Connect(c)
+        .write(&mut connect, usize::MAX)
+        .unwrap();
+    s.write_all(&connect).await.unwrap();
+    let mut connack = [0u8; 4];
+    s.read_exact(&mut connack).await.unwrap();
+    // Sends nothing more: the server closes the connection (after 1.5 keep-alive periods).
+    let mut rest = Vec::new();
+    tokio::time::timeout(PATIENCE, s.read_to_end(&mut rest))
+        .await
+        .expect("server should close")
+        .unwrap();
+    gw.stop().await;
+}
