@@ -14,6 +14,7 @@ mod meta;
 mod metrics;
 mod partition;
 mod partitioner;
+mod password;
 mod policy;
 mod subscription;
 
@@ -32,6 +33,7 @@ pub use metrics::{
     EngineMetrics, Histogram, HistogramSnapshot, LATENCY_BUCKETS_US, PartitionMetrics,
 };
 pub use partition::WriterSettings;
+pub use password::{hash_password, is_password_hash, verify_password};
 pub use policy::{Durability, TopicPolicy};
 pub use sluice_storage::{
     BatchError, BatchHeader, Clock, DecodedRecord, Faults, FaultyStorage, Fetched, FsStorage,

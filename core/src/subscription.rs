@@ -13,7 +13,7 @@
 //! `KeyShared` splits the 16-bit hash space of record keys into one contiguous range per
 //! consumer, so a key sticks to one consumer while membership is stable.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -151,6 +151,8 @@ struct PartitionState {
 struct State {
     /// Attached consumers in attach order.
     consumers: Vec<u64>,
+    /// Consumers blocked in `receive` waiting for messages.
+    waiting: HashSet<u64>,
     next_consumer: u64,
     partitions: Vec<PartitionState>,
     dirty: bool,
@@ -242,6 +244,7 @@ impl Subscription {
             options,
             state: Mutex::new(State {
                 consumers: Vec::new(),
+                waiting: HashSet::new(),
                 next_consumer: 1,
                 partitions,
                 dirty: true,
@@ -276,6 +279,7 @@ impl Subscription {
     pub(crate) fn detach(&self, consumer: u64) {
         let mut st = self.state.lock();
         st.consumers.retain(|&c| c != consumer);
+        st.waiting.remove(&consumer);
         let mut moved = 0u64;
         for p in &mut st.partitions {
             let mine: Vec<u64> = p
@@ -313,6 +317,29 @@ impl Subscription {
                 let owner = (u32::from(slot) * n) >> 16;
                 owner == i as u32
             }
+        }
+    }
+
+    /// For `Shared`: whether a waiting consumer holds fewer unacknowledged messages than
+    /// `consumer`, so the next ones should go there (messages then rotate between consumers
+    /// instead of going to whichever asks first).
+    fn defers_to_others(st: &State, consumer: u64) -> bool {
+        let held = |c: u64| -> usize {
+            st.partitions
+                .iter()
+                .map(|p| p.pending.values().filter(|d| d.consumer == c).count())
+                .sum()
+        };
+        let mine = held(consumer);
+        mine > 0 && st.waiting.iter().any(|&c| c != consumer && held(c) < mine)
+    }
+
+    fn set_waiting(&self, consumer: u64, waiting: bool) {
+        let mut st = self.state.lock();
+        if waiting {
+            st.waiting.insert(consumer);
+        } else {
+            st.waiting.remove(&consumer);
         }
     }
 
@@ -357,6 +384,11 @@ impl Subscription {
         };
         if !st.consumers.contains(&consumer) {
             taken.detached = true;
+            return taken;
+        }
+        if self.kind == SubscriptionType::Shared && Self::defers_to_others(&st, consumer) {
+            // Fair sharing: another consumer is waiting with fewer messages in hand.
+            taken.deferred = true;
             return taken;
         }
         let consumers = st.consumers.clone();
@@ -601,6 +633,8 @@ struct Taken {
     wants_read: Vec<(u32, u64)>,
     earliest_deadline: Option<Instant>,
     detached: bool,
+    /// Left the available messages to a consumer holding fewer (`Shared`).
+    deferred: bool,
 }
 
 fn split_records(data: Bytes) -> Result<Vec<DecodedRecord>> {
@@ -656,6 +690,11 @@ impl Consumer {
             if taken.detached {
                 return Err(CoreError::ShuttingDown);
             }
+            if taken.deferred {
+                // Wake the consumer we deferred to, and let it run before looking again.
+                self.sub.wake.notify_waiters();
+                tokio::task::yield_now().await;
+            }
             let mut messages = taken.messages;
             for (id, count) in taken.reread {
                 let (bytes, _) = self.read(id.partition, id.offset, 1).await?;
@@ -683,11 +722,13 @@ impl Consumer {
                 return Ok(Vec::new());
             }
             let until = taken.earliest_deadline.map_or(end, |d| d.min(end));
+            self.sub.set_waiting(self.id, true);
             tokio::select! {
                 _ = data => {}
                 _ = woken => {}
                 _ = tokio::time::sleep_until(until) => {}
             }
+            self.sub.set_waiting(self.id, false);
         }
     }
 

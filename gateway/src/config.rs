@@ -254,6 +254,13 @@ impl Config {
                     .into(),
             );
         }
+        for (user, hash) in &self.mqtt.users {
+            if !sluice_core::is_password_hash(hash) {
+                return invalid(format!(
+                    "mqtt.users.{user} must be \"sha256:\" and 64 hex digits"
+                ));
+            }
+        }
         let k = &self.kafka;
         if k.max_request_bytes < 1024 {
             return invalid("kafka.max_request_bytes must be at least 1024".into());
@@ -267,8 +274,7 @@ impl Config {
             );
         }
         for (user, hash) in &k.sasl_plain_users {
-            let hex = hash.strip_prefix("sha256:").unwrap_or_default();
-            if hex.len() != 64 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+            if !sluice_core::is_password_hash(hash) {
                 return invalid(format!(
                     "kafka.sasl_plain_users.{user} must be \"sha256:\" and 64 hex digits"
                 ));

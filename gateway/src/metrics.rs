@@ -190,6 +190,24 @@ pub(crate) fn render_mqtt(body: &mut String, server: &sluice_mqtt::MqttServer) {
         "Retained messages held.",
         server.retained_count(),
     );
+    o.single(
+        "sluice_mqtt_sessions",
+        "gauge",
+        "Persistent MQTT sessions, connected or not.",
+        server.session_count(),
+    );
+    o.single(
+        "sluice_mqtt_expired_total",
+        "counter",
+        "Messages dropped on delivery because their MQTT 5 expiry had passed.",
+        m.expired.load(Relaxed),
+    );
+    o.single(
+        "sluice_mqtt_auth_failures_total",
+        "counter",
+        "CONNECTs refused for a wrong or missing user name or password.",
+        m.auth_failures.load(Relaxed),
+    );
     *body = o.0;
 }
 

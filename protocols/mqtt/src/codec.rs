@@ -361,6 +361,7 @@ pub(crate) mod reason {
     pub(crate) const TOPIC_NAME_INVALID: u8 = 0x90;
     pub(crate) const PACKET_ID_NOT_FOUND: u8 = 0x92;
     pub(crate) const PACKET_TOO_LARGE: u8 = 0x95;
+    pub(crate) const BAD_USER_NAME_OR_PASSWORD: u8 = 0x86;
     pub(crate) const SESSION_TAKEN_OVER: u8 = 0x8E;
     pub(crate) const KEEP_ALIVE_TIMEOUT: u8 = 0x8D;
     pub(crate) const SERVER_SHUTTING_DOWN: u8 = 0x8B;
@@ -382,6 +383,7 @@ pub(crate) fn connack(
                 reason::SUCCESS => v4::ConnectReturnCode::Success,
                 reason::UNSUPPORTED_VERSION => v4::ConnectReturnCode::RefusedProtocolVersion,
                 reason::CLIENT_ID_INVALID => v4::ConnectReturnCode::BadClientId,
+                reason::BAD_USER_NAME_OR_PASSWORD => v4::ConnectReturnCode::BadUserNamePassword,
                 _ => v4::ConnectReturnCode::ServiceUnavailable,
             };
             let _ = v4::ConnAck::new(rc, session_present).write(out);
@@ -392,6 +394,7 @@ pub(crate) fn connack(
                 reason::UNSUPPORTED_VERSION => v5::ConnectReturnCode::UnsupportedProtocolVersion,
                 reason::CLIENT_ID_INVALID => v5::ConnectReturnCode::ClientIdentifierNotValid,
                 reason::TOPIC_NAME_INVALID => v5::ConnectReturnCode::TopicNameInvalid,
+                reason::BAD_USER_NAME_OR_PASSWORD => v5::ConnectReturnCode::BadUserNamePassword,
                 reason::PACKET_TOO_LARGE => v5::ConnectReturnCode::PacketTooLarge,
                 reason::MALFORMED => v5::ConnectReturnCode::MalformedPacket,
                 reason::PROTOCOL_ERROR => v5::ConnectReturnCode::ProtocolError,
@@ -409,7 +412,7 @@ pub(crate) fn connack(
                 user_properties: Vec::new(),
                 wildcard_subscription_available: None,
                 subscription_identifiers_available: None,
-                shared_subscription_available: Some(0),
+                shared_subscription_available: None,
                 server_keep_alive: None,
                 response_information: None,
                 server_reference: None,

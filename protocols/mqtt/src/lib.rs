@@ -13,13 +13,17 @@ mod retained;
 mod routes;
 mod server;
 mod session;
+mod sessions;
 mod topic;
+
+use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
 pub use retained::RETAINED_TOPIC;
 pub use routes::Route;
 pub use server::{MqttMetrics, MqttServer};
+pub use sessions::SESSIONS_TOPIC;
 
 /// Settings of the MQTT listener (the gateway's `[mqtt]` section).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -35,6 +39,8 @@ pub struct MqttSettings {
     pub connect_timeout_ms: u64,
     /// MQTT topic filters → ledger topics, first match wins.
     pub routes: Vec<Route>,
+    /// Users allowed to connect, as `name = "sha256:<hex>"`; empty: no authentication.
+    pub users: BTreeMap<String, String>,
 }
 
 /// Entry point for fuzzing the packet decoder: a CONNECT (to pick the version) followed by any

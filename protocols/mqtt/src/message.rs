@@ -10,9 +10,30 @@ const RESPONSE_TOPIC: &str = "mqtt-response-topic";
 const CORRELATION_DATA: &str = "mqtt-correlation-data";
 const PAYLOAD_FORMAT: &str = "mqtt-payload-format";
 const MESSAGE_EXPIRY: &str = "mqtt-message-expiry";
+const CLIENT: &str = "mqtt-client";
+const QOS: &str = "mqtt-qos";
+const RETAIN: &str = "mqtt-retain";
 
-pub(crate) fn to_headers(p: &Props) -> Vec<(String, Bytes)> {
+/// Where an MQTT publish came from: what no-local, the QoS downgrade rule and
+/// retain-as-published need later. Records from other protocols have none of it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Origin {
+    pub(crate) client: Option<String>,
+    pub(crate) qos: Option<u8>,
+    pub(crate) retain: bool,
+}
+
+pub(crate) fn to_headers(p: &Props, origin: &Origin) -> Vec<(String, Bytes)> {
     let mut h = Vec::new();
+    if let Some(c) = &origin.client {
+        h.push((CLIENT.to_owned(), Bytes::from(c.clone())));
+    }
+    if let Some(q) = origin.qos {
+        h.push((QOS.to_owned(), Bytes::from(q.to_string())));
+    }
+    if origin.retain {
+        h.push((RETAIN.to_owned(), Bytes::from_static(b"1")));
+    }
     if let Some(ct) = &p.content_type {
         h.push((CONTENT_TYPE.to_owned(), Bytes::from(ct.clone())));
     }
@@ -34,11 +55,15 @@ pub(crate) fn to_headers(p: &Props) -> Vec<(String, Bytes)> {
     h
 }
 
-pub(crate) fn from_headers(headers: &[(String, Bytes)]) -> Props {
+pub(crate) fn from_headers(headers: &[(String, Bytes)]) -> (Props, Origin) {
     let text = |v: &Bytes| String::from_utf8_lossy(v).into_owned();
     let mut p = Props::default();
+    let mut o = Origin::default();
     for (k, v) in headers {
         match k.as_str() {
+            CLIENT => o.client = Some(text(v)),
+            QOS => o.qos = text(v).parse().ok(),
+            RETAIN => o.retain = &v[..] == b"1",
             CONTENT_TYPE => p.content_type = Some(text(v)),
             RESPONSE_TOPIC => p.response_topic = Some(text(v)),
             CORRELATION_DATA => p.correlation_data = Some(v.clone()),
@@ -47,7 +72,7 @@ pub(crate) fn from_headers(headers: &[(String, Bytes)]) -> Props {
             _ => p.user.push((k.clone(), text(v))),
         }
     }
-    p
+    (p, o)
 }
 
 #[cfg(test)]
@@ -67,6 +92,15 @@ mod tests {
                 ("site".into(), "south".into()),
             ],
         };
-        assert_eq!(from_headers(&to_headers(&p)), p);
+        let o = Origin {
+            client: Some("car-7".into()),
+            qos: Some(1),
+            retain: true,
+        };
+        assert_eq!(from_headers(&to_headers(&p, &o)), (p.clone(), o));
+        assert_eq!(
+            from_headers(&to_headers(&p, &Origin::default())),
+            (p, Origin::default())
+        );
     }
 }

@@ -16,7 +16,6 @@ use crate::topic;
 
 /// The ledger topic holding retained messages.
 pub const RETAINED_TOPIC: &str = "__mqtt_retained";
-const QOS_HEADER: &str = "mqtt-qos";
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct RetainedMsg {
@@ -61,21 +60,14 @@ impl Retained {
                     };
                     match r.record.value.filter(|v| !v.is_empty()) {
                         Some(payload) => {
-                            let (qos, headers): (Vec<_>, Vec<_>) = r
-                                .record
-                                .headers
-                                .into_iter()
-                                .partition(|(k, _)| k == QOS_HEADER);
-                            let qos = qos
-                                .first()
-                                .and_then(|(_, v)| std::str::from_utf8(v).ok()?.parse().ok())
-                                .unwrap_or(0);
+                            let (props, origin) = message::from_headers(&r.record.headers);
+                            let qos = origin.qos.unwrap_or(0);
                             map.insert(
                                 name.to_owned(),
                                 RetainedMsg {
                                     payload,
                                     qos,
-                                    props: message::from_headers(&headers),
+                                    props,
                                 },
                             );
                         }
@@ -95,8 +87,12 @@ impl Retained {
 
     /// Stores (or, with an empty payload, clears) the retained message of `name`, durably.
     pub(crate) async fn set(&self, name: &str, msg: RetainedMsg) -> Result<(), CoreError> {
-        let mut headers = message::to_headers(&msg.props);
-        headers.push((QOS_HEADER.to_owned(), Bytes::from(msg.qos.to_string())));
+        let origin = message::Origin {
+            client: None,
+            qos: Some(msg.qos),
+            retain: true,
+        };
+        let headers = message::to_headers(&msg.props, &origin);
         let record = Record {
             timestamp: self.engine.now_ms(),
             key: Some(Bytes::copy_from_slice(name.as_bytes())),

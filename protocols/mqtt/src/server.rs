@@ -15,6 +15,7 @@ use crate::MqttSettings;
 use crate::retained::Retained;
 use crate::routes::Routes;
 use crate::session;
+use crate::sessions::Sessions;
 
 /// Counters of the MQTT listener (no label per client).
 #[derive(Debug, Default)]
@@ -35,6 +36,10 @@ pub struct MqttMetrics {
     pub deliveries_too_large: AtomicU64,
     pub takeovers: AtomicU64,
     pub wills_published: AtomicU64,
+    /// Messages dropped on delivery because their MQTT 5 expiry had passed.
+    pub expired: AtomicU64,
+    /// CONNECTs refused for a wrong or missing user name or password.
+    pub auth_failures: AtomicU64,
 }
 
 /// A connected client's handle in the registry.
@@ -51,6 +56,7 @@ pub struct MqttServer {
     pub(crate) settings: MqttSettings,
     pub(crate) routes: Routes,
     pub(crate) retained: Retained,
+    pub(crate) sessions: Sessions,
     pub(crate) clients: DashMap<String, Registered>,
     /// Wills waiting out their delay, by client id; a reconnect cancels them.
     pub(crate) pending_wills: DashMap<String, tokio::task::JoinHandle<()>>,
@@ -64,10 +70,12 @@ impl MqttServer {
         let routes = Routes::new(settings.routes.clone(), &settings.default_topic)
             .map_err(|reason| CoreError::InvalidPolicy { reason })?;
         let retained = Retained::load(engine.clone()).await?;
-        if retained.len() > 0 {
+        let sessions = Sessions::load(engine.clone()).await?;
+        if retained.len() > 0 || sessions.len() > 0 {
             info!(
                 retained = retained.len(),
-                "mqtt retained messages recovered"
+                sessions = sessions.len(),
+                "mqtt state recovered"
             );
         }
         Ok(Arc::new(Self {
@@ -75,6 +83,7 @@ impl MqttServer {
             settings,
             routes,
             retained,
+            sessions,
             clients: DashMap::new(),
             pending_wills: DashMap::new(),
             next_connection: AtomicU64::new(1),
@@ -85,6 +94,35 @@ impl MqttServer {
     /// Retained messages held.
     pub fn retained_count(&self) -> usize {
         self.retained.len()
+    }
+
+    /// Persistent sessions known (connected or not).
+    pub fn session_count(&self) -> usize {
+        self.sessions.len()
+    }
+
+    /// Serves one connection that arrived another way than the TCP listener (MQTT over
+    /// WebSocket): `stream` carries the MQTT bytes.
+    pub async fn serve_stream<S>(
+        self: &Arc<Self>,
+        stream: S,
+        peer: String,
+        shutdown: watch::Receiver<bool>,
+    ) where
+        S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send,
+    {
+        self.metrics
+            .connections_accepted
+            .fetch_add(1, Ordering::Relaxed);
+        self.metrics
+            .connections_open
+            .fetch_add(1, Ordering::Relaxed);
+        if let Err(e) = session::run(self, stream, peer.clone(), shutdown).await {
+            debug!(peer, error = %e, "mqtt connection ended");
+        }
+        self.metrics
+            .connections_open
+            .fetch_sub(1, Ordering::Relaxed);
     }
 
     pub(crate) fn connection_id(&self) -> u64 {
@@ -115,7 +153,9 @@ impl MqttServer {
                             .metrics
                             .connections_open
                             .fetch_add(1, Ordering::Relaxed);
-                        if let Err(e) = session::run(&server, stream, peer, shutdown).await {
+                        if let Err(e) =
+                            session::run(&server, stream, peer.to_string(), shutdown).await
+                        {
                             debug!(%peer, error = %e, "mqtt connection ended");
                         }
                         server

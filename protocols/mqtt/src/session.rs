@@ -2,22 +2,29 @@
 //! the keep-alive, a takeover by the same client id and the gateway's shutdown.
 //!
 //! Publishes are appended to the ledger and acknowledged (PUBACK, PUBREC) only once durable
-//! under the topic's policy. Subscriptions attach live subscribers to every partition of every
-//! ledger topic the filter may draw from; a small forwarding task per partition passes matching
-//! records to this connection, which writes each PUBLISH as a header it encodes plus the
-//! record's payload `Bytes`, shared with every other subscriber, in one vectored write.
+//! under the topic's policy. Each subscription draws from every ledger topic its filter may
+//! match, through one of two feeds:
+//! - live: a live subscriber per partition (O(1), no state), for QoS 0 and for clean sessions;
+//! - durable: a named subscription of the core (a persisted cursor with acknowledgements), for
+//!   QoS 1/2 subscriptions of persistent sessions (offline messages come from the log) and for
+//!   shared subscriptions (`$share/group/filter`, one shared subscription per group).
+//!
+//! Small forwarding tasks pass matching records to the connection, which writes each PUBLISH as
+//! a header it encodes plus the record's payload `Bytes`, shared with every other subscriber, in
+//! one vectored write.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::io::IoSlice;
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use sluice_core::{DecodedRecord, LiveOptions, PartitionChoice, Record, SlowPolicy, StartAt};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
+use sluice_core::{
+    Consumer, CoreError, DecodedRecord, InitialPosition, LiveOptions, MessageId, PartitionChoice,
+    Record, SlowPolicy, StartAt, SubscribeOptions, SubscriptionType,
+};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{Notify, mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -26,27 +33,54 @@ use tracing::{debug, warn};
 use crate::codec::{
     self, Ack, Connect, DecodeError, In, Props, Publish, SubFilter, Version, reason,
 };
-use crate::message;
+use crate::message::{self, Origin};
 use crate::retained::RetainedMsg;
 use crate::server::{MqttServer, Registered};
+use crate::sessions::{SavedSession, SavedSub};
 use crate::topic;
 
-/// Records a subscriber may have queued toward its connection before its forwarders wait.
+/// Records a subscription may have queued toward its connection before its forwarders wait.
 const DELIVERY_QUEUE: usize = 256;
 /// Records a live subscriber may fall behind before its policy applies.
 const MAX_LAG: u64 = 10_000;
+
+/// Acknowledges a durable delivery once the client has it, and returns the feed's credit.
+#[derive(Debug)]
+struct Acker {
+    consumer: Arc<Consumer>,
+    id: MessageId,
+    _credit: Option<tokio::sync::OwnedSemaphorePermit>,
+}
+
+impl Acker {
+    fn ack(self) {
+        let _ = self.consumer.ack(&[self.id]);
+    }
+}
+
+/// Deliveries a shared-subscription member may hold unacknowledged: with a small credit, a
+/// burst spreads over the group's members instead of going to whoever asked first.
+const SHARED_CREDIT: usize = 4;
+/// The same for a persistent session's own durable feed.
+const SESSION_CREDIT: usize = 256;
 
 #[derive(Debug)]
 struct Delivery {
     name: String,
     record: DecodedRecord,
+    /// The subscription's granted QoS.
     qos: u8,
     subscription_id: Option<usize>,
+    /// Sent as a retained message (a retained message delivered on subscribe).
     retain: bool,
+    no_local: bool,
+    retain_as_published: bool,
+    ack: Option<Acker>,
 }
 
 #[derive(Debug)]
 struct Subscription {
+    saved: SavedSub,
     forwarders: Vec<JoinHandle<()>>,
 }
 
@@ -69,35 +103,77 @@ enum End {
     Shutdown,
 }
 
-struct Session<'a> {
+/// A subscription filter taken apart: `$share/group/filter` or a plain filter.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Target {
+    share_group: Option<String>,
+    filter: String,
+}
+
+impl Target {
+    fn parse(raw: &str) -> Option<Self> {
+        match raw.strip_prefix("$share/") {
+            Some(rest) => {
+                let (group, filter) = rest.split_once('/')?;
+                let ok =
+                    !group.is_empty() && !group.contains(['+', '#']) && topic::valid_filter(filter);
+                ok.then(|| Self {
+                    share_group: Some(group.to_owned()),
+                    filter: filter.to_owned(),
+                })
+            }
+            None => topic::valid_filter(raw).then(|| Self {
+                share_group: None,
+                filter: raw.to_owned(),
+            }),
+        }
+    }
+}
+
+/// 64-bit FNV-1a, for subscription names built from client ids and filters (which may hold
+/// characters a subscription name may not).
+fn fnv(s: &str) -> String {
+    let h = s.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    });
+    format!("{h:016x}")
+}
+
+struct Session<'a, S> {
     server: &'a Arc<MqttServer>,
-    stream: TcpStream,
-    peer: SocketAddr,
+    stream: S,
+    peer: String,
     version: Version,
     client_id: String,
     keep_alive: Duration,
     will: Option<codec::Will>,
+    persistent: bool,
+    expiry_secs: u32,
     max_packet: usize,
     client_max_packet: Option<usize>,
     receive_max: usize,
     subs: HashMap<String, Subscription>,
     tx: mpsc::Sender<Delivery>,
     rx: mpsc::Receiver<Delivery>,
-    inflight: HashSet<u16>,
+    /// Outgoing QoS 1/2 deliveries awaiting PUBACK / PUBCOMP.
+    inflight: HashMap<u16, Option<Acker>>,
     next_pkid: u16,
     /// QoS 2 publishes received (PUBREC sent) and not yet released.
-    qos2_in: HashSet<u16>,
+    qos2_in: std::collections::HashSet<u16>,
     aliases: HashMap<u16, String>,
     out: BytesMut,
 }
 
-/// Serves one connection to its end.
-pub(crate) async fn run(
+/// Serves one connection (TCP or WebSocket) to its end.
+pub(crate) async fn run<S>(
     server: &Arc<MqttServer>,
-    mut stream: TcpStream,
-    peer: SocketAddr,
+    mut stream: S,
+    peer: String,
     mut shutdown: watch::Receiver<bool>,
-) -> std::io::Result<()> {
+) -> std::io::Result<()>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send,
+{
     let max = server.settings.max_packet_bytes;
     let mut inbuf = BytesMut::with_capacity(4096);
     let connect_deadline =
@@ -135,7 +211,7 @@ pub(crate) async fn run(
         let read = tokio::select! {
             r = stream.read_buf(&mut inbuf) => r?,
             _ = tokio::time::sleep_until(connect_deadline) => return Ok(()),
-            _ = shutdown.wait_for(|&s| s) => return Ok(()),
+            () = stopped(&mut shutdown) => return Ok(()),
         };
         if read == 0 {
             return Ok(());
@@ -155,21 +231,22 @@ pub(crate) async fn run(
         client_id: String::new(),
         keep_alive: Duration::from_secs(u64::from(connect.keep_alive)),
         will: None,
+        persistent: false,
+        expiry_secs: 0,
         max_packet: max,
         client_max_packet: connect.max_packet_size.map(|m| m as usize),
         receive_max: usize::from(connect.receive_max.max(1)),
         subs: HashMap::new(),
         tx,
         rx,
-        inflight: HashSet::new(),
+        inflight: HashMap::new(),
         next_pkid: 0,
-        qos2_in: HashSet::new(),
+        qos2_in: std::collections::HashSet::new(),
         aliases: HashMap::new(),
         out: BytesMut::with_capacity(256),
     };
-    let kick = match s.accept(connect).await? {
-        Some(kick) => kick,
-        None => return Ok(()),
+    let Some(kick) = s.accept(connect).await? else {
+        return Ok(());
     };
     let connection = server.connection_id();
     if let Some(old) = server.clients.insert(
@@ -187,14 +264,24 @@ pub(crate) async fn run(
     server
         .clients
         .remove_if(&s.client_id, |_, r| r.connection == connection);
+    if s.persistent {
+        s.save_session(Some(server.engine.now_ms())).await;
+    }
+    // Dropping the subscriptions stops their feeds; durable ones keep their cursors.
+    s.subs.clear();
     match end {
         Ok(End::Graceful) | Ok(End::Shutdown) => {}
         Ok(End::Abrupt(why)) => {
-            debug!(peer = %s.peer, client = s.client_id, why, "mqtt connection lost");
+            debug!(
+                peer = s.peer,
+                client = s.client_id,
+                why,
+                "mqtt connection lost"
+            );
             s.publish_will();
         }
         Err(e) => {
-            debug!(peer = %s.peer, client = s.client_id, error = %e, "mqtt connection failed");
+            debug!(peer = s.peer, client = s.client_id, error = %e, "mqtt connection failed");
             s.publish_will();
         }
     }
@@ -202,9 +289,9 @@ pub(crate) async fn run(
 }
 
 /// Refuses a connection with a CONNACK carrying `code`, then closes it.
-async fn reject(
+async fn reject<S: AsyncWrite + Unpin>(
     server: &MqttServer,
-    stream: &mut TcpStream,
+    stream: &mut S,
     version: Version,
     code: u8,
 ) -> std::io::Result<()> {
@@ -221,9 +308,28 @@ async fn reject(
     stream.write_all(&out).await
 }
 
-impl Session<'_> {
-    /// Validates CONNECT and answers CONNACK; `None` when the connection was refused.
+impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
+    /// Validates CONNECT, restores or clears a persistent session, and answers CONNACK;
+    /// `None` when the connection was refused.
     async fn accept(&mut self, c: Connect) -> std::io::Result<Option<Arc<Notify>>> {
+        let users = &self.server.settings.users;
+        if !users.is_empty() {
+            let ok = match (&c.username, &c.password) {
+                (Some(u), Some(p)) => users
+                    .get(u)
+                    .is_some_and(|stored| sluice_core::verify_password(stored, p.as_bytes())),
+                _ => false,
+            };
+            if !ok {
+                self.server
+                    .metrics
+                    .auth_failures
+                    .fetch_add(1, Ordering::Relaxed);
+                self.write_connack(false, reason::BAD_USER_NAME_OR_PASSWORD, None)
+                    .await?;
+                return Ok(None);
+            }
+        }
         let mut assigned = None;
         if c.client_id.is_empty() {
             if !c.clean_start && self.version == Version::V4 {
@@ -249,8 +355,109 @@ impl Session<'_> {
             pending.abort();
         }
         self.will = c.will;
-        self.write_connack(false, reason::SUCCESS, assigned).await?;
+        (self.persistent, self.expiry_secs) = match self.version {
+            Version::V4 => (!c.clean_start, u32::MAX),
+            Version::V5 => (c.session_expiry > 0, c.session_expiry),
+        };
+        let now = self.server.engine.now_ms();
+        let saved = self.server.sessions.get(&self.client_id);
+        let resumed = match saved {
+            Some(s) if !c.clean_start && !s.expired(now) => Some(s),
+            Some(s) => {
+                self.discard_session(&s).await;
+                None
+            }
+            None => None,
+        };
+        self.write_connack(resumed.is_some(), reason::SUCCESS, assigned)
+            .await?;
+        if let Some(saved) = resumed {
+            // Subscriptions come back before any packet is read; durable ones resume from their
+            // cursors, so what was published while the client was away arrives now.
+            for sub in saved.subs {
+                if let Some(target) = Target::parse(&sub.filter) {
+                    match self.attach(&target, &sub).await {
+                        Ok(forwarders) => {
+                            self.subs.insert(
+                                sub.filter.clone(),
+                                Subscription {
+                                    saved: sub,
+                                    forwarders,
+                                },
+                            );
+                        }
+                        Err(e) => {
+                            warn!(client = self.client_id, filter = sub.filter, error = %e, "restoring a subscription failed")
+                        }
+                    }
+                }
+            }
+        }
+        if self.persistent {
+            self.save_session(None).await;
+        }
         Ok(Some(Arc::new(Notify::new())))
+    }
+
+    /// The named subscription behind a durable feed, if this subscription uses one.
+    fn durable_name(&self, target: &Target, qos: u8) -> Option<(SubscriptionType, String)> {
+        match &target.share_group {
+            Some(group) => Some((
+                SubscriptionType::Shared,
+                format!("mqtt-share-{}-{}", fnv(group), fnv(&target.filter)),
+            )),
+            // Failover rather than exclusive: after a takeover the new connection's consumer
+            // waits until the old one has let go.
+            None if self.persistent && qos > 0 => Some((
+                SubscriptionType::Failover,
+                format!(
+                    "mqtt-session-{}-{}",
+                    fnv(&self.client_id),
+                    fnv(&target.filter)
+                ),
+            )),
+            None => None,
+        }
+    }
+
+    /// Deletes a discarded persistent session's cursors and record.
+    async fn discard_session(&self, saved: &SavedSession) {
+        let engine = &self.server.engine;
+        for sub in &saved.subs {
+            let Some(target) = Target::parse(&sub.filter) else {
+                continue;
+            };
+            if target.share_group.is_some() || sub.qos == 0 {
+                continue;
+            }
+            let name = format!(
+                "mqtt-session-{}-{}",
+                fnv(&self.client_id),
+                fnv(&target.filter)
+            );
+            for t in self.server.routes.topics_for_filter(&target.filter) {
+                let _ = engine.delete_subscription(&t, &name).await;
+            }
+        }
+        if let Err(e) = self.server.sessions.put(&self.client_id, None).await {
+            warn!(client = self.client_id, error = %e, "deleting an mqtt session failed");
+        }
+    }
+
+    async fn save_session(&self, disconnected_at_ms: Option<i64>) {
+        let session = SavedSession {
+            subs: self.subs.values().map(|s| s.saved.clone()).collect(),
+            expiry_secs: self.expiry_secs,
+            disconnected_at_ms,
+        };
+        if let Err(e) = self
+            .server
+            .sessions
+            .put(&self.client_id, Some(session))
+            .await
+        {
+            warn!(client = self.client_id, error = %e, "saving the mqtt session failed");
+        }
     }
 
     async fn write_connack(
@@ -276,6 +483,7 @@ impl Session<'_> {
             return Ok(());
         }
         self.stream.write_all(&self.out).await?;
+        self.stream.flush().await?;
         let m = &self.server.metrics;
         m.packets_out.fetch_add(1, Ordering::Relaxed);
         m.bytes_out
@@ -311,7 +519,7 @@ impl Session<'_> {
                             .metrics
                             .bad_packets
                             .fetch_add(1, Ordering::Relaxed);
-                        warn!(peer = %self.peer, client = self.client_id, error = %e, "bad mqtt packet; closing the connection");
+                        warn!(peer = self.peer, client = self.client_id, error = %e, "bad mqtt packet; closing the connection");
                         let code = match e {
                             DecodeError::TooLarge { .. } => reason::PACKET_TOO_LARGE,
                             _ => reason::MALFORMED,
@@ -360,7 +568,9 @@ impl Session<'_> {
         match packet {
             In::Publish(p) => self.publish(p).await?,
             In::PubAck(pkid) | In::PubComp(pkid) => {
-                self.inflight.remove(&pkid);
+                if let Some(Some(acker)) = self.inflight.remove(&pkid) {
+                    acker.ack();
+                }
             }
             In::PubRec(pkid) => {
                 codec::ack(
@@ -386,6 +596,9 @@ impl Session<'_> {
             In::Unsubscribe { pkid, filters } => {
                 for f in &filters {
                     self.subs.remove(f);
+                }
+                if self.persistent {
+                    self.save_session(None).await;
                 }
                 codec::unsuback(self.version, pkid, filters.len(), &mut self.out);
                 self.flush().await?;
@@ -447,16 +660,12 @@ impl Session<'_> {
             );
             return self.flush().await;
         }
-        let stored = store(
-            self.server,
-            &p.topic,
-            p.payload.clone(),
-            p.qos,
-            p.retain,
-            &p.props,
-        )
-        .await;
-        match stored {
+        let origin = Origin {
+            client: Some(self.client_id.clone()),
+            qos: Some(p.qos),
+            retain: p.retain,
+        };
+        match store(self.server, &p.topic, p.payload.clone(), &origin, &p.props).await {
             Ok(()) => match p.qos {
                 1 => {
                     codec::ack(
@@ -492,7 +701,13 @@ impl Session<'_> {
             .metrics
             .publishes_refused
             .fetch_add(1, Ordering::Relaxed);
-        warn!(peer = %self.peer, client = self.client_id, topic = p.topic, code, "mqtt publish refused");
+        warn!(
+            peer = self.peer,
+            client = self.client_id,
+            topic = p.topic,
+            code,
+            "mqtt publish refused"
+        );
         match (self.version, p.qos) {
             (_, 0) => Ok(()),
             (Version::V5, 1) => {
@@ -516,46 +731,69 @@ impl Session<'_> {
         let mut codes = Vec::with_capacity(filters.len());
         let mut retained_for = Vec::new();
         for f in &filters {
-            if !topic::valid_filter(&f.filter) || f.filter.starts_with("$share/") {
+            let Some(target) = Target::parse(&f.filter) else {
                 codes.push(reason::TOPIC_FILTER_INVALID);
                 continue;
-            }
-            // Deliveries go out at QoS 0 or 1; QoS 2 subscriptions are granted QoS 1.
-            let granted = f.qos.min(1);
+            };
+            let saved = SavedSub {
+                filter: f.filter.clone(),
+                qos: f.qos.min(2),
+                no_local: f.no_local,
+                retain_as_published: f.retain_as_published,
+                id,
+            };
             let is_new = !self.subs.contains_key(&f.filter);
-            match self.attach(&f.filter, granted, id).await {
-                Ok(sub) => {
-                    self.subs.insert(f.filter.clone(), sub);
-                    codes.push(granted);
-                    if f.retain_handling == 0 || (f.retain_handling == 1 && is_new) {
-                        retained_for.push((f.filter.clone(), granted));
+            // Replace an existing subscription to the same filter before attaching the new one
+            // (a durable feed's consumer must let go first).
+            self.subs.remove(&f.filter);
+            match self.attach(&target, &saved).await {
+                Ok(forwarders) => {
+                    codes.push(saved.qos);
+                    // Shared subscriptions get no retained messages (MQTT 5 §4.8.2).
+                    let wants_retained =
+                        f.retain_handling == 0 || (f.retain_handling == 1 && is_new);
+                    if target.share_group.is_none() && wants_retained {
+                        retained_for.push((target.filter.clone(), saved.qos));
                     }
+                    self.subs
+                        .insert(f.filter.clone(), Subscription { saved, forwarders });
                 }
                 Err(e) => {
-                    warn!(peer = %self.peer, filter = f.filter, error = %e, "mqtt subscribe failed");
+                    warn!(peer = self.peer, filter = f.filter, error = %e, "mqtt subscribe failed");
                     codes.push(reason::UNSPECIFIED);
                 }
             }
+        }
+        if self.persistent {
+            self.save_session(None).await;
         }
         codec::suback(self.version, pkid, &codes, &mut self.out);
         self.flush().await?;
         for (filter, qos) in retained_for {
             for (name, msg) in self.server.retained.matching(&filter) {
+                let origin = Origin {
+                    client: None,
+                    qos: Some(msg.qos),
+                    retain: true,
+                };
                 let record = DecodedRecord {
                     offset: -1,
                     record: Record {
-                        timestamp: 0,
+                        timestamp: self.server.engine.now_ms(),
                         key: None,
                         value: Some(msg.payload.clone()),
-                        headers: message::to_headers(&msg.props),
+                        headers: message::to_headers(&msg.props, &origin),
                     },
                 };
                 self.deliver(Delivery {
                     name,
                     record,
-                    qos: qos.min(msg.qos),
+                    qos,
                     subscription_id: id,
                     retain: true,
+                    no_local: false,
+                    retain_as_published: true,
+                    ack: None,
                 })
                 .await?;
             }
@@ -563,55 +801,74 @@ impl Session<'_> {
         Ok(())
     }
 
-    /// Live subscribers on every partition of every ledger topic the filter may draw from.
+    /// Feeds for a subscription: one per partition (live) or per ledger topic (durable), for
+    /// every ledger topic the filter may draw from.
     async fn attach(
         &self,
-        filter: &str,
-        qos: u8,
-        id: Option<usize>,
-    ) -> Result<Subscription, sluice_core::CoreError> {
+        target: &Target,
+        sub: &SavedSub,
+    ) -> Result<Vec<JoinHandle<()>>, CoreError> {
         let engine = &self.server.engine;
+        let durable = self.durable_name(target, sub.qos);
         let mut forwarders = Vec::new();
-        for ledger_topic in self.server.routes.topics_for_filter(filter) {
+        for ledger_topic in self.server.routes.topics_for_filter(&target.filter) {
             let partitions = match engine.ensure_topic(&ledger_topic).await {
                 Ok(n) => n,
                 // A filter that names no existing topic while auto-creation is off: nothing to
                 // follow there.
-                Err(sluice_core::CoreError::UnknownTopic { .. }) => continue,
+                Err(CoreError::UnknownTopic { .. }) => continue,
                 Err(e) => return Err(e),
             };
-            for p in 0..partitions {
-                let live = engine.subscribe_live(
-                    &ledger_topic,
-                    p,
-                    LiveOptions {
-                        start: StartAt::Latest,
-                        policy: if qos == 0 {
-                            SlowPolicy::DropOldest
-                        } else {
-                            SlowPolicy::CatchUp
-                        },
-                        max_lag: MAX_LAG,
-                    },
-                )?;
-                forwarders.push(tokio::spawn(forward(
-                    live,
-                    self.server.clone(),
-                    ledger_topic.clone(),
-                    filter.to_owned(),
-                    qos,
-                    id,
-                    self.tx.clone(),
-                )));
+            let feed = Feed {
+                server: self.server.clone(),
+                ledger_topic: ledger_topic.clone(),
+                filter: target.filter.clone(),
+                sub: sub.clone(),
+                tx: self.tx.clone(),
+            };
+            match &durable {
+                Some((kind, name)) => {
+                    let options = SubscribeOptions {
+                        kind: *kind,
+                        initial_position: InitialPosition::Latest,
+                        ack_timeout: None,
+                        max_buffered: 1000,
+                    };
+                    let consumer = Arc::new(engine.subscribe(&ledger_topic, name, options).await?);
+                    let credit = if *kind == SubscriptionType::Shared {
+                        SHARED_CREDIT
+                    } else {
+                        SESSION_CREDIT
+                    };
+                    forwarders.push(tokio::spawn(feed.durable(consumer, credit)));
+                }
+                None => {
+                    for p in 0..partitions {
+                        let live = engine.subscribe_live(
+                            &ledger_topic,
+                            p,
+                            LiveOptions {
+                                start: StartAt::Latest,
+                                policy: if sub.qos == 0 {
+                                    SlowPolicy::DropOldest
+                                } else {
+                                    SlowPolicy::CatchUp
+                                },
+                                max_lag: MAX_LAG,
+                            },
+                        )?;
+                        forwarders.push(tokio::spawn(feed.clone().live(live)));
+                    }
+                }
             }
         }
-        Ok(Subscription { forwarders })
+        Ok(forwarders)
     }
 
     fn next_pkid(&mut self) -> u16 {
         loop {
             self.next_pkid = self.next_pkid.wrapping_add(1);
-            if self.next_pkid != 0 && !self.inflight.contains(&self.next_pkid) {
+            if self.next_pkid != 0 && !self.inflight.contains_key(&self.next_pkid) {
                 return self.next_pkid;
             }
         }
@@ -619,19 +876,39 @@ impl Session<'_> {
 
     /// Writes one PUBLISH: a header encoded here, then the shared payload, in one vectored write.
     async fn deliver(&mut self, d: Delivery) -> std::io::Result<()> {
+        let (mut props, origin) = message::from_headers(&d.record.record.headers);
+        if d.no_local && origin.client.as_deref() == Some(self.client_id.as_str()) {
+            if let Some(a) = d.ack {
+                a.ack();
+            }
+            return Ok(());
+        }
+        // MQTT 5 message expiry: drop what expired, send the remaining lifetime.
+        if let Some(expiry) = props.message_expiry {
+            let age = (self.server.engine.now_ms() - d.record.record.timestamp).max(0) / 1000;
+            if age >= i64::from(expiry) {
+                self.server.metrics.expired.fetch_add(1, Ordering::Relaxed);
+                if let Some(a) = d.ack {
+                    a.ack();
+                }
+                return Ok(());
+            }
+            props.message_expiry = Some(expiry - age as u32);
+        }
+        if self.version == Version::V4 {
+            props = Props::default();
+        }
+        // The minimum of the published QoS and the granted QoS.
+        let qos = d.qos.min(origin.qos.unwrap_or(2));
+        let retain = d.retain || (d.retain_as_published && origin.retain);
         let payload = d.record.record.value.clone().unwrap_or_default();
-        let props = if self.version == Version::V5 {
-            message::from_headers(&d.record.record.headers)
-        } else {
-            Props::default()
-        };
-        let pkid = if d.qos > 0 { self.next_pkid() } else { 0 };
+        let pkid = if qos > 0 { self.next_pkid() } else { 0 };
         let mut head = BytesMut::with_capacity(64 + d.name.len());
         let size = codec::publish_header(
             self.version,
             &d.name,
-            d.qos,
-            d.retain,
+            qos,
+            retain,
             pkid,
             &props,
             d.subscription_id,
@@ -644,11 +921,16 @@ impl Session<'_> {
                 .metrics
                 .deliveries_too_large
                 .fetch_add(1, Ordering::Relaxed);
+            if let Some(a) = d.ack {
+                a.ack();
+            }
             return Ok(());
         }
         write_all_vectored(&mut self.stream, &head, &payload).await?;
-        if d.qos > 0 {
-            self.inflight.insert(pkid);
+        if qos > 0 {
+            self.inflight.insert(pkid, d.ack);
+        } else if let Some(a) = d.ack {
+            a.ack();
         }
         let m = &self.server.metrics;
         m.deliveries.fetch_add(1, Ordering::Relaxed);
@@ -667,16 +949,12 @@ impl Session<'_> {
                 tokio::time::sleep(delay).await;
             }
             server.pending_wills.remove(&client_id);
-            match store(
-                &server,
-                &will.topic,
-                will.payload,
-                will.qos,
-                will.retain,
-                &will.props,
-            )
-            .await
-            {
+            let origin = Origin {
+                client: Some(client_id.clone()),
+                qos: Some(will.qos),
+                retain: will.retain,
+            };
+            match store(&server, &will.topic, will.payload, &origin, &will.props).await {
                 Ok(()) => {
                     server
                         .metrics
@@ -700,13 +978,12 @@ impl Session<'_> {
 }
 
 /// Appends a publish to its routed ledger topic (key = MQTT topic name), and to the retained
-/// store when `retain` is set. Returns an MQTT 5 reason code on failure.
+/// store when it is retained. Returns an MQTT 5 reason code on failure.
 async fn store(
     server: &MqttServer,
     name: &str,
     payload: Bytes,
-    qos: u8,
-    retain: bool,
+    origin: &Origin,
     props: &Props,
 ) -> Result<(), u8> {
     let Some(ledger_topic) = server.routes.topic_for(name) else {
@@ -716,7 +993,7 @@ async fn store(
         timestamp: server.engine.now_ms(),
         key: Some(Bytes::copy_from_slice(name.as_bytes())),
         value: Some(payload.clone()),
-        headers: message::to_headers(props),
+        headers: message::to_headers(props, origin),
     };
     server
         .engine
@@ -730,10 +1007,10 @@ async fn store(
             warn!(topic = ledger_topic, error = %e, "mqtt publish not stored");
             reason::IMPLEMENTATION_SPECIFIC
         })?;
-    if retain {
+    if origin.retain {
         let msg = RetainedMsg {
             payload,
-            qos,
+            qos: origin.qos.unwrap_or(0),
             props: props.clone(),
         };
         server.retained.set(name, msg).await.map_err(|e| {
@@ -744,38 +1021,92 @@ async fn store(
     Ok(())
 }
 
-/// Follows one partition for one subscription and passes matching records on.
-async fn forward(
-    mut live: sluice_core::LiveSubscriber,
+/// What a forwarding task needs to turn ledger records into deliveries for one subscription.
+#[derive(Debug, Clone)]
+struct Feed {
     server: Arc<MqttServer>,
     ledger_topic: String,
     filter: String,
-    qos: u8,
-    subscription_id: Option<usize>,
+    sub: SavedSub,
     tx: mpsc::Sender<Delivery>,
-) {
-    loop {
-        let Ok(item) = live.next().await else { return };
-        let Ok(records) = item.records() else {
-            // Compressed Kafka batches are not decoded for MQTT delivery yet.
-            continue;
-        };
-        for r in records.iter() {
-            let name = server
-                .routes
-                .name_for(&ledger_topic, r.record.key.as_deref());
-            if !topic::matches(&filter, &name) {
+}
+
+impl Feed {
+    fn delivery(&self, name: String, record: DecodedRecord, ack: Option<Acker>) -> Delivery {
+        Delivery {
+            name,
+            record,
+            qos: self.sub.qos,
+            subscription_id: self.sub.id,
+            retain: false,
+            no_local: self.sub.no_local,
+            retain_as_published: self.sub.retain_as_published,
+            ack,
+        }
+    }
+
+    /// Follows one partition's live tail.
+    async fn live(self, mut live: sluice_core::LiveSubscriber) {
+        loop {
+            let Ok(item) = live.next().await else { return };
+            let Ok(records) = item.records() else {
+                // Compressed Kafka batches are not decoded for MQTT delivery yet.
                 continue;
-            }
-            let d = Delivery {
-                name,
-                record: r.clone(),
-                qos,
-                subscription_id,
-                retain: false,
             };
-            if tx.send(d).await.is_err() {
+            for r in records.iter() {
+                let name = self
+                    .server
+                    .routes
+                    .name_for(&self.ledger_topic, r.record.key.as_deref());
+                if !topic::matches(&self.filter, &name) {
+                    continue;
+                }
+                if self
+                    .tx
+                    .send(self.delivery(name, r.clone(), None))
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Follows a named subscription; every record is acknowledged once handled. Each delivery
+    /// holds one unit of credit until it is acknowledged.
+    async fn durable(self, consumer: Arc<Consumer>, credit: usize) {
+        let credit = Arc::new(tokio::sync::Semaphore::new(credit));
+        loop {
+            let Ok(permit) = credit.clone().acquire_owned().await else {
                 return;
+            };
+            let Ok(messages) = consumer.receive(1, Duration::from_secs(30)).await else {
+                return;
+            };
+            let mut permit = Some(permit);
+            for m in messages {
+                let name = self
+                    .server
+                    .routes
+                    .name_for(&self.ledger_topic, m.record.record.key.as_deref());
+                let acker = Acker {
+                    consumer: consumer.clone(),
+                    id: m.id,
+                    _credit: permit.take(),
+                };
+                if !topic::matches(&self.filter, &name) {
+                    acker.ack();
+                    continue;
+                }
+                if self
+                    .tx
+                    .send(self.delivery(name, m.record, Some(acker)))
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
             }
         }
     }
@@ -794,8 +1125,8 @@ async fn sleep_until(deadline: Option<Instant>) {
 }
 
 /// Writes `head` then `body` completely, with vectored writes and no copy of `body`.
-async fn write_all_vectored(
-    stream: &mut TcpStream,
+async fn write_all_vectored<S: AsyncWrite + Unpin>(
+    stream: &mut S,
     head: &[u8],
     body: &Bytes,
 ) -> std::io::Result<()> {
@@ -813,5 +1144,40 @@ async fn write_all_vectored(
         }
         written += n;
     }
-    Ok(())
+    stream.flush().await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shared_filters_parse() {
+        assert_eq!(
+            Target::parse("$share/workers/jobs/#"),
+            Some(Target {
+                share_group: Some("workers".into()),
+                filter: "jobs/#".into()
+            })
+        );
+        assert_eq!(
+            Target::parse("jobs/+"),
+            Some(Target {
+                share_group: None,
+                filter: "jobs/+".into()
+            })
+        );
+        for bad in [
+            "$share/",
+            "$share/g",
+            "$share//x",
+            "$share/g+/x",
+            "$share/g/a/#/b",
+            "a/#/b",
+        ] {
+            assert_eq!(Target::parse(bad), None, "{bad}");
+        }
+        assert_ne!(fnv("a"), fnv("b"));
+        assert_eq!(fnv("client-7").len(), 16);
+    }
 }

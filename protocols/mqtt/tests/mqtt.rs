@@ -22,6 +22,13 @@ struct Gateway {
 }
 
 async fn start(dir: &std::path::Path) -> Gateway {
+    start_with(dir, Default::default()).await
+}
+
+async fn start_with(
+    dir: &std::path::Path,
+    users: std::collections::BTreeMap<String, String>,
+) -> Gateway {
     let engine = Engine::open(
         EngineConfig::new(dir),
         Arc::new(FsStorage),
@@ -38,6 +45,7 @@ async fn start(dir: &std::path::Path) -> Gateway {
             filter: "cameras/+/jpeg".into(),
             topic: "camera-images".into(),
         }],
+        users,
     };
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
@@ -521,5 +529,218 @@ async fn a_silent_client_is_dropped_after_its_keep_alive() {
         .await
         .expect("server should close")
         .unwrap();
+    gw.stop().await;
+}
+
+async fn puback(rx: &mut mpsc::UnboundedReceiver<Packet>) {
+    next_matching(rx, |p| matches!(p, Packet::PubAck(_)).then_some(())).await;
+}
+
+#[tokio::test]
+async fn a_persistent_session_gets_what_was_published_while_away_even_across_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let gw = start(dir.path()).await;
+    let persistent = |o: &mut MqttOptions| {
+        o.set_clean_session(false);
+    };
+    let (car, mut car_rx) = client(gw.port, "car-42", persistent).await;
+    let ack = next_matching(&mut car_rx, |p| match p {
+        Packet::ConnAck(a) => Some(a),
+        _ => None,
+    })
+    .await;
+    assert!(!ack.session_present);
+    car.subscribe("fleet/commands/#", QoS::AtLeastOnce)
+        .await
+        .unwrap();
+    subscribed(&mut car_rx).await;
+    car.disconnect().await.unwrap();
+    let open = || {
+        gw.server
+            .metrics
+            .connections_open
+            .load(std::sync::atomic::Ordering::Relaxed)
+    };
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    while open() > 0 {
+        assert!(tokio::time::Instant::now() < deadline);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let (ops, mut ops_rx) = client(gw.port, "ops", |_| {}).await;
+    ops.publish("fleet/commands/42", QoS::AtLeastOnce, false, "while away 1")
+        .await
+        .unwrap();
+    puback(&mut ops_rx).await;
+    drop(ops);
+    gw.stop().await;
+
+    let gw = start(dir.path()).await;
+    let (ops, mut ops_rx) = client(gw.port, "ops", |_| {}).await;
+    ops.publish("fleet/commands/42", QoS::AtLeastOnce, false, "while away 2")
+        .await
+        .unwrap();
+    puback(&mut ops_rx).await;
+    let (_car, mut car_rx) = client(gw.port, "car-42", persistent).await;
+    let ack = next_matching(&mut car_rx, |p| match p {
+        Packet::ConnAck(a) => Some(a),
+        _ => None,
+    })
+    .await;
+    assert!(ack.session_present, "the session survived the restart");
+    let first = publish_of(&mut car_rx).await;
+    let second = publish_of(&mut car_rx).await;
+    assert_eq!(&first.payload[..], b"while away 1");
+    assert_eq!(&second.payload[..], b"while away 2");
+    assert_eq!(gw.server.session_count(), 1);
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn a_clean_session_discards_the_old_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let gw = start(dir.path()).await;
+    let (c, mut rx) = client(gw.port, "tablet", |o| {
+        o.set_clean_session(false);
+    })
+    .await;
+    c.subscribe("news/#", QoS::AtLeastOnce).await.unwrap();
+    subscribed(&mut rx).await;
+    c.disconnect().await.unwrap();
+    let (_c, mut rx) = client(gw.port, "tablet", |_| {}).await;
+    let ack = next_matching(&mut rx, |p| match p {
+        Packet::ConnAck(a) => Some(a),
+        _ => None,
+    })
+    .await;
+    assert!(!ack.session_present);
+    assert_eq!(gw.server.session_count(), 0);
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn a_shared_subscription_splits_the_load() {
+    let dir = tempfile::tempdir().unwrap();
+    let gw = start(dir.path()).await;
+    let (w1, mut rx1) = client(gw.port, "worker-1", |_| {}).await;
+    let (w2, mut rx2) = client(gw.port, "worker-2", |_| {}).await;
+    for w in [&w1, &w2] {
+        w.subscribe("$share/workers/jobs/#", QoS::AtLeastOnce)
+            .await
+            .unwrap();
+    }
+    subscribed(&mut rx1).await;
+    subscribed(&mut rx2).await;
+    let (p, mut prx) = client(gw.port, "dispatcher", |_| {}).await;
+    // A burst: the members' credit spreads it over the group.
+    for i in 0..40 {
+        p.publish(
+            format!("jobs/{i}"),
+            QoS::AtLeastOnce,
+            false,
+            format!("job {i}"),
+        )
+        .await
+        .unwrap();
+    }
+    for _ in 0..40 {
+        puback(&mut prx).await;
+    }
+    let mut seen = std::collections::HashSet::new();
+    let (mut n1, mut n2) = (0, 0);
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    while seen.len() < 40 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "only {} of 40 jobs arrived",
+            seen.len()
+        );
+        tokio::select! {
+            Some(Packet::Publish(p)) = rx1.recv() => { n1 += 1; assert!(seen.insert(p.topic), "a job went to two workers"); }
+            Some(Packet::Publish(p)) = rx2.recv() => { n2 += 1; assert!(seen.insert(p.topic), "a job went to two workers"); }
+            _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+        }
+    }
+    assert!(n1 > 0 && n2 > 0, "both workers got jobs: {n1} and {n2}");
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn user_names_and_passwords_are_checked_when_configured() {
+    let dir = tempfile::tempdir().unwrap();
+    let users = [(
+        "alice".to_string(),
+        sluice_core::hash_password(b"wonderland"),
+    )]
+    .into();
+    let gw = start_with(dir.path(), users).await;
+    let (_ok, mut rx) = client(gw.port, "good", |o| {
+        o.set_credentials("alice", "wonderland");
+    })
+    .await;
+    let ack = next_matching(&mut rx, |p| match p {
+        Packet::ConnAck(a) => Some(a),
+        _ => None,
+    })
+    .await;
+    assert_eq!(ack.code, rumqttc::ConnectReturnCode::Success);
+    for (user, pass) in [("alice", "wrong"), ("mallory", "wonderland")] {
+        let mut s = TcpStream::connect(("127.0.0.1", gw.port)).await.unwrap();
+        let mut c = rumqttc::Connect::new("bad");
+        c.set_login(user, pass);
+        let mut buf = bytes::BytesMut::new();
+        rumqttc::Packet::Connect(c)
+            .write(&mut buf, usize::MAX)
+            .unwrap();
+        s.write_all(&buf).await.unwrap();
+        let mut connack = [0u8; 4];
+        s.read_exact(&mut connack).await.unwrap();
+        assert_eq!(connack[3], 4, "bad user name or password for {user}");
+    }
+    let mut anonymous = TcpStream::connect(("127.0.0.1", gw.port)).await.unwrap();
+    let mut buf = bytes::BytesMut::new();
+    rumqttc::Packet::Connect(rumqttc::Connect::new("anon"))
+        .write(&mut buf, usize::MAX)
+        .unwrap();
+    anonymous.write_all(&buf).await.unwrap();
+    let mut connack = [0u8; 4];
+    anonymous.read_exact(&mut connack).await.unwrap();
+    assert_eq!(connack[3], 4);
+    assert_eq!(
+        gw.server
+            .metrics
+            .auth_failures
+            .load(std::sync::atomic::Ordering::Relaxed),
+        3
+    );
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn qos2_reaches_a_qos2_subscriber_through_the_full_handshake() {
+    let dir = tempfile::tempdir().unwrap();
+    let gw = start(dir.path()).await;
+    let (sub, mut rx) = client(gw.port, "exact", |_| {}).await;
+    sub.subscribe("exact/#", QoS::ExactlyOnce).await.unwrap();
+    assert_eq!(
+        subscribed(&mut rx).await,
+        vec![rumqttc::SubscribeReasonCode::Success(QoS::ExactlyOnce)]
+    );
+    let (p, mut prx) = client(gw.port, "exact-pub", |_| {}).await;
+    p.publish("exact/1", QoS::ExactlyOnce, false, "once")
+        .await
+        .unwrap();
+    next_matching(&mut prx, |x| matches!(x, Packet::PubComp(_)).then_some(())).await;
+    let got = publish_of(&mut rx).await;
+    assert_eq!(
+        (got.qos, &got.payload[..]),
+        (QoS::ExactlyOnce, &b"once"[..])
+    );
+    // The subscriber's client answers PUBREC; the server must send PUBREL back.
+    next_matching(&mut rx, |x| matches!(x, Packet::PubRel(_)).then_some(())).await;
+    // A QoS 1 publish reaches the QoS 2 subscriber at QoS 1: the minimum of the two.
+    p.publish("exact/2", QoS::AtLeastOnce, false, "at least")
+        .await
+        .unwrap();
+    assert_eq!(publish_of(&mut rx).await.qos, QoS::AtLeastOnce);
     gw.stop().await;
 }
