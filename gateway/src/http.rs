@@ -20,6 +20,8 @@ pub(crate) struct AppState {
     pub(crate) kafka: Arc<std::sync::OnceLock<Arc<sluice_kafka::KafkaServer>>>,
     /// The MQTT server, once its listener is bound.
     pub(crate) mqtt: Arc<std::sync::OnceLock<Arc<sluice_mqtt::MqttServer>>>,
+    /// Turns true when the gateway begins to stop (ends MQTT-over-WebSocket sessions).
+    pub(crate) stop: tokio::sync::watch::Receiver<bool>,
 }
 
 pub(crate) fn router(state: AppState) -> Router {
@@ -27,6 +29,7 @@ pub(crate) fn router(state: AppState) -> Router {
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
+        .route("/mqtt", get(crate::ws::mqtt))
         .with_state(state)
 }
 

@@ -5,6 +5,7 @@ mod config;
 mod http;
 mod metrics;
 mod process;
+mod ws;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -193,16 +194,20 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         ready: ready.clone(),
         kafka: kafka_metrics.clone(),
         mqtt: mqtt_metrics.clone(),
+        stop: stop_rx.clone(),
     });
     let mut http_stop = stop_rx.clone();
     let http_task = tokio::spawn(async move {
-        axum::serve(http_listener, app)
-            .with_graceful_shutdown(async move {
-                let _ = http_stop.wait_for(|&s| s).await;
-            })
-            .await
+        axum::serve(
+            http_listener,
+            app.into_make_service_with_connect_info::<std::net::SocketAddr>(),
+        )
+        .with_graceful_shutdown(async move {
+            let _ = http_stop.wait_for(|&s| s).await;
+        })
+        .await
     });
-    info!(protocol = "http", addr = %http_addr, routes = "/healthz /readyz /metrics", "listening");
+    info!(protocol = "http", addr = %http_addr, routes = "/healthz /readyz /metrics /mqtt (MQTT over WebSocket)", "listening");
 
     let kafka_listener = TcpListener::bind(&config.kafka.addr)
         .await

@@ -96,6 +96,11 @@ impl MqttServer {
         self.retained.len()
     }
 
+    /// The largest MQTT packet accepted.
+    pub fn max_packet_bytes(&self) -> usize {
+        self.settings.max_packet_bytes
+    }
+
     /// Persistent sessions known (connected or not).
     pub fn session_count(&self) -> usize {
         self.sessions.len()
