@@ -4,6 +4,7 @@
 
 mod fanout;
 mod ledger;
+mod mqtt;
 mod stats;
 
 use clap::{Parser, Subcommand};
@@ -23,6 +24,9 @@ enum Command {
     /// The core's live broadcast in process: N subscribers on one partition, 10 KB records at a
     /// steady rate and 2 MB bursts; attach time, memory per subscriber, latency, copies.
     FanoutCore(fanout::FanoutArgs),
+    /// MQTT one publisher → one subscriber through Sluice, Mosquitto and rumqttd (QoS 0/1,
+    /// 1 KB and 2 MB), and Sluice's memory per idle connection.
+    Mqtt(mqtt::MqttArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -33,5 +37,6 @@ fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Ledger(args) => runtime.block_on(ledger::run(args)),
         Command::FanoutCore(args) => runtime.block_on(fanout::run(args)),
+        Command::Mqtt(args) => runtime.block_on(mqtt::run(args)),
     }
 }

@@ -78,6 +78,34 @@ pub struct ProduceAck {
     pub last_offset: u64,
 }
 
+/// A queued append; resolves to its [`ProduceAck`] once durable per the topic's policy.
+#[derive(Debug)]
+pub struct PendingAck {
+    rx: crate::partition::AppendReceiver,
+    topic: String,
+    partition: u32,
+    started: Instant,
+    counters: Arc<EngineCounters>,
+}
+
+impl std::future::Future for PendingAck {
+    type Output = Result<ProduceAck>;
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        let reply = std::task::ready!(std::pin::Pin::new(&mut self.rx).poll(cx));
+        let info = crate::partition::append_outcome(&self.topic, self.partition, reply)?;
+        self.counters.append_latency.record(self.started.elapsed());
+        std::task::Poll::Ready(Ok(ProduceAck {
+            partition: self.partition,
+            base_offset: info.base_offset,
+            last_offset: info.last_offset,
+        }))
+    }
+}
+
 /// A partition's offsets and size.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PartitionDescription {
@@ -494,6 +522,32 @@ impl Engine {
         partition: PartitionChoice<'_>,
         batch: ValidatedBatch,
     ) -> Result<ProduceAck> {
+        self.enqueue_validated(topic, partition, batch).await?.await
+    }
+
+    /// Encodes `records` as one batch and queues it, returning once it is queued: appends
+    /// queued one after another land in that order, and the returned [`PendingAck`] resolves
+    /// when this one is durable. Lets a connection pipeline its publishes while keeping their
+    /// order and acknowledging each only once durable.
+    pub async fn produce_queued(
+        &self,
+        topic: &str,
+        partition: PartitionChoice<'_>,
+        records: &[Record],
+    ) -> Result<PendingAck> {
+        if records.is_empty() {
+            return Err(CoreError::EmptyProduce);
+        }
+        let batch = ValidatedBatch::from_records(records, ProducerInfo::NONE);
+        self.enqueue_validated(topic, partition, batch).await
+    }
+
+    async fn enqueue_validated(
+        &self,
+        topic: &str,
+        partition: PartitionChoice<'_>,
+        batch: ValidatedBatch,
+    ) -> Result<PendingAck> {
         self.check_open()?;
         let started = Instant::now();
         let t = self.topic_for_write(topic).await?;
@@ -520,12 +574,13 @@ impl Engine {
             PartitionChoice::Key(key) => partition_for_key(key, n),
             PartitionChoice::Any => t.round_robin.fetch_add(1, Ordering::Relaxed) % n,
         };
-        let info = t.partitions[id as usize].append(topic, batch).await?;
-        self.inner.counters.append_latency.record(started.elapsed());
-        Ok(ProduceAck {
+        let rx = t.partitions[id as usize].enqueue(batch).await?;
+        Ok(PendingAck {
+            rx,
+            topic: topic.to_owned(),
             partition: id,
-            base_offset: info.base_offset,
-            last_offset: info.last_offset,
+            started,
+            counters: self.inner.counters.clone(),
         })
     }
 

@@ -21,7 +21,8 @@ mod subscription;
 pub use ackset::AckSet;
 pub use engine::{
     Engine, EngineConfig, GroupLag, MAX_COMMIT_METADATA, MAX_PARTITIONS, PartitionChoice,
-    PartitionDescription, ProduceAck, TopicDescription, validate_group_id, validate_topic_name,
+    PartitionDescription, PendingAck, ProduceAck, TopicDescription, validate_group_id,
+    validate_topic_name,
 };
 pub use error::{CoreError, Result};
 pub use groups::{CommittedOffset, OffsetCommit};

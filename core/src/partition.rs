@@ -116,25 +116,39 @@ impl Partition {
         }
     }
 
-    /// Queues a batch for the writer and waits until it is appended and, under
-    /// `durability = "fsync"`, fsynced.
-    pub(crate) async fn append(&self, topic: &str, batch: ValidatedBatch) -> Result<AppendInfo> {
+    /// Queues a batch for the writer (batches queued one after another are appended in that
+    /// order) and returns the channel its acknowledgement will arrive on.
+    pub(crate) async fn enqueue(&self, batch: ValidatedBatch) -> Result<AppendReceiver> {
         let (reply, rx) = oneshot::channel();
         self.tx
             .send(WriterMsg::Append { batch, reply })
             .await
             .map_err(|_| CoreError::ShuttingDown)?;
-        match rx.await {
-            Ok(Ok(info)) => Ok(info),
-            Ok(Err(e)) => Err(CoreError::Storage {
-                topic: topic.to_owned(),
-                partition: self.id,
-                source: e,
-            }),
-            Err(_) => Err(CoreError::ShuttingDown),
-        }
+        Ok(rx)
     }
+}
 
+/// Where a queued append's outcome arrives.
+pub(crate) type AppendReceiver = oneshot::Receiver<Result<AppendInfo, Arc<StorageError>>>;
+
+/// Turns a writer's reply into the engine's result.
+pub(crate) fn append_outcome(
+    topic: &str,
+    partition: u32,
+    reply: Result<Result<AppendInfo, Arc<StorageError>>, oneshot::error::RecvError>,
+) -> Result<AppendInfo> {
+    match reply {
+        Ok(Ok(info)) => Ok(info),
+        Ok(Err(e)) => Err(CoreError::Storage {
+            topic: topic.to_owned(),
+            partition,
+            source: e,
+        }),
+        Err(_) => Err(CoreError::ShuttingDown),
+    }
+}
+
+impl Partition {
     /// Waits until the high watermark passes `offset` or `timeout` ends; returns the high
     /// watermark either way.
     pub(crate) async fn wait_past(&self, offset: u64, timeout: Duration) -> u64 {

@@ -13,8 +13,10 @@
 //! a header it encodes plus the record's payload `Bytes`, shared with every other subscriber, in
 //! one vectored write.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
+use std::future::Future;
 use std::io::IoSlice;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -161,8 +163,28 @@ struct Session<'a, S> {
     /// QoS 2 publishes received (PUBREC sent) and not yet released.
     qos2_in: std::collections::HashSet<u16>,
     aliases: HashMap<u16, String>,
+    /// Publishes queued for the ledger, in arrival order, awaiting durability.
+    pending: VecDeque<PendingPublish>,
     out: BytesMut,
 }
+
+/// A publish queued for the ledger: its PUBACK/PUBREC goes out once `done` resolves, in the
+/// order the publishes arrived.
+struct PendingPublish {
+    pkid: u16,
+    qos: u8,
+    done: Pin<Box<dyn Future<Output = Result<(), u8>> + Send>>,
+}
+
+/// The oldest pending publish, once it is durable (or failed).
+async fn first_done(pending: &mut VecDeque<PendingPublish>) -> Option<(u16, u8, Result<(), u8>)> {
+    let result = pending.front_mut()?.done.as_mut().await;
+    let p = pending.pop_front()?;
+    Some((p.pkid, p.qos, result))
+}
+
+/// Publishes a connection may have queued before it stops reading more (backpressure).
+const MAX_PENDING_PUBLISHES: usize = 1024;
 
 /// Serves one connection (TCP or WebSocket) to its end.
 pub(crate) async fn run<S>(
@@ -243,6 +265,7 @@ where
         next_pkid: 0,
         qos2_in: std::collections::HashSet::new(),
         aliases: HashMap::new(),
+        pending: VecDeque::new(),
         out: BytesMut::with_capacity(256),
     };
     let Some(kick) = s.accept(connect).await? else {
@@ -421,7 +444,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
     }
 
     /// Deletes a discarded persistent session's cursors and record.
-    async fn discard_session(&self, saved: &SavedSession) {
+    async fn discard_session(&mut self, saved: &SavedSession) {
         let engine = &self.server.engine;
         for sub in &saved.subs {
             let Some(target) = Target::parse(&sub.filter) else {
@@ -444,7 +467,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
         }
     }
 
-    async fn save_session(&self, disconnected_at_ms: Option<i64>) {
+    async fn save_session(&mut self, disconnected_at_ms: Option<i64>) {
         let session = SavedSession {
             subs: self.subs.values().map(|s| s.saved.clone()).collect(),
             expiry_secs: self.expiry_secs,
@@ -531,8 +554,12 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
                 }
             }
             let can_deliver = self.inflight.len() < self.receive_max;
+            let can_read = self.pending.len() < MAX_PENDING_PUBLISHES;
             tokio::select! {
-                r = self.stream.read_buf(&mut inbuf) => {
+                Some((pkid, qos, result)) = first_done(&mut self.pending), if !self.pending.is_empty() => {
+                    self.acknowledge(pkid, qos, result).await?;
+                }
+                r = self.stream.read_buf(&mut inbuf), if can_read => {
                     let n = r?;
                     if n == 0 {
                         return Ok(End::Abrupt("connection closed without DISCONNECT".into()));
@@ -665,42 +692,65 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
             qos: Some(p.qos),
             retain: p.retain,
         };
-        match store(self.server, &p.topic, p.payload.clone(), &origin, &p.props).await {
-            Ok(()) => match p.qos {
-                1 => {
-                    codec::ack(
-                        self.version,
-                        Ack::Puback,
-                        p.pkid,
-                        reason::SUCCESS,
-                        &mut self.out,
-                    );
-                    self.flush().await
-                }
-                2 => {
-                    self.qos2_in.insert(p.pkid);
-                    codec::ack(
-                        self.version,
-                        Ack::Pubrec,
-                        p.pkid,
-                        reason::SUCCESS,
-                        &mut self.out,
-                    );
-                    self.flush().await
-                }
-                _ => Ok(()),
-            },
-            Err(code) => self.refuse(&p, code).await,
+        if p.qos == 2 {
+            // Known from now on, so a resend while the append is pending is not stored twice.
+            self.qos2_in.insert(p.pkid);
+        }
+        let done = queue(self.server, &p.topic, p.payload.clone(), &origin, &p.props).await;
+        if p.qos > 0 || p.retain {
+            self.pending.push_back(PendingPublish {
+                pkid: p.pkid,
+                qos: p.qos,
+                done,
+            });
+        } else {
+            // QoS 0: nothing to acknowledge; the append is queued in order all the same.
+            tokio::spawn(async move {
+                let _ = done.await;
+            });
+        }
+        Ok(())
+    }
+
+    /// Sends the PUBACK / PUBREC of a publish once it is durable, or its refusal.
+    async fn acknowledge(
+        &mut self,
+        pkid: u16,
+        qos: u8,
+        result: Result<(), u8>,
+    ) -> std::io::Result<()> {
+        match (result, qos) {
+            (Ok(()), 1) => {
+                codec::ack(
+                    self.version,
+                    Ack::Puback,
+                    pkid,
+                    reason::SUCCESS,
+                    &mut self.out,
+                );
+                self.flush().await
+            }
+            (Ok(()), 2) => {
+                codec::ack(
+                    self.version,
+                    Ack::Pubrec,
+                    pkid,
+                    reason::SUCCESS,
+                    &mut self.out,
+                );
+                self.flush().await
+            }
+            (Ok(()), _) => Ok(()),
+            (Err(code), _) => {
+                self.qos2_in.remove(&pkid);
+                self.refuse_queued(pkid, qos, code).await
+            }
         }
     }
 
     /// A publish that cannot be stored: MQTT 5 answers with a reason code; MQTT 3.1.1 has none
     /// for QoS 1/2, so the connection closes and the client will resend.
     async fn refuse(&mut self, p: &Publish, code: u8) -> std::io::Result<()> {
-        self.server
-            .metrics
-            .publishes_refused
-            .fetch_add(1, Ordering::Relaxed);
         warn!(
             peer = self.peer,
             client = self.client_id,
@@ -708,14 +758,22 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
             code,
             "mqtt publish refused"
         );
-        match (self.version, p.qos) {
+        self.refuse_queued(p.pkid, p.qos, code).await
+    }
+
+    async fn refuse_queued(&mut self, pkid: u16, qos: u8, code: u8) -> std::io::Result<()> {
+        self.server
+            .metrics
+            .publishes_refused
+            .fetch_add(1, Ordering::Relaxed);
+        match (self.version, qos) {
             (_, 0) => Ok(()),
             (Version::V5, 1) => {
-                codec::ack(self.version, Ack::Puback, p.pkid, code, &mut self.out);
+                codec::ack(self.version, Ack::Puback, pkid, code, &mut self.out);
                 self.flush().await
             }
             (Version::V5, _) => {
-                codec::ack(self.version, Ack::Pubrec, p.pkid, code, &mut self.out);
+                codec::ack(self.version, Ack::Pubrec, pkid, code, &mut self.out);
                 self.flush().await
             }
             (Version::V4, _) => Err(std::io::Error::other("publish refused")),
@@ -804,7 +862,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
     /// Feeds for a subscription: one per partition (live) or per ledger topic (durable), for
     /// every ledger topic the filter may draw from.
     async fn attach(
-        &self,
+        &mut self,
         target: &Target,
         sub: &SavedSub,
     ) -> Result<Vec<JoinHandle<()>>, CoreError> {
@@ -1019,6 +1077,61 @@ async fn store(
         })?;
     }
     Ok(())
+}
+
+/// Queues a publish for its routed ledger topic (in arrival order) and returns what resolves
+/// once it is durable, and stored as the retained message when it is retained.
+async fn queue(
+    server: &Arc<MqttServer>,
+    name: &str,
+    payload: Bytes,
+    origin: &Origin,
+    props: &Props,
+) -> Pin<Box<dyn Future<Output = Result<(), u8>> + Send>> {
+    let Some(ledger_topic) = server.routes.topic_for(name) else {
+        return Box::pin(std::future::ready(Err(reason::TOPIC_NAME_INVALID)));
+    };
+    let record = Record {
+        timestamp: server.engine.now_ms(),
+        key: Some(Bytes::copy_from_slice(name.as_bytes())),
+        value: Some(payload.clone()),
+        headers: message::to_headers(props, origin),
+    };
+    let queued = server
+        .engine
+        .produce_queued(
+            ledger_topic,
+            PartitionChoice::Key(name.as_bytes()),
+            &[record],
+        )
+        .await;
+    let ack = match queued {
+        Ok(ack) => ack,
+        Err(e) => {
+            warn!(topic = ledger_topic, error = %e, "mqtt publish not stored");
+            return Box::pin(std::future::ready(Err(reason::IMPLEMENTATION_SPECIFIC)));
+        }
+    };
+    let retained = origin.retain.then(|| RetainedMsg {
+        payload,
+        qos: origin.qos.unwrap_or(0),
+        props: props.clone(),
+    });
+    let server = server.clone();
+    let name = name.to_owned();
+    Box::pin(async move {
+        ack.await.map_err(|e| {
+            warn!(error = %e, "mqtt publish not stored");
+            reason::IMPLEMENTATION_SPECIFIC
+        })?;
+        if let Some(msg) = retained {
+            server.retained.set(&name, msg).await.map_err(|e| {
+                warn!(error = %e, "retained message not stored");
+                reason::IMPLEMENTATION_SPECIFIC
+            })?;
+        }
+        Ok(())
+    })
 }
 
 /// What a forwarding task needs to turn ledger records into deliveries for one subscription.
