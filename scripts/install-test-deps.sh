@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # Installs what the end-to-end tests outside cargo need, idempotently (sudo only when not root):
-#   - Debian package kcat (a Kafka command-line client), only if it is missing;
-#   - a Python virtual environment at target/pyenv with tests/kafka/requirements.txt, reinstalled
-#     only when requirements.txt changes (stamp file target/pyenv/.installed-<sha256>).
-# Usage: ./scripts/install-test-deps.sh   (then: target/pyenv/bin/python -m pytest -q tests/kafka)
+#   - Debian packages kcat (a Kafka command-line client) and mosquitto-clients (mosquitto_pub,
+#     mosquitto_sub), each only if it is missing;
+#   - a Python virtual environment at target/pyenv with tests/kafka/requirements.txt and
+#     tests/mqtt/requirements.txt, reinstalled only when either file changes (stamp file
+#     target/pyenv/.installed-<sha256 of both>).
+# Usage: ./scripts/install-test-deps.sh
+#   then: target/pyenv/bin/python -m pytest -q tests/kafka
+#         target/pyenv/bin/python -m pytest -q tests/mqtt
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -27,10 +31,10 @@ apt_install() {
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 }
 
-apt_install kcat
+apt_install kcat mosquitto-clients
 
 PYENV=target/pyenv
-REQUIREMENTS=tests/kafka/requirements.txt
+REQUIREMENTS=(tests/kafka/requirements.txt tests/mqtt/requirements.txt)
 
 if [ ! -x "$PYENV/bin/python" ]; then
   echo "==> creating Python virtual environment $PYENV"
@@ -45,11 +49,14 @@ if [ ! -x "$PYENV/bin/python" ]; then
   fi
 fi
 
-sum=$(sha256sum "$REQUIREMENTS" | cut -d' ' -f1)
+# One stamp for all files: a change in any of them (or a file added to the list) reinstalls.
+sum=$(for f in "${REQUIREMENTS[@]}"; do printf '%s\n' "$f"; cat "$f"; done | sha256sum | cut -d' ' -f1)
 stamp="$PYENV/.installed-$sum"
 if [ ! -e "$stamp" ]; then
-  echo "==> installing Python packages from $REQUIREMENTS into $PYENV"
-  "$PYENV/bin/python" -m pip install --quiet --disable-pip-version-check -r "$REQUIREMENTS"
+  echo "==> installing Python packages from ${REQUIREMENTS[*]} into $PYENV"
+  pip_args=()
+  for f in "${REQUIREMENTS[@]}"; do pip_args+=(-r "$f"); done
+  "$PYENV/bin/python" -m pip install --quiet --disable-pip-version-check "${pip_args[@]}"
   rm -f "$PYENV"/.installed-*
   touch "$stamp"
 fi

@@ -106,7 +106,7 @@ async fn main() -> anyhow::Result<()> {
                 {
                     totals.readings.fetch_add(1, Ordering::Relaxed);
                 }
-                if every > 0 && n % every == 0 {
+                if every > 0 && n.is_multiple_of(every) {
                     let sent = client
                         .publish(
                             format!("cameras/{d}/jpeg"),
