@@ -36,6 +36,8 @@ cargo run --quiet --locked -p sluice-bench -- ledger \
   --dir target/bench-smoke --bytes-per-case 8388608 --max-small-records 2000 --producers 16 >/dev/null
 cargo run --quiet --locked -p sluice-bench -- fanout-core \
   --dir target/bench-smoke --subscribers 1000 --steady-records 3 --steady-rate 50 --bursts 1 --burst-records 2 >/dev/null
+cargo run --quiet --locked -p sluice-bench -- mqtt \
+  --dir target/bench-smoke --small-messages 200 --large-messages 2 --idle-connections 20 >/dev/null
 
 echo "==> all checks passed"
 echo "tests: ${passed} passed, ${failed} failed"

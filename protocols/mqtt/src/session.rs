@@ -1012,7 +1012,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
                 qos: Some(will.qos),
                 retain: will.retain,
             };
-            match store(&server, &will.topic, will.payload, &origin, &will.props).await {
+            let stored = queue(&server, &will.topic, will.payload, &origin, &will.props).await;
+            match stored.await {
                 Ok(()) => {
                     server
                         .metrics
@@ -1033,50 +1034,6 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
                 .insert(self.client_id.clone(), task);
         }
     }
-}
-
-/// Appends a publish to its routed ledger topic (key = MQTT topic name), and to the retained
-/// store when it is retained. Returns an MQTT 5 reason code on failure.
-async fn store(
-    server: &MqttServer,
-    name: &str,
-    payload: Bytes,
-    origin: &Origin,
-    props: &Props,
-) -> Result<(), u8> {
-    let Some(ledger_topic) = server.routes.topic_for(name) else {
-        return Err(reason::TOPIC_NAME_INVALID);
-    };
-    let record = Record {
-        timestamp: server.engine.now_ms(),
-        key: Some(Bytes::copy_from_slice(name.as_bytes())),
-        value: Some(payload.clone()),
-        headers: message::to_headers(props, origin),
-    };
-    server
-        .engine
-        .produce(
-            ledger_topic,
-            PartitionChoice::Key(name.as_bytes()),
-            &[record],
-        )
-        .await
-        .map_err(|e| {
-            warn!(topic = ledger_topic, error = %e, "mqtt publish not stored");
-            reason::IMPLEMENTATION_SPECIFIC
-        })?;
-    if origin.retain {
-        let msg = RetainedMsg {
-            payload,
-            qos: origin.qos.unwrap_or(0),
-            props: props.clone(),
-        };
-        server.retained.set(name, msg).await.map_err(|e| {
-            warn!(error = %e, "retained message not stored");
-            reason::IMPLEMENTATION_SPECIFIC
-        })?;
-    }
-    Ok(())
 }
 
 /// Queues a publish for its routed ledger topic (in arrival order) and returns what resolves
