@@ -174,6 +174,9 @@ fn props5(p: Option<v5::PublishProperties>) -> (Props, Option<u16>) {
 
 /// Decodes one packet from the front of `buf`, consuming it.
 pub(crate) fn read(buf: &mut BytesMut, version: Version, max: usize) -> Result<In, DecodeError> {
+    if let Some(&first) = buf.first() {
+        check_fixed_header(first)?;
+    }
     match version {
         Version::V4 => match v4::Packet::read(buf, max) {
             Ok(p) => Ok(from_v4(p)),
@@ -193,6 +196,26 @@ pub(crate) fn read(buf: &mut BytesMut, version: Version, max: usize) -> Result<I
             Err(Error5::PayloadSizeLimitExceeded { .. }) => Err(DecodeError::TooLarge { max }),
             Err(e) => Err(DecodeError::Malformed(e.to_string())),
         },
+    }
+}
+
+/// The flag bits of the fixed header, which the library's decoder does not check: each packet
+/// type has fixed flags (MQTT 5 section 2.1.3), and a PUBLISH cannot have QoS 3. A wrong value
+/// makes the packet malformed, and the connection ends.
+fn check_fixed_header(first: u8) -> Result<(), DecodeError> {
+    let (kind, flags) = (first >> 4, first & 0x0F);
+    let ok = match kind {
+        0 => false,
+        3 => (flags >> 1) & 0b11 != 0b11,
+        6 | 8 | 10 => flags == 0b0010,
+        _ => flags == 0,
+    };
+    if ok {
+        Ok(())
+    } else {
+        Err(DecodeError::Malformed(format!(
+            "packet type {kind} with fixed-header flags {flags:#06b}"
+        )))
     }
 }
 
@@ -349,6 +372,10 @@ fn from_v5(p: v5::Packet) -> In {
     }
 }
 
+/// The most topic aliases a client may set per connection. Each holds a topic name of up to
+/// 64 KiB, so this bounds what one connection can pin in memory.
+pub(crate) const TOPIC_ALIAS_MAX: u16 = 64;
+
 /// Reason codes the server sends (MQTT 5 values; v4 maps them to its few return codes).
 pub(crate) mod reason {
     pub(crate) const SUCCESS: u8 = 0x00;
@@ -360,6 +387,7 @@ pub(crate) mod reason {
     pub(crate) const TOPIC_FILTER_INVALID: u8 = 0x8F;
     pub(crate) const TOPIC_NAME_INVALID: u8 = 0x90;
     pub(crate) const PACKET_ID_NOT_FOUND: u8 = 0x92;
+    pub(crate) const TOPIC_ALIAS_INVALID: u8 = 0x94;
     pub(crate) const PACKET_TOO_LARGE: u8 = 0x95;
     pub(crate) const BAD_USER_NAME_OR_PASSWORD: u8 = 0x86;
     pub(crate) const SESSION_TAKEN_OVER: u8 = 0x8E;
@@ -407,7 +435,7 @@ pub(crate) fn connack(
                 retain_available: Some(1),
                 max_packet_size: Some(max_packet),
                 assigned_client_identifier: assigned_client_id,
-                topic_alias_max: Some(u16::MAX),
+                topic_alias_max: Some(TOPIC_ALIAS_MAX),
                 reason_string: None,
                 user_properties: Vec::new(),
                 wildcard_subscription_available: None,
@@ -655,6 +683,25 @@ mod tests {
         let mut b = BytesMut::new();
         p.write(&mut b, usize::MAX).unwrap();
         b
+    }
+
+    #[test]
+    fn fixed_header_flags_are_checked() {
+        // PINGREQ with a flag set, SUBSCRIBE and PUBREL without their 0b0010, PUBLISH QoS 3.
+        for bad in [[0xC1u8, 0x00], [0x80, 0x00], [0x60, 0x02], [0x36, 0x00]] {
+            for version in [Version::V4, Version::V5] {
+                let mut b = BytesMut::from(&bad[..]);
+                assert!(
+                    matches!(read(&mut b, version, 1024), Err(DecodeError::Malformed(_))),
+                    "{bad:02x?} accepted"
+                );
+            }
+        }
+        let mut ping = BytesMut::from(&[0xC0u8, 0x00][..]);
+        assert!(matches!(
+            read(&mut ping, Version::V4, 1024),
+            Ok(In::PingReq)
+        ));
     }
 
     #[test]

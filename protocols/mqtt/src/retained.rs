@@ -7,7 +7,8 @@ use std::collections::BTreeMap;
 use bytes::Bytes;
 use parking_lot::RwLock;
 use sluice_core::{
-    CoreError, Engine, PartitionChoice, Record, TopicPolicy, decode_records, split_batches,
+    CoreError, Engine, PartitionChoice, PendingAck, Record, TopicPolicy, decode_records,
+    split_batches,
 };
 
 use crate::codec::Props;
@@ -22,12 +23,17 @@ pub(crate) struct RetainedMsg {
     pub(crate) payload: Bytes,
     pub(crate) qos: u8,
     pub(crate) props: Props,
+    /// When the retained publish arrived: its MQTT 5 message expiry counts from here, across
+    /// restarts too.
+    pub(crate) published_ms: i64,
 }
 
 #[derive(Debug)]
 pub(crate) struct Retained {
     engine: Engine,
     map: RwLock<BTreeMap<String, RetainedMsg>>,
+    /// Held while a write is queued and applied, so records and map agree on the order.
+    writing: tokio::sync::Mutex<()>,
 }
 
 impl Retained {
@@ -68,6 +74,7 @@ impl Retained {
                                     payload,
                                     qos,
                                     props,
+                                    published_ms: r.record.timestamp,
                                 },
                             );
                         }
@@ -82,25 +89,34 @@ impl Retained {
         Ok(Self {
             engine,
             map: RwLock::new(map),
+            writing: tokio::sync::Mutex::new(()),
         })
     }
 
-    /// Stores (or, with an empty payload, clears) the retained message of `name`, durably.
-    pub(crate) async fn set(&self, name: &str, msg: RetainedMsg) -> Result<(), CoreError> {
+    /// Queues the durable record storing (or, with an empty payload, clearing) the retained
+    /// message of `name`, and makes it current at once, so a subscriber arriving after its
+    /// live delivery gets it too (as with Mosquitto). Writes are serialized, so the last one
+    /// queued is both the current message and the last record, which wins at replay.
+    pub(crate) async fn queue(
+        &self,
+        name: &str,
+        msg: RetainedMsg,
+    ) -> Result<PendingAck, CoreError> {
         let origin = message::Origin {
             client: None,
             qos: Some(msg.qos),
             retain: true,
         };
-        let headers = message::to_headers(&msg.props, &origin);
         let record = Record {
-            timestamp: self.engine.now_ms(),
+            timestamp: msg.published_ms,
             key: Some(Bytes::copy_from_slice(name.as_bytes())),
             value: Some(msg.payload.clone()),
-            headers,
+            headers: message::to_headers(&msg.props, &origin),
         };
-        self.engine
-            .produce(RETAINED_TOPIC, PartitionChoice::Id(0), &[record])
+        let _order = self.writing.lock().await;
+        let ack = self
+            .engine
+            .produce_queued(RETAINED_TOPIC, PartitionChoice::Id(0), &[record])
             .await?;
         let mut map = self.map.write();
         if msg.payload.is_empty() {
@@ -108,7 +124,7 @@ impl Retained {
         } else {
             map.insert(name.to_owned(), msg);
         }
-        Ok(())
+        Ok(ack)
     }
 
     /// Retained messages whose names match `filter`.

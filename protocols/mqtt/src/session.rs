@@ -284,10 +284,12 @@ where
         old.kick.notify_one();
     }
     let end = s.serve(inbuf, &kick, &mut shutdown).await;
-    server
+    let taken_over = server
         .clients
-        .remove_if(&s.client_id, |_, r| r.connection == connection);
-    if s.persistent {
+        .remove_if(&s.client_id, |_, r| r.connection == connection)
+        .is_none();
+    // After a takeover the session belongs to the newer connection, which may have cleared it.
+    if s.persistent && !taken_over {
         s.save_session(Some(server.engine.now_ms())).await;
     }
     // Dropping the subscriptions stops their feeds; durable ones keep their cursors.
@@ -392,8 +394,14 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
             }
             None => None,
         };
+        if self.persistent && resumed.is_none() {
+            // Durable before CONNACK: a client that reconnects right after it (or a takeover
+            // racing this connection) must find the session it was told about.
+            self.save_session(None).await;
+        }
         self.write_connack(resumed.is_some(), reason::SUCCESS, assigned)
             .await?;
+        let restored = resumed.is_some();
         if let Some(saved) = resumed {
             // Subscriptions come back before any packet is read; durable ones resume from their
             // cursors, so what was published while the client was away arrives now.
@@ -416,7 +424,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
                 }
             }
         }
-        if self.persistent {
+        if self.persistent && restored {
             self.save_session(None).await;
         }
         Ok(Some(Arc::new(Notify::new())))
@@ -593,7 +601,11 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
 
     async fn handle(&mut self, packet: In) -> std::io::Result<Option<End>> {
         match packet {
-            In::Publish(p) => self.publish(p).await?,
+            In::Publish(p) => {
+                if let Some(end) = self.publish(p).await? {
+                    return Ok(Some(end));
+                }
+            }
             In::PubAck(pkid) | In::PubComp(pkid) => {
                 if let Some(Some(acker)) = self.inflight.remove(&pkid) {
                     acker.ack();
@@ -636,45 +648,61 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
             }
             In::Disconnect => return Ok(Some(End::Graceful)),
             In::Connect(_) => {
-                self.server
-                    .metrics
-                    .bad_packets
-                    .fetch_add(1, Ordering::Relaxed);
-                codec::disconnect(self.version, reason::PROTOCOL_ERROR, &mut self.out);
-                self.flush().await?;
-                return Ok(Some(End::Abrupt("second CONNECT".into())));
+                return self
+                    .protocol_violation(reason::PROTOCOL_ERROR, "second CONNECT".into())
+                    .await
+                    .map(Some);
             }
             In::Unexpected(what) => {
-                self.server
-                    .metrics
-                    .bad_packets
-                    .fetch_add(1, Ordering::Relaxed);
-                codec::disconnect(self.version, reason::PROTOCOL_ERROR, &mut self.out);
-                self.flush().await?;
-                return Ok(Some(End::Abrupt(format!("a client sent {what}"))));
+                return self
+                    .protocol_violation(reason::PROTOCOL_ERROR, format!("a client sent {what}"))
+                    .await
+                    .map(Some);
             }
         }
         Ok(None)
     }
 
-    async fn publish(&mut self, mut p: Publish) -> std::io::Result<()> {
+    /// Stores a publish; `Some` when it broke the protocol and the connection ends.
+    async fn publish(&mut self, mut p: Publish) -> std::io::Result<Option<End>> {
         self.server
             .metrics
             .publishes_in
             .fetch_add(1, Ordering::Relaxed);
-        // MQTT 5 topic aliases: an alias with a name sets it, an alias alone uses it.
+        // MQTT 5 topic aliases: an alias with a name sets it, an alias alone uses it. Both
+        // errors end the connection (MQTT 5 section 3.3.2.3.4).
         if let Some(alias) = p.topic_alias {
+            if alias == 0 || alias > codec::TOPIC_ALIAS_MAX {
+                return self
+                    .protocol_violation(
+                        reason::TOPIC_ALIAS_INVALID,
+                        format!("topic alias {alias} out of range"),
+                    )
+                    .await
+                    .map(Some);
+            }
             if p.topic.is_empty() {
                 match self.aliases.get(&alias) {
                     Some(name) => p.topic = name.clone(),
-                    None => return self.refuse(&p, reason::PROTOCOL_ERROR).await,
+                    None => {
+                        return self
+                            .protocol_violation(
+                                reason::PROTOCOL_ERROR,
+                                format!("topic alias {alias} used before it was set"),
+                            )
+                            .await
+                            .map(Some);
+                    }
                 }
             } else {
                 self.aliases.insert(alias, p.topic.clone());
             }
         }
         if !topic::valid_name(&p.topic) {
-            return self.refuse(&p, reason::TOPIC_NAME_INVALID).await;
+            return self
+                .refuse(&p, reason::TOPIC_NAME_INVALID)
+                .await
+                .map(|()| None);
         }
         if p.qos == 2 && self.qos2_in.contains(&p.pkid) {
             // The client resent a QoS 2 publish we already stored: only the PUBREC again.
@@ -685,7 +713,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
                 reason::SUCCESS,
                 &mut self.out,
             );
-            return self.flush().await;
+            return self.flush().await.map(|()| None);
         }
         let origin = Origin {
             client: Some(self.client_id.clone()),
@@ -709,7 +737,19 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
                 let _ = done.await;
             });
         }
-        Ok(())
+        Ok(None)
+    }
+
+    /// Ends the connection over a protocol violation: counted, DISCONNECT with `code` (MQTT 5;
+    /// 3.1.1 can only close), and the will is published.
+    async fn protocol_violation(&mut self, code: u8, why: String) -> std::io::Result<End> {
+        self.server
+            .metrics
+            .bad_packets
+            .fetch_add(1, Ordering::Relaxed);
+        codec::disconnect(self.version, code, &mut self.out);
+        self.flush().await?;
+        Ok(End::Abrupt(why))
     }
 
     /// Sends the PUBACK / PUBREC of a publish once it is durable, or its refusal.
@@ -837,7 +877,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
                 let record = DecodedRecord {
                     offset: -1,
                     record: Record {
-                        timestamp: self.server.engine.now_ms(),
+                        timestamp: msg.published_ms,
                         key: None,
                         value: Some(msg.payload.clone()),
                         headers: message::to_headers(&msg.props, &origin),
@@ -1005,8 +1045,13 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
         let task = tokio::spawn(async move {
             if !delay.is_zero() {
                 tokio::time::sleep(delay).await;
+                server.pending_wills.remove(&client_id);
+                // A reconnect within the delay cancels the will; this also covers a takeover,
+                // where the new connection arrived before this one ended and queued its will.
+                if server.clients.contains_key(&client_id) {
+                    return;
+                }
             }
-            server.pending_wills.remove(&client_id);
             let origin = Origin {
                 client: Some(client_id.clone()),
                 qos: Some(will.qos),
@@ -1048,8 +1093,9 @@ async fn queue(
     let Some(ledger_topic) = server.routes.topic_for(name) else {
         return Box::pin(std::future::ready(Err(reason::TOPIC_NAME_INVALID)));
     };
+    let published_ms = server.engine.now_ms();
     let record = Record {
-        timestamp: server.engine.now_ms(),
+        timestamp: published_ms,
         key: Some(Bytes::copy_from_slice(name.as_bytes())),
         value: Some(payload.clone()),
         headers: message::to_headers(props, origin),
@@ -1069,20 +1115,30 @@ async fn queue(
             return Box::pin(std::future::ready(Err(reason::IMPLEMENTATION_SPECIFIC)));
         }
     };
-    let retained = origin.retain.then(|| RetainedMsg {
-        payload,
-        qos: origin.qos.unwrap_or(0),
-        props: props.clone(),
-    });
-    let server = server.clone();
-    let name = name.to_owned();
+    let retained = if origin.retain {
+        let msg = RetainedMsg {
+            payload,
+            qos: origin.qos.unwrap_or(0),
+            props: props.clone(),
+            published_ms,
+        };
+        match server.retained.queue(name, msg).await {
+            Ok(ack) => Some(ack),
+            Err(e) => {
+                warn!(error = %e, "retained message not stored");
+                return Box::pin(std::future::ready(Err(reason::IMPLEMENTATION_SPECIFIC)));
+            }
+        }
+    } else {
+        None
+    };
     Box::pin(async move {
         ack.await.map_err(|e| {
             warn!(error = %e, "mqtt publish not stored");
             reason::IMPLEMENTATION_SPECIFIC
         })?;
-        if let Some(msg) = retained {
-            server.retained.set(&name, msg).await.map_err(|e| {
+        if let Some(retained) = retained {
+            retained.await.map_err(|e| {
                 warn!(error = %e, "retained message not stored");
                 reason::IMPLEMENTATION_SPECIFIC
             })?;
