@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Runs every check CI runs: formatting, clippy with warnings as errors, all Rust tests, the
-# Kafka end-to-end suite with stock clients, and a short smoke run of the benchmark binary.
+# Kafka and MQTT end-to-end suites with stock clients, and a short smoke run of the benchmark binary.
 # Installs what the tests need first, idempotently (with sudo when not root).
 # Usage: ./scripts/test.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Peers of the end-to-end suites (kcat, Python Kafka clients in target/pyenv), idempotently.
+# Peers of the end-to-end suites (kcat, mosquitto-clients, Python clients in target/pyenv).
 ./scripts/install-test-deps.sh
 
 rustup component list --installed 2>/dev/null | grep -q '^rustfmt' || rustup component add rustfmt
@@ -28,6 +28,11 @@ failed=$(grep -Eo '^test result: .* ([0-9]+) failed' "$log" | grep -Eo '[0-9]+ f
 echo "==> Kafka clients end to end (librdkafka, kafka-python, kcat against target/debug/sluice)"
 cargo build --quiet --locked -p sluice
 target/pyenv/bin/python -m pytest -q -p no:cacheprovider tests/kafka 2>&1 | tee "$log"
+py_passed=$(grep -Eo '[0-9]+ passed' "$log" | tail -1 | grep -Eo '[0-9]+' || echo 0)
+passed=$((passed + py_passed))
+
+echo "==> MQTT clients end to end (paho 3.1.1/5, mosquitto_pub/sub, WebSocket, MQTT -> Kafka)"
+target/pyenv/bin/python -m pytest -q -p no:cacheprovider tests/mqtt 2>&1 | tee "$log"
 py_passed=$(grep -Eo '[0-9]+ passed' "$log" | tail -1 | grep -Eo '[0-9]+' || echo 0)
 passed=$((passed + py_passed))
 

@@ -118,18 +118,23 @@ pub(crate) fn render_mqtt(body: &mut String, server: &sluice_mqtt::MqttServer) {
         "MQTT connections open.",
         m.connections_open.load(Relaxed),
     );
-    o.single(
-        "sluice_mqtt_packets_received_total",
-        "counter",
-        "MQTT packets received.",
-        m.packets_in.load(Relaxed),
-    );
-    o.single(
-        "sluice_mqtt_packets_sent_total",
-        "counter",
-        "MQTT packets sent.",
-        m.packets_out.load(Relaxed),
-    );
+    for (name, help, counts) in [
+        (
+            "sluice_mqtt_packets_received_total",
+            "MQTT packets received, by control packet type.",
+            &m.packets_in,
+        ),
+        (
+            "sluice_mqtt_packets_sent_total",
+            "MQTT packets sent, by control packet type.",
+            &m.packets_out,
+        ),
+    ] {
+        o.header(name, "counter", help);
+        for (kind, n) in counts.by_type() {
+            o.sample(name, &format!("type=\"{kind}\""), n);
+        }
+    }
     o.single(
         "sluice_mqtt_received_bytes_total",
         "counter",

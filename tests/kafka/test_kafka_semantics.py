@@ -10,7 +10,7 @@ import pytest
 from confluent_kafka import KafkaError, OFFSET_BEGINNING, TopicPartition
 from confluent_kafka.admin import ConfigResource, NewTopic
 
-from conftest import poll_messages
+from harness import poll_messages
 
 
 def unique(prefix: str) -> str:

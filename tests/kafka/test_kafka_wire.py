@@ -10,6 +10,8 @@ import time
 
 import pytest
 
+from harness import recv_exact
+
 API_VERSIONS = 18
 UNSUPPORTED_VERSION = 35
 # Keys every Kafka client needs from this gateway.
@@ -30,17 +32,6 @@ def api_versions_request(version: int, correlation_id: int, client_id: bytes = b
     else:
         body = b""
     return frame(header + body)
-
-
-def recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        sock.settimeout(max(deadline - time.monotonic(), 0.01))
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError(f"connection closed after {len(buf)} of {n} bytes")
-        buf += chunk
-    return buf
 
 
 def read_response(sock: socket.socket, timeout: float = 10.0) -> bytes:

@@ -594,6 +594,25 @@ pub(crate) fn disconnect(version: Version, code: u8, out: &mut BytesMut) {
     }
 }
 
+/// The first byte of each packet in `buf`, which holds whole packets the server wrote.
+pub(crate) fn first_bytes(buf: &[u8]) -> impl Iterator<Item = u8> + '_ {
+    let mut rest = buf;
+    std::iter::from_fn(move || {
+        let (&first, tail) = rest.split_first()?;
+        let (mut len, mut shift, mut used) = (0usize, 0, 0);
+        for &b in tail.iter().take(4) {
+            len |= usize::from(b & 0x7F) << shift;
+            shift += 7;
+            used += 1;
+            if b & 0x80 == 0 {
+                break;
+            }
+        }
+        rest = tail.get(used + len..).unwrap_or_default();
+        Some(first)
+    })
+}
+
 fn put_varint(out: &mut BytesMut, mut v: usize) {
     loop {
         let mut b = (v % 128) as u8;
@@ -683,6 +702,17 @@ mod tests {
         let mut b = BytesMut::new();
         p.write(&mut b, usize::MAX).unwrap();
         b
+    }
+
+    #[test]
+    fn first_bytes_walks_whole_packets() {
+        let mut out = BytesMut::new();
+        pingresp(Version::V4, &mut out);
+        ack(Version::V5, Ack::Puback, 7, reason::SUCCESS, &mut out);
+        suback(Version::V4, 9, &[1, 0x80], &mut out);
+        disconnect(Version::V5, reason::MALFORMED, &mut out);
+        let kinds: Vec<u8> = first_bytes(&out).map(|b| b >> 4).collect();
+        assert_eq!(kinds, [13, 4, 9, 14]);
     }
 
     #[test]

@@ -22,7 +22,7 @@ use serde::{Deserialize, Serialize};
 
 pub use retained::RETAINED_TOPIC;
 pub use routes::Route;
-pub use server::{MqttMetrics, MqttServer};
+pub use server::{MqttMetrics, MqttServer, PacketCounts};
 pub use sessions::SESSIONS_TOPIC;
 
 /// Settings of the MQTT listener (the gateway's `[mqtt]` section).

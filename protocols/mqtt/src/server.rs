@@ -22,8 +22,8 @@ use crate::sessions::Sessions;
 pub struct MqttMetrics {
     pub connections_accepted: AtomicU64,
     pub connections_open: AtomicU64,
-    pub packets_in: AtomicU64,
-    pub packets_out: AtomicU64,
+    pub packets_in: PacketCounts,
+    pub packets_out: PacketCounts,
     pub bytes_in: AtomicU64,
     pub bytes_out: AtomicU64,
     /// Connections closed for malformed, oversized or out-of-order packets.
@@ -41,6 +41,46 @@ pub struct MqttMetrics {
     /// CONNECTs refused for a wrong or missing user name or password.
     pub auth_failures: AtomicU64,
 }
+
+/// Packet counts by MQTT control packet type (the high nibble of the fixed header).
+#[derive(Debug, Default)]
+pub struct PacketCounts([AtomicU64; 16]);
+
+impl PacketCounts {
+    /// Counts one packet whose fixed header starts with `first_byte`.
+    pub(crate) fn add(&self, first_byte: u8) {
+        self.0[usize::from(first_byte >> 4)].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// `(type name, count)` for every packet type, in type order.
+    pub fn by_type(&self) -> impl Iterator<Item = (&'static str, u64)> + '_ {
+        PACKET_TYPES
+            .iter()
+            .zip(&self.0)
+            .skip(1)
+            .map(|(name, n)| (*name, n.load(Ordering::Relaxed)))
+    }
+}
+
+/// Names of the control packet types, indexed by type (0 is reserved).
+const PACKET_TYPES: [&str; 16] = [
+    "reserved",
+    "connect",
+    "connack",
+    "publish",
+    "puback",
+    "pubrec",
+    "pubrel",
+    "pubcomp",
+    "subscribe",
+    "suback",
+    "unsubscribe",
+    "unsuback",
+    "pingreq",
+    "pingresp",
+    "disconnect",
+    "auth",
+];
 
 /// A connected client's handle in the registry.
 #[derive(Debug)]

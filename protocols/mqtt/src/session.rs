@@ -243,7 +243,7 @@ where
             .bytes_in
             .fetch_add(read as u64, Ordering::Relaxed);
     };
-    server.metrics.packets_in.fetch_add(1, Ordering::Relaxed);
+    server.metrics.packets_in.add(0x10);
     let (tx, rx) = mpsc::channel(DELIVERY_QUEUE);
     let mut s = Session {
         server,
@@ -330,6 +330,7 @@ async fn reject<S: AsyncWrite + Unpin>(
         None,
         &mut out,
     );
+    server.metrics.packets_out.add(0x20);
     stream.write_all(&out).await
 }
 
@@ -516,7 +517,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
         self.stream.write_all(&self.out).await?;
         self.stream.flush().await?;
         let m = &self.server.metrics;
-        m.packets_out.fetch_add(1, Ordering::Relaxed);
+        for first in codec::first_bytes(&self.out) {
+            m.packets_out.add(first);
+        }
         m.bytes_out
             .fetch_add(self.out.len() as u64, Ordering::Relaxed);
         self.out.clear();
@@ -532,13 +535,10 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
         let mut deadline = self.keep_alive_deadline();
         loop {
             // Packets already buffered (CONNECT may have arrived with more behind it).
-            loop {
+            while let Some(&first) = inbuf.first() {
                 match codec::read(&mut inbuf, self.version, self.max_packet) {
                     Ok(packet) => {
-                        self.server
-                            .metrics
-                            .packets_in
-                            .fetch_add(1, Ordering::Relaxed);
+                        self.server.metrics.packets_in.add(first);
                         deadline = self.keep_alive_deadline();
                         if let Some(end) = self.handle(packet).await? {
                             return Ok(end);
@@ -1032,7 +1032,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
         }
         let m = &self.server.metrics;
         m.deliveries.fetch_add(1, Ordering::Relaxed);
-        m.packets_out.fetch_add(1, Ordering::Relaxed);
+        m.packets_out.add(0x30);
         m.bytes_out.fetch_add(size as u64, Ordering::Relaxed);
         Ok(())
     }
