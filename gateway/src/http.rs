@@ -1,5 +1,5 @@
-//! The HTTP listener's operational routes: liveness, readiness and Prometheus metrics. The REST
-//! API (sluice-rest) will be merged into the same router.
+//! The HTTP listener: liveness, readiness, Prometheus metrics, MQTT over WebSocket, and the
+//! REST API (sluice-rest) merged into the same router.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -20,6 +20,8 @@ pub(crate) struct AppState {
     pub(crate) kafka: Arc<std::sync::OnceLock<Arc<sluice_kafka::KafkaServer>>>,
     /// The MQTT server, once its listener is bound.
     pub(crate) mqtt: Arc<std::sync::OnceLock<Arc<sluice_mqtt::MqttServer>>>,
+    /// The REST API's shared state (its counters are rendered in /metrics).
+    pub(crate) rest: Arc<sluice_rest::RestApi>,
     /// Turns true when the gateway begins to stop (ends MQTT-over-WebSocket sessions).
     pub(crate) stop: tokio::sync::watch::Receiver<bool>,
 }
@@ -30,7 +32,8 @@ pub(crate) fn router(state: AppState) -> Router {
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .route("/mqtt", get(crate::ws::mqtt))
-        .with_state(state)
+        .with_state(state.clone())
+        .merge(sluice_rest::router(state.rest))
 }
 
 /// Liveness: the process is up and its runtime answers.
@@ -57,6 +60,7 @@ async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
     if let Some(mqtt) = state.mqtt.get() {
         crate::metrics::render_mqtt(&mut body, mqtt);
     }
+    crate::metrics::render_rest(&mut body, &state.rest.metrics);
     (
         [(
             header::CONTENT_TYPE,

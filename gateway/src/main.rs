@@ -194,6 +194,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         ready: ready.clone(),
         kafka: kafka_metrics.clone(),
         mqtt: mqtt_metrics.clone(),
+        rest: sluice_rest::RestApi::new(engine.clone()),
         stop: stop_rx.clone(),
     });
     let mut http_stop = stop_rx.clone();

@@ -519,6 +519,37 @@ pub(crate) fn render(engine: &EngineMetrics, process: &ProcessStats, ready: bool
     o.0
 }
 
+/// Appends the REST API's counters.
+pub(crate) fn render_rest(body: &mut String, m: &sluice_rest::RestMetrics) {
+    use std::sync::atomic::Ordering::Relaxed;
+    let mut o = Out(std::mem::take(body));
+    o.single(
+        "sluice_rest_records_produced_total",
+        "counter",
+        "Records produced over REST.",
+        m.records_produced.load(Relaxed),
+    );
+    o.single(
+        "sluice_rest_produced_bytes_total",
+        "counter",
+        "Value bytes produced over REST.",
+        m.bytes_produced.load(Relaxed),
+    );
+    o.single(
+        "sluice_rest_fetches_total",
+        "counter",
+        "Fetch requests over REST.",
+        m.fetches.load(Relaxed),
+    );
+    o.single(
+        "sluice_rest_long_polls_waiting",
+        "gauge",
+        "REST fetches parked in a long-poll.",
+        m.long_polls_waiting.load(Relaxed),
+    );
+    *body = o.0;
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -129,6 +129,40 @@ async fn serves_health_and_metrics_and_stops_cleanly_on_sigterm() {
 }
 
 #[tokio::test]
+async fn the_rest_api_is_served_on_the_http_port() {
+    let dir = tempfile::tempdir().unwrap();
+    let g = Gateway::start(dir.path(), &[]);
+    let http = reqwest::Client::new();
+    let resp = http
+        .post(format!("{}/topics/frames/records?partition=0", g.http))
+        .header("content-type", "image/jpeg")
+        .body(vec![0xFFu8, 0xD8, 0xFF, 0xE0, 1, 2, 3])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(
+        resp.text().await.unwrap(),
+        r#"{"topic":"frames","partition":0,"offset":0}"#
+    );
+    let resp = reqwest::get(format!("{}/topics/frames/partitions/0/records/0", g.http))
+        .await
+        .unwrap();
+    assert_eq!(resp.headers()["content-type"], "image/jpeg");
+    assert_eq!(
+        &resp.bytes().await.unwrap()[..],
+        [0xFF, 0xD8, 0xFF, 0xE0, 1, 2, 3]
+    );
+    let (_, metrics) = get(&format!("{}/metrics", g.http)).await;
+    assert!(
+        metrics.contains("sluice_rest_records_produced_total 1\n"),
+        "{metrics}"
+    );
+    let (status, _) = g.stop_with(libc::SIGTERM);
+    assert!(status.success(), "{status}");
+}
+
+#[tokio::test]
 async fn sigint_also_stops_with_exit_code_zero() {
     let dir = tempfile::tempdir().unwrap();
     let g = Gateway::start(dir.path(), &[]);

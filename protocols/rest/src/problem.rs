@@ -1,0 +1,109 @@
+//! Errors as RFC 9457 `application/problem+json`, each with a stable `type` that scripts can
+//! match on, mapped from the core's errors.
+
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde::Serialize;
+use sluice_core::CoreError;
+
+/// Every `type` this API answers with starts with this.
+pub const PROBLEM_TYPE_PREFIX: &str = "urn:sluice:problem:";
+
+/// One error answer.
+#[derive(Debug, Clone)]
+pub struct Problem {
+    pub status: StatusCode,
+    /// The stable part of `type` (`unknown-topic`, `payload-too-large`, ...).
+    pub kind: &'static str,
+    pub detail: String,
+    /// Seconds for `Retry-After`, on overload and shutdown.
+    pub retry_after_s: Option<u32>,
+}
+
+#[derive(Serialize)]
+struct Body<'a> {
+    #[serde(rename = "type")]
+    kind: String,
+    title: &'a str,
+    status: u16,
+    detail: &'a str,
+}
+
+impl Problem {
+    pub fn new(status: StatusCode, kind: &'static str, detail: impl Into<String>) -> Self {
+        Self {
+            status,
+            kind,
+            detail: detail.into(),
+            retry_after_s: None,
+        }
+    }
+
+    pub fn bad_request(detail: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, "bad-request", detail)
+    }
+
+    pub fn too_large(max: u64) -> Self {
+        Self::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "payload-too-large",
+            format!("the body exceeds the topic's limit of {max} bytes"),
+        )
+    }
+}
+
+impl From<CoreError> for Problem {
+    fn from(e: CoreError) -> Self {
+        let (status, kind) = match &e {
+            CoreError::UnknownTopic { .. } => (StatusCode::NOT_FOUND, "unknown-topic"),
+            CoreError::UnknownPartition { .. } => (StatusCode::NOT_FOUND, "unknown-partition"),
+            CoreError::UnknownSubscription { .. } => {
+                (StatusCode::NOT_FOUND, "unknown-subscription")
+            }
+            CoreError::OffsetOutOfRange { .. } => (StatusCode::NOT_FOUND, "offset-out-of-range"),
+            CoreError::TopicExists { .. } => (StatusCode::CONFLICT, "topic-exists"),
+            CoreError::ConsumerBusy { .. } => (StatusCode::CONFLICT, "consumer-busy"),
+            CoreError::MessageTooLarge { .. } => {
+                (StatusCode::PAYLOAD_TOO_LARGE, "payload-too-large")
+            }
+            CoreError::InvalidTopicName { .. }
+            | CoreError::InvalidPolicy { .. }
+            | CoreError::InvalidPartitionCount { .. }
+            | CoreError::InvalidGroupId { .. }
+            | CoreError::InvalidSubscriptionName { .. }
+            | CoreError::CommitMetadataTooLarge { .. }
+            | CoreError::EmptyProduce
+            | CoreError::InvalidBatch(_) => (StatusCode::BAD_REQUEST, "bad-request"),
+            CoreError::ShuttingDown => (StatusCode::SERVICE_UNAVAILABLE, "shutting-down"),
+            _ => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
+        };
+        let mut p = Problem::new(status, kind, e.to_string());
+        if status == StatusCode::SERVICE_UNAVAILABLE {
+            p.retry_after_s = Some(5);
+        }
+        p
+    }
+}
+
+impl IntoResponse for Problem {
+    fn into_response(self) -> Response {
+        let title = self.status.canonical_reason().unwrap_or("error");
+        let body = Body {
+            kind: format!("{PROBLEM_TYPE_PREFIX}{}", self.kind),
+            title,
+            status: self.status.as_u16(),
+            detail: &self.detail,
+        };
+        let json = serde_json::to_vec(&body).unwrap_or_default();
+        let mut response = (self.status, json).into_response();
+        let headers = response.headers_mut();
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/problem+json"),
+        );
+        if let Some(s) = self.retry_after_s {
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(s));
+        }
+        response
+    }
+}

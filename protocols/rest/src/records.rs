@@ -1,0 +1,279 @@
+//! Producing and reading records.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use axum::Json;
+use axum::body::Body;
+use axum::extract::rejection::{PathRejection, QueryRejection};
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, HeaderValue, header};
+use axum::response::{IntoResponse, Response};
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD as BASE64;
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use sluice_core::{DecodedRecord, PartitionChoice, Record, decode_records, split_batches};
+
+use crate::RestApi;
+
+use crate::problem::Problem;
+
+/// Request headers with this prefix become record headers (the prefix removed).
+pub const RECORD_HEADER_PREFIX: &str = "record-header-";
+/// The record header holding the request's Content-Type, answered back on a raw read.
+const CONTENT_TYPE: &str = "content-type";
+/// Longest long-poll a fetch may ask for.
+const MAX_WAIT_MS: u64 = 30_000;
+/// Most records one JSON fetch returns.
+const MAX_RECORDS: usize = 10_000;
+
+fn path<T>(p: Result<Path<T>, PathRejection>) -> Result<T, Problem> {
+    p.map(|Path(v)| v)
+        .map_err(|e| Problem::bad_request(e.body_text()))
+}
+
+fn query<T>(q: Result<Query<T>, QueryRejection>) -> Result<T, Problem> {
+    q.map(|Query(v)| v)
+        .map_err(|e| Problem::bad_request(e.body_text()))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct ProduceQuery {
+    key: Option<String>,
+    partition: Option<u32>,
+}
+
+#[derive(Debug, Serialize)]
+pub(crate) struct Produced {
+    topic: String,
+    partition: u32,
+    offset: u64,
+}
+
+/// `POST /topics/{topic}/records`: the raw body is one record's value; answered once durable.
+pub(crate) async fn produce(
+    State(api): State<Arc<RestApi>>,
+    topic: Result<Path<String>, PathRejection>,
+    q: Result<Query<ProduceQuery>, QueryRejection>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Json<Produced>, Problem> {
+    let engine = &api.engine;
+    let topic = path(topic)?;
+    let q = query(q)?;
+    engine.ensure_topic(&topic).await?;
+    let max = engine.describe_topic(&topic)?.policy.max_message_bytes;
+    // Refused before reading when the client announces a larger body; a chunked body is cut
+    // off at the limit while it is read.
+    let announced = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if announced.is_some_and(|n| n > max) {
+        return Err(Problem::too_large(max));
+    }
+    let value = axum::body::to_bytes(body, usize::try_from(max).unwrap_or(usize::MAX))
+        .await
+        .map_err(|_| Problem::too_large(max))?;
+    let mut record_headers = Vec::new();
+    if let Some(ct) = headers.get(header::CONTENT_TYPE) {
+        record_headers.push((
+            CONTENT_TYPE.to_owned(),
+            Bytes::copy_from_slice(ct.as_bytes()),
+        ));
+    }
+    for (name, v) in &headers {
+        if let Some(h) = name.as_str().strip_prefix(RECORD_HEADER_PREFIX) {
+            record_headers.push((h.to_owned(), Bytes::copy_from_slice(v.as_bytes())));
+        }
+    }
+    let key = q.key.map(Bytes::from);
+    let record = Record {
+        timestamp: engine.now_ms(),
+        key: key.clone(),
+        value: Some(value),
+        headers: record_headers,
+    };
+    let choice = match (q.partition, &key) {
+        (Some(p), _) => PartitionChoice::Id(p),
+        (None, Some(k)) => PartitionChoice::Key(k),
+        (None, None) => PartitionChoice::Any,
+    };
+    let size = record.value.as_ref().map_or(0, |v| v.len() as u64);
+    let ack = engine.produce(&topic, choice, &[record]).await?;
+    api.metrics.records_produced.fetch_add(1, Ordering::Relaxed);
+    api.metrics
+        .bytes_produced
+        .fetch_add(size, Ordering::Relaxed);
+    Ok(Json(Produced {
+        topic,
+        partition: ack.partition,
+        offset: ack.base_offset,
+    }))
+}
+
+/// The decoded records of `fetched` from `from` on.
+fn records_from(data: Bytes, from: u64) -> Result<Vec<DecodedRecord>, Problem> {
+    let mut out = Vec::new();
+    let batches =
+        split_batches(data).map_err(|e| Problem::from(sluice_core::CoreError::from(e)))?;
+    for batch in batches {
+        let decoded = decode_records(&batch).map_err(|e| {
+            Problem::new(
+                axum::http::StatusCode::UNPROCESSABLE_ENTITY,
+                "undecodable-batch",
+                format!("a stored batch cannot be decoded here: {e}"),
+            )
+        })?;
+        out.extend(
+            decoded
+                .into_iter()
+                .filter(|r| r.offset >= 0 && r.offset as u64 >= from),
+        );
+    }
+    Ok(out)
+}
+
+/// `GET /topics/{topic}/partitions/{partition}/records/{offset}`: the value as stored, with the
+/// content type it was produced with.
+pub(crate) async fn get_one(
+    State(api): State<Arc<RestApi>>,
+    p: Result<Path<(String, u32, u64)>, PathRejection>,
+) -> Result<Response, Problem> {
+    let engine = &api.engine;
+    let (topic, partition, offset) = path(p)?;
+    let fetched = engine.fetch(&topic, partition, offset, 1).await?;
+    let Some(r) = records_from(fetched.data, offset)?
+        .into_iter()
+        .find(|r| r.offset as u64 == offset)
+    else {
+        return Err(Problem::new(
+            axum::http::StatusCode::NOT_FOUND,
+            "no-such-record",
+            format!(
+                "no record at offset {offset} of {topic}/{partition} (log {}..{})",
+                fetched.log_start, fetched.high_watermark
+            ),
+        ));
+    };
+    let content_type = r
+        .record
+        .headers
+        .iter()
+        .find(|(name, _)| name == CONTENT_TYPE)
+        .and_then(|(_, v)| HeaderValue::from_bytes(v).ok())
+        .unwrap_or(HeaderValue::from_static("application/octet-stream"));
+    let mut response = r.record.value.unwrap_or_default().into_response();
+    let h = response.headers_mut();
+    h.insert(header::CONTENT_TYPE, content_type);
+    h.insert("sluice-offset", HeaderValue::from(offset));
+    h.insert("sluice-timestamp", HeaderValue::from(r.record.timestamp));
+    Ok(response)
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct FetchQuery {
+    offset: Option<u64>,
+    #[serde(default = "default_max_records")]
+    max_records: usize,
+    #[serde(default = "default_max_bytes")]
+    max_bytes: usize,
+    #[serde(default)]
+    wait_ms: u64,
+}
+
+fn default_max_records() -> usize {
+    100
+}
+
+fn default_max_bytes() -> usize {
+    1 << 20
+}
+
+#[derive(Debug, Serialize)]
+pub(crate) struct JsonRecord {
+    offset: u64,
+    timestamp: i64,
+    /// Base64, or null.
+    key: Option<String>,
+    /// Base64, or null.
+    value: Option<String>,
+    /// Values in base64.
+    headers: Vec<(String, String)>,
+}
+
+#[derive(Debug, Serialize)]
+pub(crate) struct FetchResponse {
+    records: Vec<JsonRecord>,
+    /// Where the next fetch starts.
+    next_offset: u64,
+    high_watermark: u64,
+    log_start: u64,
+}
+
+/// `GET /topics/{topic}/partitions/{partition}/records?offset=&max_records=&max_bytes=&wait_ms=`:
+/// records from `offset` (default: the log start) as JSON; with `wait_ms`, waits up to that long
+/// for a record when there is none yet.
+pub(crate) async fn fetch(
+    State(api): State<Arc<RestApi>>,
+    p: Result<Path<(String, u32)>, PathRejection>,
+    q: Result<Query<FetchQuery>, QueryRejection>,
+) -> Result<Json<FetchResponse>, Problem> {
+    let engine = &api.engine;
+    let (topic, partition) = path(p)?;
+    let q = query(q)?;
+    if q.wait_ms > MAX_WAIT_MS {
+        return Err(Problem::bad_request(format!(
+            "wait_ms is at most {MAX_WAIT_MS}"
+        )));
+    }
+    if q.max_records == 0 || q.max_records > MAX_RECORDS {
+        return Err(Problem::bad_request(format!(
+            "max_records is between 1 and {MAX_RECORDS}"
+        )));
+    }
+    let (log_start, _) = engine.offsets(&topic, partition)?;
+    let offset = q.offset.unwrap_or(log_start);
+    let mut fetched = engine.fetch(&topic, partition, offset, q.max_bytes).await?;
+    api.metrics.fetches.fetch_add(1, Ordering::Relaxed);
+    if fetched.data.is_empty() && q.wait_ms > 0 {
+        api.metrics
+            .long_polls_waiting
+            .fetch_add(1, Ordering::Relaxed);
+        let waited = engine
+            .wait_for_data(&topic, partition, offset, Duration::from_millis(q.wait_ms))
+            .await;
+        api.metrics
+            .long_polls_waiting
+            .fetch_sub(1, Ordering::Relaxed);
+        waited?;
+        fetched = engine.fetch(&topic, partition, offset, q.max_bytes).await?;
+    }
+    let records: Vec<JsonRecord> = records_from(fetched.data, offset)?
+        .into_iter()
+        .take(q.max_records)
+        .map(|r| JsonRecord {
+            offset: r.offset as u64,
+            timestamp: r.record.timestamp,
+            key: r.record.key.map(|k| BASE64.encode(k)),
+            value: r.record.value.map(|v| BASE64.encode(v)),
+            headers: r
+                .record
+                .headers
+                .into_iter()
+                .map(|(n, v)| (n, BASE64.encode(v)))
+                .collect(),
+        })
+        .collect();
+    let next_offset = records.last().map_or(offset, |r| r.offset + 1);
+    Ok(Json(FetchResponse {
+        records,
+        next_offset,
+        high_watermark: fetched.high_watermark,
+        log_start: fetched.log_start,
+    }))
+}

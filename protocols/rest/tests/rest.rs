@@ -1,0 +1,400 @@
+//! The REST API over real HTTP (reqwest on loopback) against an engine on a temporary
+//! directory.
+#![allow(clippy::unwrap_used)]
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use serde_json::{Value, json};
+use sluice_core::{Engine, EngineConfig, FsStorage, SystemClock};
+use sluice_rest::RestApi;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+struct Server {
+    base: String,
+    engine: Engine,
+    api: Arc<RestApi>,
+    http: reqwest::Client,
+    _dir: tempfile::TempDir,
+}
+
+async fn start() -> Server {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = Engine::open(
+        EngineConfig::new(dir.path()),
+        Arc::new(FsStorage),
+        Arc::new(SystemClock),
+    )
+    .await
+    .unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let api = RestApi::new(engine.clone());
+    let app = sluice_rest::router(api.clone());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    Server {
+        base,
+        engine,
+        api,
+        http: reqwest::Client::new(),
+        _dir: dir,
+    }
+}
+
+async fn json_of(resp: reqwest::Response) -> Value {
+    serde_json::from_slice(&resp.bytes().await.unwrap()).unwrap()
+}
+
+/// Checks an error answer: status, problem+json content type, and its stable type.
+async fn assert_problem(resp: reqwest::Response, status: u16, kind: &str) {
+    assert_eq!(resp.status().as_u16(), status);
+    assert_eq!(
+        resp.headers()[reqwest::header::CONTENT_TYPE],
+        "application/problem+json"
+    );
+    let body = json_of(resp).await;
+    assert_eq!(body["type"], format!("urn:sluice:problem:{kind}"), "{body}");
+    assert_eq!(body["status"], status);
+    assert!(body["detail"].as_str().is_some_and(|d| !d.is_empty()));
+}
+
+/// A 2 MB body that starts like a JPEG and varies everywhere, so any corruption shows.
+fn image(len: usize) -> Vec<u8> {
+    let mut v: Vec<u8> = (0..len)
+        .map(|i| (i as u32).wrapping_mul(2_654_435_761).to_le_bytes()[1])
+        .collect();
+    v[..4].copy_from_slice(&[0xFF, 0xD8, 0xFF, 0xE0]);
+    v
+}
+
+#[tokio::test]
+async fn a_two_megabyte_jpeg_round_trips_byte_identical_with_its_content_type() {
+    let s = start().await;
+    let img = image(2 * 1024 * 1024);
+    let resp = s
+        .http
+        .post(format!("{}/topics/cameras/records?key=cam-7", s.base))
+        .header("content-type", "image/jpeg")
+        .header("record-header-camera", "north-gate")
+        .body(img.clone())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let ack = json_of(resp).await;
+    let (partition, offset) = (
+        ack["partition"].as_u64().unwrap(),
+        ack["offset"].as_u64().unwrap(),
+    );
+    assert_eq!(ack["topic"], "cameras");
+
+    let resp = s
+        .http
+        .get(format!(
+            "{}/topics/cameras/partitions/{partition}/records/{offset}",
+            s.base
+        ))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()[reqwest::header::CONTENT_TYPE], "image/jpeg");
+    assert_eq!(resp.headers()["sluice-offset"], offset.to_string().as_str());
+    assert!(
+        resp.bytes().await.unwrap() == img,
+        "the value came back changed"
+    );
+
+    // The ledger holds exactly what was sent, with the key and both headers.
+    let fetched = s
+        .engine
+        .fetch("cameras", partition as u32, offset, 1)
+        .await
+        .unwrap();
+    let batch = sluice_core::split_batches(fetched.data).unwrap();
+    let r = &sluice_core::decode_records(&batch[0]).unwrap()[0].record;
+    assert_eq!(r.key.as_deref(), Some(&b"cam-7"[..]));
+    assert_eq!(r.value.as_deref(), Some(&img[..]));
+    let headers: Vec<(&str, &[u8])> = r
+        .headers
+        .iter()
+        .map(|(n, v)| (n.as_str(), &v[..]))
+        .collect();
+    assert!(headers.contains(&("content-type", &b"image/jpeg"[..])));
+    assert!(headers.contains(&("camera", &b"north-gate"[..])));
+}
+
+#[tokio::test]
+async fn topics_are_created_described_changed_listed_and_deleted() {
+    let s = start().await;
+    let resp = s
+        .http
+        .post(format!("{}/topics", s.base))
+        .body(
+            json!({"name": "sensors", "partitions": 3, "policy": {"retention_ms": 60000}})
+                .to_string(),
+        )
+        .header("content-type", "application/json")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 201);
+    let created = json_of(resp).await;
+    assert_eq!(created["partitions"].as_array().unwrap().len(), 3);
+    assert_eq!(created["policy"]["retention_ms"], 60000);
+
+    let again = s
+        .http
+        .post(format!("{}/topics", s.base))
+        .body(json!({"name": "sensors"}).to_string())
+        .header("content-type", "application/json")
+        .send()
+        .await
+        .unwrap();
+    assert_problem(again, 409, "topic-exists").await;
+
+    let changed = s
+        .http
+        .put(format!("{}/topics/sensors/policy", s.base))
+        .body(json!({"retention_ms": 120000}).to_string())
+        .header("content-type", "application/json")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(changed.status(), 200);
+    let described = json_of(
+        s.http
+            .get(format!("{}/topics/sensors", s.base))
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(described["policy"]["retention_ms"], 120000);
+    assert_eq!(described["partitions"][2]["high_watermark"], 0);
+
+    let list = json_of(
+        s.http
+            .get(format!("{}/topics", s.base))
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert!(
+        list["topics"]
+            .as_array()
+            .unwrap()
+            .contains(&json!("sensors"))
+    );
+
+    let deleted = s
+        .http
+        .delete(format!("{}/topics/sensors", s.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(deleted.status(), 204);
+    let gone = s
+        .http
+        .get(format!("{}/topics/sensors", s.base))
+        .send()
+        .await
+        .unwrap();
+    assert_problem(gone, 404, "unknown-topic").await;
+}
+
+#[tokio::test]
+async fn bad_requests_get_problem_json() {
+    let s = start().await;
+    let bad_partition = s
+        .http
+        .get(format!("{}/topics/t/partitions/abc/records/0", s.base))
+        .send()
+        .await
+        .unwrap();
+    assert_problem(bad_partition, 400, "bad-request").await;
+    let bad_query = s
+        .http
+        .post(format!("{}/topics/t/records?partition=-1", s.base))
+        .body("x")
+        .send()
+        .await
+        .unwrap();
+    assert_problem(bad_query, 400, "bad-request").await;
+    let bad_json = s
+        .http
+        .post(format!("{}/topics", s.base))
+        .header("content-type", "application/json")
+        .body("{not json")
+        .send()
+        .await
+        .unwrap();
+    assert_problem(bad_json, 400, "bad-request").await;
+    let bad_policy = s
+        .http
+        .post(format!("{}/topics", s.base))
+        .header("content-type", "application/json")
+        .body(json!({"name": "p", "policy": {"no_such_key": 1}}).to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_problem(bad_policy, 400, "bad-request").await;
+    let unknown = s
+        .http
+        .get(format!("{}/topics/nope/partitions/0/records/0", s.base))
+        .send()
+        .await
+        .unwrap();
+    assert_problem(unknown, 404, "unknown-topic").await;
+}
+
+#[tokio::test]
+async fn a_body_over_the_topic_limit_gets_413() {
+    let s = start().await;
+    let created = s
+        .http
+        .post(format!("{}/topics", s.base))
+        .header("content-type", "application/json")
+        .body(json!({"name": "small", "policy": {"max_message_bytes": 65536}}).to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(created.status(), 201);
+    // With a Content-Length: refused before the body is read.
+    let sized = s
+        .http
+        .post(format!("{}/topics/small/records", s.base))
+        .body(vec![7u8; 100_000])
+        .send()
+        .await
+        .unwrap();
+    assert_problem(sized, 413, "payload-too-large").await;
+    // Chunked (no Content-Length): cut off at the limit while reading. Written by hand, as
+    // reqwest sends a Content-Length whenever it knows the size.
+    let mut conn = tokio::net::TcpStream::connect(s.base.trim_start_matches("http://"))
+        .await
+        .unwrap();
+    let mut request = b"POST /topics/small/records HTTP/1.1\r\nHost: sluice\r\n\
+Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+        .to_vec();
+    for _ in 0..10 {
+        request.extend_from_slice(format!("{:x}\r\n", 10_000).as_bytes());
+        request.extend_from_slice(&[1u8; 10_000]);
+        request.extend_from_slice(b"\r\n");
+    }
+    request.extend_from_slice(b"0\r\n\r\n");
+    // The server may answer and close before taking the whole body.
+    let _ = conn.write_all(&request).await;
+    let mut answer = Vec::new();
+    let _ = conn.read_to_end(&mut answer).await;
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+    assert!(
+        answer.contains("urn:sluice:problem:payload-too-large"),
+        "{answer}"
+    );
+    assert_eq!(
+        s.engine.offsets("small", 0).unwrap(),
+        (0, 0),
+        "nothing stored"
+    );
+}
+
+#[tokio::test]
+async fn a_long_poll_fetch_wakes_when_a_record_arrives() {
+    let s = start().await;
+    s.engine.create_topic("events", 1, None).await.unwrap();
+    let url = format!(
+        "{}/topics/events/partitions/0/records?offset=0&wait_ms=30000",
+        s.base
+    );
+    let waiting = tokio::spawn({
+        let http = s.http.clone();
+        async move { json_of(http.get(url).send().await.unwrap()).await }
+    });
+    // Produced only once the fetch is parked in its long-poll, so the wake-up is what answers.
+    while s.api.metrics.long_polls_waiting.load(Ordering::Relaxed) == 0 {
+        assert!(
+            !waiting.is_finished(),
+            "the fetch answered before any record existed"
+        );
+        tokio::task::yield_now().await;
+    }
+    let resp = s
+        .http
+        .post(format!("{}/topics/events/records", s.base))
+        .header("content-type", "text/plain")
+        .body("door opened")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let got = waiting.await.unwrap();
+    let records = got["records"].as_array().unwrap();
+    assert_eq!(records.len(), 1);
+    assert_eq!(records[0]["offset"], 0);
+    assert_eq!(records[0]["value"], "ZG9vciBvcGVuZWQ="); // base64 of "door opened"
+    assert_eq!(got["next_offset"], 1);
+    assert_eq!(got["high_watermark"], 1);
+}
+
+#[tokio::test]
+async fn fetch_returns_ranges_and_missing_records_are_404() {
+    let s = start().await;
+    for i in 0..5 {
+        let resp = s
+            .http
+            .post(format!("{}/topics/log/records?partition=0", s.base))
+            .body(format!("r{i}"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(json_of(resp).await["offset"], i);
+    }
+    let got = json_of(
+        s.http
+            .get(format!(
+                "{}/topics/log/partitions/0/records?offset=1&max_records=2",
+                s.base
+            ))
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    let offsets: Vec<u64> = got["records"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["offset"].as_u64().unwrap())
+        .collect();
+    assert_eq!(offsets, [1, 2]);
+    assert_eq!(got["next_offset"], 3);
+    let missing = s
+        .http
+        .get(format!("{}/topics/log/partitions/0/records/5", s.base))
+        .send()
+        .await
+        .unwrap();
+    assert_problem(missing, 404, "no-such-record").await;
+    let beyond = s
+        .http
+        .get(format!("{}/topics/log/partitions/0/records/99", s.base))
+        .send()
+        .await
+        .unwrap();
+    assert_problem(beyond, 404, "offset-out-of-range").await;
+    let raw = s
+        .http
+        .get(format!("{}/topics/log/partitions/0/records/3", s.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        raw.headers()[reqwest::header::CONTENT_TYPE],
+        "application/octet-stream"
+    );
+    assert_eq!(raw.bytes().await.unwrap(), "r3");
+}
