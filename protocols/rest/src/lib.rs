@@ -60,6 +60,10 @@ pub fn router(api: Arc<RestApi>) -> Router {
             axum::routing::post(records::produce),
         )
         .route(
+            "/topics/{topic}/batches",
+            axum::routing::post(records::produce_batch),
+        )
+        .route(
             "/topics/{topic}/partitions/{partition}/records",
             get(records::fetch),
         )

@@ -43,6 +43,16 @@ impl Problem {
         Self::new(StatusCode::BAD_REQUEST, "bad-request", detail)
     }
 
+    /// An extractor's refusal (path, query or JSON body): 413 for a body over axum's limit,
+    /// otherwise 400, with the extractor's explanation.
+    pub fn rejected(status: StatusCode, detail: String) -> Self {
+        if status == StatusCode::PAYLOAD_TOO_LARGE {
+            Self::new(status, "payload-too-large", detail)
+        } else {
+            Self::bad_request(detail)
+        }
+    }
+
     pub fn too_large(max: u64) -> Self {
         Self::new(
             StatusCode::PAYLOAD_TOO_LARGE,

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use axum::Json;
 use axum::body::Body;
-use axum::extract::rejection::{PathRejection, QueryRejection};
+use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, HeaderValue, header};
 use axum::response::{IntoResponse, Response};
@@ -31,12 +31,12 @@ const MAX_RECORDS: usize = 10_000;
 
 fn path<T>(p: Result<Path<T>, PathRejection>) -> Result<T, Problem> {
     p.map(|Path(v)| v)
-        .map_err(|e| Problem::bad_request(e.body_text()))
+        .map_err(|e| Problem::rejected(e.status(), e.body_text()))
 }
 
 fn query<T>(q: Result<Query<T>, QueryRejection>) -> Result<T, Problem> {
     q.map(|Query(v)| v)
-        .map_err(|e| Problem::bad_request(e.body_text()))
+        .map_err(|e| Problem::rejected(e.status(), e.body_text()))
 }
 
 #[derive(Debug, Deserialize)]
@@ -113,6 +113,116 @@ pub(crate) async fn produce(
         partition: ack.partition,
         offset: ack.base_offset,
     }))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct BatchRecord {
+    key: Option<String>,
+    /// The value as UTF-8 text; or `value_base64` for binary values.
+    value: Option<String>,
+    value_base64: Option<String>,
+    #[serde(default)]
+    headers: std::collections::BTreeMap<String, String>,
+    partition: Option<u32>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Batch {
+    records: Vec<BatchRecord>,
+}
+
+#[derive(Debug, Serialize)]
+pub(crate) struct Position {
+    partition: u32,
+    offset: u64,
+}
+
+#[derive(Debug, Serialize)]
+pub(crate) struct BatchProduced {
+    topic: String,
+    /// One per record, in request order.
+    offsets: Vec<Position>,
+}
+
+/// Most records one JSON batch may carry.
+const MAX_BATCH_RECORDS: usize = 10_000;
+
+/// `POST /topics/{topic}/batches`: JSON records, each appended in order (pipelined) and
+/// answered together once all are durable.
+pub(crate) async fn produce_batch(
+    State(api): State<Arc<RestApi>>,
+    topic: Result<Path<String>, PathRejection>,
+    body: Result<Json<Batch>, JsonRejection>,
+) -> Result<Json<BatchProduced>, Problem> {
+    let engine = &api.engine;
+    let topic = path(topic)?;
+    let batch = body
+        .map(|Json(b)| b)
+        .map_err(|e| Problem::rejected(e.status(), e.body_text()))?;
+    if batch.records.is_empty() || batch.records.len() > MAX_BATCH_RECORDS {
+        return Err(Problem::bad_request(format!(
+            "a batch holds 1 to {MAX_BATCH_RECORDS} records"
+        )));
+    }
+    engine.ensure_topic(&topic).await?;
+    let mut records = Vec::with_capacity(batch.records.len());
+    for (i, r) in batch.records.into_iter().enumerate() {
+        let value =
+            match (r.value, r.value_base64) {
+                (Some(_), Some(_)) => {
+                    return Err(Problem::bad_request(format!(
+                        "record {i}: value and value_base64 are exclusive"
+                    )));
+                }
+                (Some(text), None) => Some(Bytes::from(text)),
+                (None, Some(b64)) => Some(Bytes::from(BASE64.decode(b64).map_err(|e| {
+                    Problem::bad_request(format!("record {i}: value_base64: {e}"))
+                })?)),
+                (None, None) => None,
+            };
+        let record = Record {
+            timestamp: engine.now_ms(),
+            key: r.key.map(Bytes::from),
+            value,
+            headers: r
+                .headers
+                .into_iter()
+                .map(|(n, v)| (n, Bytes::from(v)))
+                .collect(),
+        };
+        records.push((r.partition, record));
+    }
+    // Queued one after another, so they land in request order; then awaited together.
+    let mut pending = Vec::with_capacity(records.len());
+    let mut bytes = 0;
+    for (partition, record) in &records {
+        bytes += record.value.as_ref().map_or(0, |v| v.len() as u64);
+        let choice = match (partition, &record.key) {
+            (Some(p), _) => PartitionChoice::Id(*p),
+            (None, Some(k)) => PartitionChoice::Key(k),
+            (None, None) => PartitionChoice::Any,
+        };
+        pending.push(
+            engine
+                .produce_queued(&topic, choice, std::slice::from_ref(record))
+                .await?,
+        );
+    }
+    let mut offsets = Vec::with_capacity(pending.len());
+    for ack in pending {
+        let ack = ack.await?;
+        offsets.push(Position {
+            partition: ack.partition,
+            offset: ack.base_offset,
+        });
+    }
+    let m = &api.metrics;
+    m.records_produced
+        .fetch_add(offsets.len() as u64, Ordering::Relaxed);
+    m.bytes_produced.fetch_add(bytes, Ordering::Relaxed);
+    Ok(Json(BatchProduced { topic, offsets }))
 }
 
 /// The decoded records of `fetched` from `from` on.

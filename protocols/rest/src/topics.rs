@@ -91,7 +91,7 @@ fn merged_policy(base: &TopicPolicy, changes: serde_json::Value) -> Result<Topic
 
 fn json_body<T>(body: Result<Json<T>, JsonRejection>) -> Result<T, Problem> {
     body.map(|Json(v)| v)
-        .map_err(|e| Problem::bad_request(e.body_text()))
+        .map_err(|e| Problem::rejected(e.status(), e.body_text()))
 }
 
 pub(crate) async fn create(

@@ -398,3 +398,84 @@ async fn fetch_returns_ranges_and_missing_records_are_404() {
     );
     assert_eq!(raw.bytes().await.unwrap(), "r3");
 }
+
+#[tokio::test]
+async fn a_json_batch_lands_in_order_with_text_and_base64_values() {
+    let s = start().await;
+    s.engine.create_topic("readings", 2, None).await.unwrap();
+    let body = json!({"records": [
+        {"value": "21.5", "headers": {"unit": "C"}, "partition": 1},
+        {"value_base64": "AAEC/w==", "partition": 1},
+        {"key": "dev-9", "value": "ok", "partition": 1},
+    ]});
+    let resp = s
+        .http
+        .post(format!("{}/topics/readings/batches", s.base))
+        .header("content-type", "application/json")
+        .body(body.to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let got = json_of(resp).await;
+    assert_eq!(
+        got["offsets"],
+        json!([{"partition": 1, "offset": 0}, {"partition": 1, "offset": 1}, {"partition": 1, "offset": 2}])
+    );
+    let raw = s
+        .http
+        .get(format!("{}/topics/readings/partitions/1/records/1", s.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(&raw.bytes().await.unwrap()[..], [0, 1, 2, 255]);
+    let fetched = json_of(
+        s.http
+            .get(format!("{}/topics/readings/partitions/1/records", s.base))
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    let first = &fetched["records"][0];
+    assert_eq!(first["value"], "MjEuNQ=="); // base64 of "21.5"
+    assert_eq!(first["headers"], json!([["unit", "Qw=="]]));
+    assert_eq!(fetched["records"][2]["key"], "ZGV2LTk="); // base64 of "dev-9"
+
+    for bad in [
+        json!({"records": []}),
+        json!({"records": [{"value": "a", "value_base64": "YQ=="}]}),
+        json!({"records": [{"value_base64": "not base64!"}]}),
+        json!({"records": [{"value": "a", "colour": "red"}]}),
+    ] {
+        let resp = s
+            .http
+            .post(format!("{}/topics/readings/batches", s.base))
+            .header("content-type", "application/json")
+            .body(bad.to_string())
+            .send()
+            .await
+            .unwrap();
+        assert_problem(resp, 400, "bad-request").await;
+    }
+    assert_eq!(
+        s.engine.offsets("readings", 1).unwrap(),
+        (0, 3),
+        "a refused batch stored nothing"
+    );
+}
+
+#[tokio::test]
+async fn a_json_batch_over_two_megabytes_gets_413() {
+    let s = start().await;
+    let big = "x".repeat(3 * 1024 * 1024);
+    let resp = s
+        .http
+        .post(format!("{}/topics/readings/batches", s.base))
+        .header("content-type", "application/json")
+        .body(json!({"records": [{"value": big}]}).to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_problem(resp, 413, "payload-too-large").await;
+}
