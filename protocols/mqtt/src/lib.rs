@@ -14,6 +14,7 @@ mod routes;
 mod server;
 mod session;
 mod sessions;
+mod state;
 mod topic;
 
 use std::collections::BTreeMap;

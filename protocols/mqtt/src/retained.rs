@@ -6,13 +6,11 @@ use std::collections::BTreeMap;
 
 use bytes::Bytes;
 use parking_lot::RwLock;
-use sluice_core::{
-    CoreError, Engine, PartitionChoice, PendingAck, Record, TopicPolicy, decode_records,
-    split_batches,
-};
+use sluice_core::{CoreError, Engine, PartitionChoice, PendingAck, Record};
 
 use crate::codec::Props;
 use crate::message;
+use crate::state;
 use crate::topic;
 
 /// The ledger topic holding retained messages.
@@ -39,53 +37,25 @@ pub(crate) struct Retained {
 impl Retained {
     /// Creates the topic if needed (kept forever, one partition) and replays it.
     pub(crate) async fn load(engine: Engine) -> Result<Self, CoreError> {
-        if engine.partition_count(RETAINED_TOPIC).is_err() {
-            let policy = TopicPolicy {
-                retention_ms: -1,
-                retention_bytes: -1,
-                ..engine.config().default_policy.clone()
-            };
-            match engine.create_topic(RETAINED_TOPIC, 1, Some(policy)).await {
-                Ok(_) | Err(CoreError::TopicExists { .. }) => {}
-                Err(e) => return Err(e),
-            }
-        }
         let mut map = BTreeMap::new();
-        let (mut offset, end) = engine.offsets(RETAINED_TOPIC, 0)?;
-        while offset < end {
-            let fetched = engine.fetch(RETAINED_TOPIC, 0, offset, 1 << 20).await?;
-            for batch in split_batches(fetched.data)? {
-                for r in decode_records(&batch)? {
-                    let Some(name) = r
-                        .record
-                        .key
-                        .as_ref()
-                        .and_then(|k| std::str::from_utf8(k).ok())
-                    else {
-                        continue;
+        state::replay(&engine, RETAINED_TOPIC, |name, r| {
+            match r.record.value.filter(|v| !v.is_empty()) {
+                Some(payload) => {
+                    let (props, origin) = message::from_headers(&r.record.headers);
+                    let msg = RetainedMsg {
+                        payload,
+                        qos: origin.qos.unwrap_or(0),
+                        props,
+                        published_ms: r.record.timestamp,
                     };
-                    match r.record.value.filter(|v| !v.is_empty()) {
-                        Some(payload) => {
-                            let (props, origin) = message::from_headers(&r.record.headers);
-                            let qos = origin.qos.unwrap_or(0);
-                            map.insert(
-                                name.to_owned(),
-                                RetainedMsg {
-                                    payload,
-                                    qos,
-                                    props,
-                                    published_ms: r.record.timestamp,
-                                },
-                            );
-                        }
-                        None => {
-                            map.remove(name);
-                        }
-                    }
+                    map.insert(name.to_owned(), msg);
+                }
+                None => {
+                    map.remove(name);
                 }
             }
-            offset = fetched.next_offset;
-        }
+        })
+        .await?;
         Ok(Self {
             engine,
             map: RwLock::new(map),

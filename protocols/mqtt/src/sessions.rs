@@ -9,9 +9,9 @@ use std::collections::BTreeMap;
 use bytes::Bytes;
 use parking_lot::RwLock;
 use serde::{Deserialize, Serialize};
-use sluice_core::{
-    CoreError, Engine, PartitionChoice, Record, TopicPolicy, decode_records, split_batches,
-};
+use sluice_core::{CoreError, Engine, PartitionChoice, Record};
+
+use crate::state;
 
 /// The ledger topic holding persistent sessions.
 pub const SESSIONS_TOPIC: &str = "__mqtt_sessions";
@@ -52,48 +52,19 @@ pub(crate) struct Sessions {
 
 impl Sessions {
     pub(crate) async fn load(engine: Engine) -> Result<Self, CoreError> {
-        if engine.partition_count(SESSIONS_TOPIC).is_err() {
-            let policy = TopicPolicy {
-                retention_ms: -1,
-                retention_bytes: -1,
-                ..engine.config().default_policy.clone()
-            };
-            match engine.create_topic(SESSIONS_TOPIC, 1, Some(policy)).await {
-                Ok(_) | Err(CoreError::TopicExists { .. }) => {}
-                Err(e) => return Err(e),
-            }
-        }
         let mut map = BTreeMap::new();
-        let (mut offset, end) = engine.offsets(SESSIONS_TOPIC, 0)?;
-        while offset < end {
-            let fetched = engine.fetch(SESSIONS_TOPIC, 0, offset, 1 << 20).await?;
-            for batch in split_batches(fetched.data)? {
-                for r in decode_records(&batch)? {
-                    let Some(id) = r
-                        .record
-                        .key
-                        .as_ref()
-                        .and_then(|k| std::str::from_utf8(k).ok())
-                    else {
-                        continue;
-                    };
-                    match r
-                        .record
-                        .value
-                        .as_ref()
-                        .and_then(|v| serde_json::from_slice(v).ok())
-                    {
-                        Some(s) => {
-                            map.insert(id.to_owned(), s);
-                        }
-                        None => {
-                            map.remove(id);
-                        }
-                    }
-                }
-            }
-            offset = fetched.next_offset;
-        }
+        state::replay(&engine, SESSIONS_TOPIC, |id, r| {
+            match r
+                .record
+                .value
+                .as_ref()
+                .and_then(|v| serde_json::from_slice(v).ok())
+            {
+                Some(s) => map.insert(id.to_owned(), s),
+                None => map.remove(id),
+            };
+        })
+        .await?;
         Ok(Self {
             engine,
             map: RwLock::new(map),

@@ -1,6 +1,9 @@
 //! Errors as RFC 9457 `application/problem+json`, each with a stable `type` that scripts can
 //! match on, mapped from the core's errors.
 
+use axum::Json;
+use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
+use axum::extract::{Path, Query};
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
@@ -60,6 +63,24 @@ impl Problem {
             format!("the body exceeds the topic's limit of {max} bytes"),
         )
     }
+}
+
+/// A path extractor's value, or its refusal as a problem.
+pub(crate) fn path<T>(p: Result<Path<T>, PathRejection>) -> Result<T, Problem> {
+    p.map(|Path(v)| v)
+        .map_err(|e| Problem::rejected(e.status(), e.body_text()))
+}
+
+/// A query extractor's value, or its refusal as a problem.
+pub(crate) fn query<T>(q: Result<Query<T>, QueryRejection>) -> Result<T, Problem> {
+    q.map(|Query(v)| v)
+        .map_err(|e| Problem::rejected(e.status(), e.body_text()))
+}
+
+/// A JSON body, or its refusal as a problem (413 over axum's body limit).
+pub(crate) fn json<T>(body: Result<Json<T>, JsonRejection>) -> Result<T, Problem> {
+    body.map(|Json(v)| v)
+        .map_err(|e| Problem::rejected(e.status(), e.body_text()))
 }
 
 impl From<CoreError> for Problem {

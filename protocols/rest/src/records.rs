@@ -18,7 +18,7 @@ use sluice_core::{DecodedRecord, PartitionChoice, Record, decode_records, split_
 
 use crate::RestApi;
 
-use crate::problem::Problem;
+use crate::problem::{Problem, json, path, query};
 
 /// Request headers with this prefix become record headers (the prefix removed).
 pub const RECORD_HEADER_PREFIX: &str = "record-header-";
@@ -29,21 +29,20 @@ const MAX_WAIT_MS: u64 = 30_000;
 /// Most records one JSON fetch returns.
 const MAX_RECORDS: usize = 10_000;
 
-fn path<T>(p: Result<Path<T>, PathRejection>) -> Result<T, Problem> {
-    p.map(|Path(v)| v)
-        .map_err(|e| Problem::rejected(e.status(), e.body_text()))
-}
-
-fn query<T>(q: Result<Query<T>, QueryRejection>) -> Result<T, Problem> {
-    q.map(|Query(v)| v)
-        .map_err(|e| Problem::rejected(e.status(), e.body_text()))
-}
-
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct ProduceQuery {
     key: Option<String>,
     partition: Option<u32>,
+}
+
+/// An explicit partition, else the key's hash (as every protocol does), else round robin.
+fn partition_choice(partition: Option<u32>, key: Option<&[u8]>) -> PartitionChoice<'_> {
+    match (partition, key) {
+        (Some(p), _) => PartitionChoice::Id(p),
+        (None, Some(k)) => PartitionChoice::Key(k),
+        (None, None) => PartitionChoice::Any,
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -97,11 +96,7 @@ pub(crate) async fn produce(
         value: Some(value),
         headers: record_headers,
     };
-    let choice = match (q.partition, &key) {
-        (Some(p), _) => PartitionChoice::Id(p),
-        (None, Some(k)) => PartitionChoice::Key(k),
-        (None, None) => PartitionChoice::Any,
-    };
+    let choice = partition_choice(q.partition, key.as_deref());
     let size = record.value.as_ref().map_or(0, |v| v.len() as u64);
     let ack = engine.produce(&topic, choice, &[record]).await?;
     api.metrics.records_produced.fetch_add(1, Ordering::Relaxed);
@@ -158,9 +153,7 @@ pub(crate) async fn produce_batch(
 ) -> Result<Json<BatchProduced>, Problem> {
     let engine = &api.engine;
     let topic = path(topic)?;
-    let batch = body
-        .map(|Json(b)| b)
-        .map_err(|e| Problem::rejected(e.status(), e.body_text()))?;
+    let batch = json(body)?;
     if batch.records.is_empty() || batch.records.len() > MAX_BATCH_RECORDS {
         return Err(Problem::bad_request(format!(
             "a batch holds 1 to {MAX_BATCH_RECORDS} records"
@@ -199,11 +192,7 @@ pub(crate) async fn produce_batch(
     let mut bytes = 0;
     for (partition, record) in &records {
         bytes += record.value.as_ref().map_or(0, |v| v.len() as u64);
-        let choice = match (partition, &record.key) {
-            (Some(p), _) => PartitionChoice::Id(*p),
-            (None, Some(k)) => PartitionChoice::Key(k),
-            (None, None) => PartitionChoice::Any,
-        };
+        let choice = partition_choice(*partition, record.key.as_deref());
         pending.push(
             engine
                 .produce_queued(&topic, choice, std::slice::from_ref(record))

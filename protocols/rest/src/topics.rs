@@ -11,7 +11,7 @@ use sluice_core::{TopicDescription, TopicPolicy};
 
 use crate::RestApi;
 
-use crate::problem::Problem;
+use crate::problem::{Problem, json};
 
 #[derive(Debug, Serialize)]
 pub(crate) struct TopicList {
@@ -89,17 +89,12 @@ fn merged_policy(base: &TopicPolicy, changes: serde_json::Value) -> Result<Topic
     serde_json::from_value(value).map_err(|e| Problem::bad_request(format!("policy: {e}")))
 }
 
-fn json_body<T>(body: Result<Json<T>, JsonRejection>) -> Result<T, Problem> {
-    body.map(|Json(v)| v)
-        .map_err(|e| Problem::rejected(e.status(), e.body_text()))
-}
-
 pub(crate) async fn create(
     State(api): State<Arc<RestApi>>,
     body: Result<Json<CreateTopic>, JsonRejection>,
 ) -> Result<(StatusCode, Json<Topic>), Problem> {
     let engine = &api.engine;
-    let req = json_body(body)?;
+    let req = json(body)?;
     let policy = match req.policy {
         Some(changes) => Some(merged_policy(&engine.config().default_policy, changes)?),
         None => None,
@@ -124,7 +119,7 @@ pub(crate) async fn set_policy(
     body: Result<Json<serde_json::Value>, JsonRejection>,
 ) -> Result<Json<Topic>, Problem> {
     let engine = &api.engine;
-    let changes = json_body(body)?;
+    let changes = json(body)?;
     let current = engine.describe_topic(&topic)?.policy;
     let policy = merged_policy(&current, changes)?;
     Ok(Json(engine.set_policy(&topic, policy).await?.into()))
