@@ -2,12 +2,13 @@
 # Installs what the end-to-end tests outside cargo need, idempotently (sudo only when not root):
 #   - Debian packages kcat (a Kafka command-line client) and mosquitto-clients (mosquitto_pub,
 #     mosquitto_sub), each only if it is missing;
-#   - a Python virtual environment at target/pyenv with tests/kafka/requirements.txt and
-#     tests/mqtt/requirements.txt, reinstalled only when either file changes (stamp file
-#     target/pyenv/.installed-<sha256 of both>).
+#   - a Python virtual environment at target/pyenv with tests/kafka, tests/mqtt and tests/rest
+#     requirements.txt, reinstalled only when any of them changes (stamp file
+#     target/pyenv/.installed-<sha256 of all>).
 # Usage: ./scripts/install-test-deps.sh
 #   then: target/pyenv/bin/python -m pytest -q tests/kafka
 #         target/pyenv/bin/python -m pytest -q tests/mqtt
+#         target/pyenv/bin/python -m pytest -q tests/rest
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -34,7 +35,7 @@ apt_install() {
 apt_install kcat mosquitto-clients
 
 PYENV=target/pyenv
-REQUIREMENTS=(tests/kafka/requirements.txt tests/mqtt/requirements.txt)
+REQUIREMENTS=(tests/kafka/requirements.txt tests/mqtt/requirements.txt tests/rest/requirements.txt)
 
 if [ ! -x "$PYENV/bin/python" ]; then
   echo "==> creating Python virtual environment $PYENV"

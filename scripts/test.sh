@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs every check CI runs: formatting, clippy with warnings as errors, all Rust tests, the
-# Kafka and MQTT end-to-end suites with stock clients, and a short smoke run of the benchmark binary.
+# Kafka, MQTT and REST end-to-end suites with stock clients, and a short smoke run of the benchmark binary.
 # Installs what the tests need first, idempotently (with sudo when not root).
 # Usage: ./scripts/test.sh
 set -euo pipefail

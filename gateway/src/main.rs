@@ -194,7 +194,11 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         ready: ready.clone(),
         kafka: kafka_metrics.clone(),
         mqtt: mqtt_metrics.clone(),
-        rest: sluice_rest::RestApi::new(engine.clone()),
+        rest: sluice_rest::RestApi::with_gateway(
+            engine.clone(),
+            stop_rx.clone(),
+            connection_lister(kafka_metrics.clone(), mqtt_metrics.clone()),
+        ),
         stop: stop_rx.clone(),
     });
     let mut http_stop = stop_rx.clone();
@@ -208,7 +212,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         })
         .await
     });
-    info!(protocol = "http", addr = %http_addr, routes = "/healthz /readyz /metrics /mqtt (MQTT over WebSocket)", "listening");
+    info!(protocol = "http", addr = %http_addr, routes = "/healthz /readyz /metrics /mqtt (MQTT over WebSocket) /openapi.json and the REST API (docs/REST.md)", "listening");
 
     let kafka_listener = TcpListener::bind(&config.kafka.addr)
         .await
@@ -254,6 +258,31 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     engine.shutdown().await;
     info!("stopped");
     Ok(())
+}
+
+/// What `/connections` lists for the Kafka and MQTT servers, once they are listening.
+fn connection_lister(
+    kafka: Arc<std::sync::OnceLock<Arc<KafkaServer>>>,
+    mqtt: Arc<std::sync::OnceLock<Arc<MqttServer>>>,
+) -> sluice_rest::ConnectionLister {
+    Arc::new(move || {
+        let mut out = Vec::new();
+        if let Some(k) = kafka.get() {
+            out.push(sluice_rest::ProtocolConnections {
+                protocol: "kafka".to_owned(),
+                open: k.metrics.connections_open.load(Ordering::Relaxed),
+                clients: Vec::new(),
+            });
+        }
+        if let Some(m) = mqtt.get() {
+            out.push(sluice_rest::ProtocolConnections {
+                protocol: "mqtt".to_owned(),
+                open: m.metrics.connections_open.load(Ordering::Relaxed),
+                clients: m.connected_client_ids(),
+            });
+        }
+        out
+    })
 }
 
 /// SIGINT and SIGTERM handlers.

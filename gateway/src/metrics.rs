@@ -547,6 +547,52 @@ pub(crate) fn render_rest(body: &mut String, m: &sluice_rest::RestMetrics) {
         "REST fetches parked in a long-poll.",
         m.long_polls_waiting.load(Relaxed),
     );
+    for (name, kind, help, value) in [
+        (
+            "sluice_rest_subscription_consumers",
+            "gauge",
+            "Consumers attached to named subscriptions over REST.",
+            &m.subscription_consumers,
+        ),
+        (
+            "sluice_rest_consumers_expired_total",
+            "counter",
+            "REST consumers detached after their idle timeout.",
+            &m.consumers_expired,
+        ),
+        (
+            "sluice_rest_messages_delivered_total",
+            "counter",
+            "Subscription messages handed to REST consumers.",
+            &m.messages_delivered,
+        ),
+        (
+            "sluice_rest_websocket_streams",
+            "gauge",
+            "WebSocket streams open.",
+            &m.websocket_streams,
+        ),
+        (
+            "sluice_rest_sse_streams",
+            "gauge",
+            "Server-Sent Events streams open.",
+            &m.sse_streams,
+        ),
+        (
+            "sluice_rest_records_streamed_total",
+            "counter",
+            "Records sent on WebSocket and SSE streams.",
+            &m.records_streamed,
+        ),
+        (
+            "sluice_rest_stream_batches_skipped_total",
+            "counter",
+            "Batches a stream skipped because they cannot be decoded (compressed).",
+            &m.stream_batches_skipped,
+        ),
+    ] {
+        o.single(name, kind, help, value.load(Relaxed));
+    }
     *body = o.0;
 }
 

@@ -158,8 +158,34 @@ async fn the_rest_api_is_served_on_the_http_port() {
         metrics.contains("sluice_rest_records_produced_total 1\n"),
         "{metrics}"
     );
+    let (_, connections) = get(&format!("{}/connections", g.http)).await;
+    for protocol in ["kafka", "mqtt", "rest-websocket", "rest-sse"] {
+        assert!(
+            connections.contains(&format!(r#""protocol":"{protocol}""#)),
+            "{connections}"
+        );
+    }
+    let (status, openapi) = get(&format!("{}/openapi.json", g.http)).await;
+    assert_eq!(status, 200);
+    assert!(openapi.contains(r#""/topics/{topic}/records""#));
+
+    // An open event stream does not hold the stop up: it gets an `end` event and its body ends.
+    let mut events = http
+        .get(format!("{}/topics/frames/events", g.http))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(events.status(), 200);
     let (status, _) = g.stop_with(libc::SIGTERM);
     assert!(status.success(), "{status}");
+    let mut seen = String::new();
+    while let Some(chunk) = events.chunk().await.unwrap() {
+        seen.push_str(std::str::from_utf8(&chunk).unwrap());
+    }
+    assert!(
+        seen.ends_with("event: end\ndata: gateway shutting down\n\n"),
+        "{seen:?}"
+    );
 }
 
 #[tokio::test]

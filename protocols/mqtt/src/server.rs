@@ -141,6 +141,13 @@ impl MqttServer {
         self.settings.max_packet_bytes
     }
 
+    /// Client ids of the sessions connected now, sorted.
+    pub fn connected_client_ids(&self) -> Vec<String> {
+        let mut ids: Vec<String> = self.clients.iter().map(|c| c.key().clone()).collect();
+        ids.sort();
+        ids
+    }
+
     /// Persistent sessions known (connected or not).
     pub fn session_count(&self) -> usize {
         self.sessions.len()

@@ -1,19 +1,33 @@
 //! Sluice's REST API on axum, served on the gateway's HTTP port: topic administration, producing
-//! one raw record (any content type, e.g. a JPEG) and reading it back raw, and fetching ranges of
-//! records as JSON with long-polling. Every error is `application/problem+json` (see
-//! [`problem`]). Routes are listed in docs/REST.md.
+//! one raw record (any content type, e.g. a JPEG) and reading it back raw, fetching ranges of
+//! records as JSON with long-polling, consuming through named subscriptions (ack and nack) and
+//! consumer groups (commit), live streams over WebSocket and Server-Sent Events, and listings of
+//! groups, subscriptions and connections. Every error is `application/problem+json` (see
+//! [`problem`]). Each route is declared once, with its OpenAPI description beside it, and
+//! `/openapi.json` is generated from those declarations. Routes are listed in docs/REST.md.
 
+mod admin;
+mod groups;
 pub mod problem;
 mod records;
+mod streams;
+mod subscriptions;
 mod topics;
 
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 
 use axum::Router;
+use axum::http::header;
+use axum::response::IntoResponse;
 use axum::routing::get;
 use sluice_core::Engine;
+use tokio::sync::watch;
+use utoipa::OpenApi;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
+pub use admin::{ConnectionLister, ProtocolConnections};
 pub use problem::{PROBLEM_TYPE_PREFIX, Problem};
 pub use records::RECORD_HEADER_PREFIX;
 
@@ -25,51 +39,132 @@ pub struct RestMetrics {
     pub fetches: AtomicU64,
     /// Fetches parked in a long-poll right now.
     pub long_polls_waiting: AtomicU64,
+    /// Consumers attached to named subscriptions through this API right now.
+    pub subscription_consumers: AtomicU64,
+    /// Consumers detached because their client stopped calling for longer than its idle timeout.
+    pub consumers_expired: AtomicU64,
+    pub messages_delivered: AtomicU64,
+    /// WebSocket streams open right now.
+    pub websocket_streams: AtomicU64,
+    /// Server-Sent Events streams open right now.
+    pub sse_streams: AtomicU64,
+    /// Records sent on WebSocket and SSE streams.
+    pub records_streamed: AtomicU64,
+    /// Batches a stream skipped because they cannot be decoded here (compressed by a Kafka
+    /// producer).
+    pub stream_batches_skipped: AtomicU64,
 }
 
 /// What the handlers share.
-#[derive(Debug)]
 pub struct RestApi {
     pub engine: Engine,
     pub metrics: RestMetrics,
+    /// Turns true when the gateway begins to stop: streams end and long waits return.
+    stop: watch::Receiver<bool>,
+    /// Keeps `stop` open when no gateway drives it (a router built alone, in tests and benches).
+    _stop_tx: Option<watch::Sender<bool>>,
+    connections: Option<ConnectionLister>,
+    consumers: subscriptions::Consumers,
 }
 
-impl RestApi {
-    pub fn new(engine: Engine) -> Arc<Self> {
-        Arc::new(Self {
-            engine,
-            metrics: RestMetrics::default(),
-        })
+impl std::fmt::Debug for RestApi {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RestApi")
+            .field("engine", &self.engine)
+            .field("metrics", &self.metrics)
+            .finish_non_exhaustive()
     }
 }
 
-/// The REST routes, ready to merge into the gateway's router.
+impl RestApi {
+    /// An API that never sees a shutdown signal and lists only its own streams as connections.
+    pub fn new(engine: Engine) -> Arc<Self> {
+        let (tx, rx) = watch::channel(false);
+        Self::build(engine, rx, Some(tx), None)
+    }
+
+    /// An API whose streams end once `stop` turns true, and whose `/connections` also lists what
+    /// `connections` reports (the gateway's Kafka and MQTT servers).
+    pub fn with_gateway(
+        engine: Engine,
+        stop: watch::Receiver<bool>,
+        connections: ConnectionLister,
+    ) -> Arc<Self> {
+        Self::build(engine, stop, None, Some(connections))
+    }
+
+    fn build(
+        engine: Engine,
+        stop: watch::Receiver<bool>,
+        stop_tx: Option<watch::Sender<bool>>,
+        connections: Option<ConnectionLister>,
+    ) -> Arc<Self> {
+        Arc::new(Self {
+            engine,
+            metrics: RestMetrics::default(),
+            stop,
+            _stop_tx: stop_tx,
+            connections,
+            consumers: subscriptions::Consumers::default(),
+        })
+    }
+
+    /// Resolves once the gateway begins to stop (never for an API built with [`Self::new`]).
+    pub(crate) async fn stopped(&self) {
+        let mut stop = self.stop.clone();
+        if stop.wait_for(|&s| s).await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
+#[derive(OpenApi)]
+#[openapi(
+    info(
+        title = "Sluice REST API",
+        description = "Produce, fetch, consume, stream and administer Sluice topics over HTTP. \
+                       Errors are application/problem+json with a stable `type` \
+                       (urn:sluice:problem:<kind>).",
+    ),
+    components(schemas(problem::ProblemBody))
+)]
+struct ApiDoc;
+
+/// The REST routes and `/openapi.json`, ready to merge into the gateway's router.
 pub fn router(api: Arc<RestApi>) -> Router {
-    Router::new()
-        .route("/topics", get(topics::list).post(topics::create))
-        .route(
-            "/topics/{topic}",
-            get(topics::describe).delete(topics::delete),
-        )
-        .route(
-            "/topics/{topic}/policy",
-            axum::routing::put(topics::set_policy),
-        )
-        .route(
-            "/topics/{topic}/records",
-            axum::routing::post(records::produce),
-        )
-        .route(
-            "/topics/{topic}/batches",
-            axum::routing::post(records::produce_batch),
-        )
-        .route(
-            "/topics/{topic}/partitions/{partition}/records",
-            get(records::fetch),
-        )
-        .route(
-            "/topics/{topic}/partitions/{partition}/records/{offset}",
-            get(records::get_one),
-        )
+    let (router, doc) = OpenApiRouter::with_openapi(ApiDoc::openapi())
+        .routes(routes!(topics::list, topics::create))
+        .routes(routes!(topics::describe, topics::delete))
+        .routes(routes!(topics::set_policy))
+        .routes(routes!(records::produce))
+        .routes(routes!(records::produce_batch))
+        .routes(routes!(records::fetch))
+        .routes(routes!(records::get_one))
+        .routes(routes!(subscriptions::list))
+        .routes(routes!(subscriptions::describe, subscriptions::delete))
+        .routes(routes!(subscriptions::attach))
+        .routes(routes!(subscriptions::detach))
+        .routes(routes!(subscriptions::receive))
+        .routes(routes!(subscriptions::ack))
+        .routes(routes!(subscriptions::nack))
+        .routes(routes!(groups::list))
+        .routes(routes!(groups::describe, groups::delete))
+        .routes(routes!(groups::commit))
+        .routes(routes!(groups::fetch))
+        .routes(routes!(streams::websocket))
+        .routes(routes!(streams::events))
+        .routes(routes!(admin::connections))
         .with_state(api)
+        .split_for_parts();
+    let doc = match doc.to_json() {
+        Ok(json) => bytes::Bytes::from(json),
+        Err(e) => {
+            tracing::error!(error = %e, "the OpenAPI document could not be rendered");
+            bytes::Bytes::new()
+        }
+    };
+    router.route(
+        "/openapi.json",
+        get(move || async move { ([(header::CONTENT_TYPE, "application/json")], doc).into_response() }),
+    )
 }

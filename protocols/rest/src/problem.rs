@@ -8,6 +8,7 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 use sluice_core::CoreError;
+use utoipa::ToSchema;
 
 /// Every `type` this API answers with starts with this.
 pub const PROBLEM_TYPE_PREFIX: &str = "urn:sluice:problem:";
@@ -23,13 +24,18 @@ pub struct Problem {
     pub retry_after_s: Option<u32>,
 }
 
-#[derive(Serialize)]
-struct Body<'a> {
+/// The JSON of an error answer (RFC 9457), as documented in the OpenAPI document.
+#[derive(Debug, Serialize, ToSchema)]
+#[schema(as = Problem)]
+pub(crate) struct ProblemBody {
+    /// `urn:sluice:problem:<kind>`, stable for scripts to match on.
     #[serde(rename = "type")]
     kind: String,
-    title: &'a str,
+    /// The HTTP status's reason phrase.
+    title: String,
     status: u16,
-    detail: &'a str,
+    /// What went wrong, for people.
+    detail: String,
 }
 
 impl Problem {
@@ -46,13 +52,14 @@ impl Problem {
         Self::new(StatusCode::BAD_REQUEST, "bad-request", detail)
     }
 
-    /// An extractor's refusal (path, query or JSON body): 413 for a body over axum's limit,
-    /// otherwise 400, with the extractor's explanation.
+    /// An extractor's refusal (path, query, JSON body, WebSocket upgrade) with its status and
+    /// explanation: 413 for a body over axum's limit, 426 (kept) for a WebSocket route asked
+    /// for without an upgrade, otherwise 400.
     pub fn rejected(status: StatusCode, detail: String) -> Self {
-        if status == StatusCode::PAYLOAD_TOO_LARGE {
-            Self::new(status, "payload-too-large", detail)
-        } else {
-            Self::bad_request(detail)
+        match status {
+            StatusCode::PAYLOAD_TOO_LARGE => Self::new(status, "payload-too-large", detail),
+            StatusCode::UPGRADE_REQUIRED => Self::new(status, "upgrade-required", detail),
+            _ => Self::bad_request(detail),
         }
     }
 
@@ -119,11 +126,11 @@ impl From<CoreError> for Problem {
 impl IntoResponse for Problem {
     fn into_response(self) -> Response {
         let title = self.status.canonical_reason().unwrap_or("error");
-        let body = Body {
+        let body = ProblemBody {
             kind: format!("{PROBLEM_TYPE_PREFIX}{}", self.kind),
-            title,
+            title: title.to_owned(),
             status: self.status.as_u16(),
-            detail: &self.detail,
+            detail: self.detail,
         };
         let json = serde_json::to_vec(&body).unwrap_or_default();
         let mut response = (self.status, json).into_response();

@@ -13,26 +13,31 @@ use axum::response::{IntoResponse, Response};
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use bytes::Bytes;
+use futures_util::StreamExt;
 use serde::{Deserialize, Serialize};
 use sluice_core::{DecodedRecord, PartitionChoice, Record, decode_records, split_batches};
+use utoipa::{IntoParams, ToSchema};
 
 use crate::RestApi;
 
-use crate::problem::{Problem, json, path, query};
+use crate::problem::{Problem, ProblemBody, json, path, query};
 
 /// Request headers with this prefix become record headers (the prefix removed).
 pub const RECORD_HEADER_PREFIX: &str = "record-header-";
 /// The record header holding the request's Content-Type, answered back on a raw read.
 const CONTENT_TYPE: &str = "content-type";
 /// Longest long-poll a fetch may ask for.
-const MAX_WAIT_MS: u64 = 30_000;
+pub(crate) const MAX_WAIT_MS: u64 = 30_000;
 /// Most records one JSON fetch returns.
-const MAX_RECORDS: usize = 10_000;
+pub(crate) const MAX_RECORDS: usize = 10_000;
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, IntoParams)]
 #[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
 pub(crate) struct ProduceQuery {
+    /// The record's key (UTF-8); records with one key land on one partition.
     key: Option<String>,
+    /// An explicit partition (else the key's hash, else round robin).
     partition: Option<u32>,
 }
 
@@ -45,7 +50,23 @@ fn partition_choice(partition: Option<u32>, key: Option<&[u8]>) -> PartitionChoi
     }
 }
 
-#[derive(Debug, Serialize)]
+/// A record's value as raw bytes (`type: string, format: binary`), named in the OpenAPI
+/// document where a body is not JSON.
+pub(crate) struct RawValue;
+
+impl utoipa::PartialSchema for RawValue {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        use utoipa::openapi::schema::{KnownFormat, ObjectBuilder, SchemaFormat, Type};
+        ObjectBuilder::new()
+            .schema_type(Type::String)
+            .format(Some(SchemaFormat::KnownFormat(KnownFormat::Binary)))
+            .into()
+    }
+}
+
+impl ToSchema for RawValue {}
+
+#[derive(Debug, Serialize, ToSchema)]
 pub(crate) struct Produced {
     topic: String,
     partition: u32,
@@ -53,6 +74,13 @@ pub(crate) struct Produced {
 }
 
 /// `POST /topics/{topic}/records`: the raw body is one record's value; answered once durable.
+/// The request's Content-Type is kept as the record header `content-type`, and request headers
+/// named `record-header-<name>` become record headers `<name>`.
+#[utoipa::path(post, path = "/topics/{topic}/records", tag = "records",
+    params(("topic" = String, Path, pattern = "^[A-Za-z0-9._-]{1,249}$"), ProduceQuery),
+    request_body(content = inline(Option<RawValue>), content_type = "application/octet-stream",
+        description = "The record's value, in any content type (image/jpeg, text/plain, ...)"),
+    responses((status = 200, description = "Durable", body = Produced), (status = 400, description = "Bad parameters", body = ProblemBody, content_type = "application/problem+json"), (status = 404, description = "Unknown topic, partition or record", body = ProblemBody, content_type = "application/problem+json"), (status = 413, description = "Body over the limit", body = ProblemBody, content_type = "application/problem+json"), (status = 503, description = "Shutting down or overloaded; retry after Retry-After seconds", body = ProblemBody, content_type = "application/problem+json")))]
 pub(crate) async fn produce(
     State(api): State<Arc<RestApi>>,
     topic: Result<Path<String>, PathRejection>,
@@ -74,9 +102,7 @@ pub(crate) async fn produce(
     if announced.is_some_and(|n| n > max) {
         return Err(Problem::too_large(max));
     }
-    let value = axum::body::to_bytes(body, usize::try_from(max).unwrap_or(usize::MAX))
-        .await
-        .map_err(|_| Problem::too_large(max))?;
+    let value = read_body(body, announced, max).await?;
     let mut record_headers = Vec::new();
     if let Some(ct) = headers.get(header::CONTENT_TYPE) {
         record_headers.push((
@@ -110,7 +136,28 @@ pub(crate) async fn produce(
     }))
 }
 
-#[derive(Debug, Deserialize)]
+/// The whole body, at most `max` bytes, copied once into a buffer sized from the announced
+/// length (collecting into a growing buffer would copy a 2 MB image several times over).
+async fn read_body(body: Body, announced: Option<u64>, max: u64) -> Result<Bytes, Problem> {
+    let max = usize::try_from(max).unwrap_or(usize::MAX);
+    let expected = announced.map_or(0, |n| usize::try_from(n).unwrap_or(max).min(max));
+    let mut buf = bytes::BytesMut::with_capacity(expected);
+    let mut frames = body.into_data_stream();
+    while let Some(chunk) = frames.next().await {
+        let chunk = chunk.map_err(|e| Problem::bad_request(format!("reading the body: {e}")))?;
+        if buf.len() + chunk.len() > max {
+            return Err(Problem::too_large(max as u64));
+        }
+        if buf.is_empty() && chunk.len() == expected {
+            // The whole body in one frame: keep it as it is, no copy at all.
+            return Ok(chunk);
+        }
+        buf.extend_from_slice(&chunk);
+    }
+    Ok(buf.freeze())
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct BatchRecord {
     key: Option<String>,
@@ -122,19 +169,19 @@ pub(crate) struct BatchRecord {
     partition: Option<u32>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct Batch {
     records: Vec<BatchRecord>,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, ToSchema)]
 pub(crate) struct Position {
     partition: u32,
     offset: u64,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, ToSchema)]
 pub(crate) struct BatchProduced {
     topic: String,
     /// One per record, in request order.
@@ -146,6 +193,9 @@ const MAX_BATCH_RECORDS: usize = 10_000;
 
 /// `POST /topics/{topic}/batches`: JSON records, each appended in order (pipelined) and
 /// answered together once all are durable.
+#[utoipa::path(post, path = "/topics/{topic}/batches", tag = "records",
+    params(("topic" = String, Path, pattern = "^[A-Za-z0-9._-]{1,249}$")), request_body = Batch,
+    responses((status = 200, description = "All durable", body = BatchProduced), (status = 400, description = "Bad parameters", body = ProblemBody, content_type = "application/problem+json"), (status = 404, description = "Unknown topic, partition or record", body = ProblemBody, content_type = "application/problem+json"), (status = 413, description = "Body over the limit", body = ProblemBody, content_type = "application/problem+json"), (status = 503, description = "Shutting down or overloaded; retry after Retry-After seconds", body = ProblemBody, content_type = "application/problem+json")))]
 pub(crate) async fn produce_batch(
     State(api): State<Arc<RestApi>>,
     topic: Result<Path<String>, PathRejection>,
@@ -238,6 +288,12 @@ fn records_from(data: Bytes, from: u64) -> Result<Vec<DecodedRecord>, Problem> {
 
 /// `GET /topics/{topic}/partitions/{partition}/records/{offset}`: the value as stored, with the
 /// content type it was produced with.
+#[utoipa::path(get, path = "/topics/{topic}/partitions/{partition}/records/{offset}", tag = "records",
+    params(("topic" = String, Path, pattern = "^[A-Za-z0-9._-]{1,249}$"), ("partition" = u32, Path), ("offset" = u64, Path, maximum = 9223372036854775807_u64)),
+    responses((status = 200, description = "The value as stored, with its content type",
+            content_type = "application/octet-stream", body = inline(RawValue),
+            headers(("sluice-offset" = u64), ("sluice-timestamp" = i64, description = "Milliseconds since the epoch"))),
+        (status = 400, description = "Bad parameters", body = ProblemBody, content_type = "application/problem+json"), (status = 404, description = "Unknown topic, partition or record", body = ProblemBody, content_type = "application/problem+json")))]
 pub(crate) async fn get_one(
     State(api): State<Arc<RestApi>>,
     p: Result<Path<(String, u32, u64)>, PathRejection>,
@@ -273,27 +329,76 @@ pub(crate) async fn get_one(
     Ok(response)
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, IntoParams)]
 #[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
 pub(crate) struct FetchQuery {
+    /// First offset to return (default: the log start).
+    #[param(maximum = 9223372036854775807_u64)]
     offset: Option<u64>,
+    /// Most records to return.
     #[serde(default = "default_max_records")]
-    max_records: usize,
+    #[param(default = 100, minimum = 1, maximum = 10000)]
+    pub(crate) max_records: usize,
+    /// Bytes read from the log (whole batches; at least one record is returned).
     #[serde(default = "default_max_bytes")]
-    max_bytes: usize,
+    #[param(default = 1048576, minimum = 1, maximum = 2147483647)]
+    pub(crate) max_bytes: usize,
+    /// Wait up to this long for a record when there is none yet.
     #[serde(default)]
-    wait_ms: u64,
+    #[param(default = 0, minimum = 0, maximum = 30000)]
+    pub(crate) wait_ms: u64,
 }
 
-fn default_max_records() -> usize {
+impl FetchQuery {
+    fn limits(&self) -> Limits {
+        Limits {
+            max_records: self.max_records,
+            max_bytes: self.max_bytes,
+            wait_ms: self.wait_ms,
+        }
+    }
+}
+
+/// How much one read returns and how long it may wait.
+#[derive(Debug)]
+pub(crate) struct Limits {
+    pub(crate) max_records: usize,
+    pub(crate) max_bytes: usize,
+    pub(crate) wait_ms: u64,
+}
+
+impl Limits {
+    pub(crate) fn check(&self) -> Result<(), Problem> {
+        if self.wait_ms > MAX_WAIT_MS {
+            return Err(Problem::bad_request(format!(
+                "wait_ms is at most {MAX_WAIT_MS}"
+            )));
+        }
+        if self.max_bytes == 0 || self.max_bytes > i32::MAX as usize {
+            return Err(Problem::bad_request(format!(
+                "max_bytes is between 1 and {}",
+                i32::MAX
+            )));
+        }
+        if self.max_records == 0 || self.max_records > MAX_RECORDS {
+            return Err(Problem::bad_request(format!(
+                "max_records is between 1 and {MAX_RECORDS}"
+            )));
+        }
+        Ok(())
+    }
+}
+
+pub(crate) fn default_max_records() -> usize {
     100
 }
 
-fn default_max_bytes() -> usize {
+pub(crate) fn default_max_bytes() -> usize {
     1 << 20
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, ToSchema)]
 pub(crate) struct JsonRecord {
     offset: u64,
     timestamp: i64,
@@ -301,61 +406,14 @@ pub(crate) struct JsonRecord {
     key: Option<String>,
     /// Base64, or null.
     value: Option<String>,
-    /// Values in base64.
+    /// `[name, value]` pairs, values in base64.
+    #[schema(value_type = Vec<Vec<String>>)]
     headers: Vec<(String, String)>,
 }
 
-#[derive(Debug, Serialize)]
-pub(crate) struct FetchResponse {
-    records: Vec<JsonRecord>,
-    /// Where the next fetch starts.
-    next_offset: u64,
-    high_watermark: u64,
-    log_start: u64,
-}
-
-/// `GET /topics/{topic}/partitions/{partition}/records?offset=&max_records=&max_bytes=&wait_ms=`:
-/// records from `offset` (default: the log start) as JSON; with `wait_ms`, waits up to that long
-/// for a record when there is none yet.
-pub(crate) async fn fetch(
-    State(api): State<Arc<RestApi>>,
-    p: Result<Path<(String, u32)>, PathRejection>,
-    q: Result<Query<FetchQuery>, QueryRejection>,
-) -> Result<Json<FetchResponse>, Problem> {
-    let engine = &api.engine;
-    let (topic, partition) = path(p)?;
-    let q = query(q)?;
-    if q.wait_ms > MAX_WAIT_MS {
-        return Err(Problem::bad_request(format!(
-            "wait_ms is at most {MAX_WAIT_MS}"
-        )));
-    }
-    if q.max_records == 0 || q.max_records > MAX_RECORDS {
-        return Err(Problem::bad_request(format!(
-            "max_records is between 1 and {MAX_RECORDS}"
-        )));
-    }
-    let (log_start, _) = engine.offsets(&topic, partition)?;
-    let offset = q.offset.unwrap_or(log_start);
-    let mut fetched = engine.fetch(&topic, partition, offset, q.max_bytes).await?;
-    api.metrics.fetches.fetch_add(1, Ordering::Relaxed);
-    if fetched.data.is_empty() && q.wait_ms > 0 {
-        api.metrics
-            .long_polls_waiting
-            .fetch_add(1, Ordering::Relaxed);
-        let waited = engine
-            .wait_for_data(&topic, partition, offset, Duration::from_millis(q.wait_ms))
-            .await;
-        api.metrics
-            .long_polls_waiting
-            .fetch_sub(1, Ordering::Relaxed);
-        waited?;
-        fetched = engine.fetch(&topic, partition, offset, q.max_bytes).await?;
-    }
-    let records: Vec<JsonRecord> = records_from(fetched.data, offset)?
-        .into_iter()
-        .take(q.max_records)
-        .map(|r| JsonRecord {
+impl From<DecodedRecord> for JsonRecord {
+    fn from(r: DecodedRecord) -> Self {
+        Self {
             offset: r.offset as u64,
             timestamp: r.record.timestamp,
             key: r.record.key.map(|k| BASE64.encode(k)),
@@ -366,13 +424,80 @@ pub(crate) async fn fetch(
                 .into_iter()
                 .map(|(n, v)| (n, BASE64.encode(v)))
                 .collect(),
-        })
+        }
+    }
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub(crate) struct FetchResponse {
+    records: Vec<JsonRecord>,
+    /// Where the next fetch starts.
+    pub(crate) next_offset: u64,
+    high_watermark: u64,
+    log_start: u64,
+}
+
+/// `GET /topics/{topic}/partitions/{partition}/records?offset=&max_records=&max_bytes=&wait_ms=`:
+/// records from `offset` (default: the log start) as JSON; with `wait_ms`, waits up to that long
+/// for a record when there is none yet.
+#[utoipa::path(get, path = "/topics/{topic}/partitions/{partition}/records", tag = "records",
+    params(("topic" = String, Path, pattern = "^[A-Za-z0-9._-]{1,249}$"), ("partition" = u32, Path), FetchQuery),
+    responses((status = 200, description = "Records from the offset on", body = FetchResponse), (status = 400, description = "Bad parameters", body = ProblemBody, content_type = "application/problem+json"), (status = 404, description = "Unknown topic, partition or record", body = ProblemBody, content_type = "application/problem+json"), (status = 503, description = "Shutting down or overloaded; retry after Retry-After seconds", body = ProblemBody, content_type = "application/problem+json")))]
+pub(crate) async fn fetch(
+    State(api): State<Arc<RestApi>>,
+    p: Result<Path<(String, u32)>, PathRejection>,
+    q: Result<Query<FetchQuery>, QueryRejection>,
+) -> Result<Json<FetchResponse>, Problem> {
+    let (topic, partition) = path(p)?;
+    let q = query(q)?;
+    let limits = q.limits();
+    limits.check()?;
+    let (log_start, _) = api.engine.offsets(&topic, partition)?;
+    let offset = q.offset.unwrap_or(log_start);
+    Ok(Json(read(&api, &topic, partition, offset, &limits).await?))
+}
+
+/// Records of one partition from `offset` on as JSON, long-polling up to `limits.wait_ms`.
+pub(crate) async fn read(
+    api: &RestApi,
+    topic: &str,
+    partition: u32,
+    offset: u64,
+    limits: &Limits,
+) -> Result<FetchResponse, Problem> {
+    let engine = &api.engine;
+    let mut fetched = engine
+        .fetch(topic, partition, offset, limits.max_bytes)
+        .await?;
+    api.metrics.fetches.fetch_add(1, Ordering::Relaxed);
+    if fetched.data.is_empty() && limits.wait_ms > 0 {
+        api.metrics
+            .long_polls_waiting
+            .fetch_add(1, Ordering::Relaxed);
+        let wait = Duration::from_millis(limits.wait_ms);
+        // A shutdown ends the wait early with what is there (nothing), not with an error.
+        let waited = tokio::select! {
+            w = engine.wait_for_data(topic, partition, offset, wait) => w.map(|_| ()),
+            () = api.stopped() => Ok(()),
+        };
+        api.metrics
+            .long_polls_waiting
+            .fetch_sub(1, Ordering::Relaxed);
+        waited?;
+        fetched = engine
+            .fetch(topic, partition, offset, limits.max_bytes)
+            .await?;
+    }
+    let records: Vec<JsonRecord> = records_from(fetched.data, offset)?
+        .into_iter()
+        .take(limits.max_records)
+        .map(JsonRecord::from)
         .collect();
     let next_offset = records.last().map_or(offset, |r| r.offset + 1);
-    Ok(Json(FetchResponse {
+    Ok(FetchResponse {
         records,
         next_offset,
         high_watermark: fetched.high_watermark,
         log_start: fetched.log_start,
-    }))
+    })
 }

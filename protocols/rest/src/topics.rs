@@ -1,23 +1,27 @@
 //! Topic administration: list, create, describe, change the policy, delete.
 
 use axum::Json;
-use axum::extract::rejection::JsonRejection;
+use axum::extract::rejection::{JsonRejection, PathRejection};
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
+use utoipa::ToSchema;
 
 use sluice_core::{TopicDescription, TopicPolicy};
 
 use crate::RestApi;
 
-use crate::problem::{Problem, json};
+use crate::problem::{Problem, ProblemBody, json, path};
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, ToSchema)]
 pub(crate) struct TopicList {
     topics: Vec<String>,
 }
 
+/// Topic names, sorted.
+#[utoipa::path(get, path = "/topics", tag = "topics",
+    responses((status = 200, description = "Topic names", body = TopicList)))]
 pub(crate) async fn list(State(api): State<Arc<RestApi>>) -> Json<TopicList> {
     let engine = &api.engine;
     Json(TopicList {
@@ -25,13 +29,16 @@ pub(crate) async fn list(State(api): State<Arc<RestApi>>) -> Json<TopicList> {
     })
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct CreateTopic {
+    #[schema(pattern = "^[A-Za-z0-9._-]{1,249}$")]
     name: String,
     #[serde(default = "one")]
+    #[schema(default = 1, minimum = 1)]
     partitions: u32,
     /// Any subset of the policy's keys; the rest come from the gateway's default policy.
+    #[schema(value_type = Option<Object>)]
     policy: Option<serde_json::Value>,
 }
 
@@ -39,7 +46,7 @@ fn one() -> u32 {
     1
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, ToSchema)]
 pub(crate) struct Partition {
     partition: u32,
     log_start: u64,
@@ -48,10 +55,12 @@ pub(crate) struct Partition {
     bytes: u64,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, ToSchema)]
 pub(crate) struct Topic {
     name: String,
     created_at_ms: i64,
+    /// Durability, retention, segment and size limits (the keys of the config's `[defaults]`).
+    #[schema(value_type = Object)]
     policy: TopicPolicy,
     partitions: Vec<Partition>,
 }
@@ -89,6 +98,9 @@ fn merged_policy(base: &TopicPolicy, changes: serde_json::Value) -> Result<Topic
     serde_json::from_value(value).map_err(|e| Problem::bad_request(format!("policy: {e}")))
 }
 
+/// Creates a topic; the policy's keys not given come from the gateway's defaults.
+#[utoipa::path(post, path = "/topics", tag = "topics", request_body = CreateTopic,
+    responses((status = 201, description = "Created", body = Topic), (status = 400, description = "Bad parameters", body = ProblemBody, content_type = "application/problem+json"), (status = 409, description = "Conflict", body = ProblemBody, content_type = "application/problem+json"), (status = 503, description = "Shutting down or overloaded; retry after Retry-After seconds", body = ProblemBody, content_type = "application/problem+json")))]
 pub(crate) async fn create(
     State(api): State<Arc<RestApi>>,
     body: Result<Json<CreateTopic>, JsonRejection>,
@@ -105,31 +117,44 @@ pub(crate) async fn create(
     Ok((StatusCode::CREATED, Json(created.into())))
 }
 
+/// Partitions (offsets, segments, bytes) and policy of a topic.
+#[utoipa::path(get, path = "/topics/{topic}", tag = "topics", params(("topic" = String, Path, pattern = "^[A-Za-z0-9._-]{1,249}$")),
+    responses((status = 200, description = "The topic", body = Topic), (status = 400, description = "Bad parameters", body = ProblemBody, content_type = "application/problem+json"), (status = 404, description = "Unknown topic, partition or record", body = ProblemBody, content_type = "application/problem+json")))]
 pub(crate) async fn describe(
     State(api): State<Arc<RestApi>>,
-    Path(topic): Path<String>,
+    topic: Result<Path<String>, PathRejection>,
 ) -> Result<Json<Topic>, Problem> {
     let engine = &api.engine;
+    let topic = path(topic)?;
     Ok(Json(engine.describe_topic(&topic)?.into()))
 }
 
+/// Changes a topic's policy: the keys given replace the current ones.
+#[utoipa::path(put, path = "/topics/{topic}/policy", tag = "topics", params(("topic" = String, Path, pattern = "^[A-Za-z0-9._-]{1,249}$")),
+    request_body(content = Object, description = "Any subset of the policy's keys"),
+    responses((status = 200, description = "The topic with its new policy", body = Topic), (status = 400, description = "Bad parameters", body = ProblemBody, content_type = "application/problem+json"), (status = 404, description = "Unknown topic, partition or record", body = ProblemBody, content_type = "application/problem+json"), (status = 503, description = "Shutting down or overloaded; retry after Retry-After seconds", body = ProblemBody, content_type = "application/problem+json")))]
 pub(crate) async fn set_policy(
     State(api): State<Arc<RestApi>>,
-    Path(topic): Path<String>,
+    topic: Result<Path<String>, PathRejection>,
     body: Result<Json<serde_json::Value>, JsonRejection>,
 ) -> Result<Json<Topic>, Problem> {
     let engine = &api.engine;
+    let topic = path(topic)?;
     let changes = json(body)?;
     let current = engine.describe_topic(&topic)?.policy;
     let policy = merged_policy(&current, changes)?;
     Ok(Json(engine.set_policy(&topic, policy).await?.into()))
 }
 
+/// Deletes a topic, its data, its subscriptions and the groups' offsets on it.
+#[utoipa::path(delete, path = "/topics/{topic}", tag = "topics", params(("topic" = String, Path, pattern = "^[A-Za-z0-9._-]{1,249}$")),
+    responses((status = 204, description = "Deleted"), (status = 400, description = "Bad parameters", body = ProblemBody, content_type = "application/problem+json"), (status = 404, description = "Unknown topic, partition or record", body = ProblemBody, content_type = "application/problem+json"), (status = 503, description = "Shutting down or overloaded; retry after Retry-After seconds", body = ProblemBody, content_type = "application/problem+json")))]
 pub(crate) async fn delete(
     State(api): State<Arc<RestApi>>,
-    Path(topic): Path<String>,
+    topic: Result<Path<String>, PathRejection>,
 ) -> Result<StatusCode, Problem> {
     let engine = &api.engine;
+    let topic = path(topic)?;
     engine.delete_topic(&topic).await?;
     Ok(StatusCode::NO_CONTENT)
 }

@@ -2,71 +2,13 @@
 //! directory.
 #![allow(clippy::unwrap_used)]
 
-use std::sync::Arc;
+mod common;
+
 use std::sync::atomic::Ordering;
 
-use serde_json::{Value, json};
-use sluice_core::{Engine, EngineConfig, FsStorage, SystemClock};
-use sluice_rest::RestApi;
+use common::{assert_problem, image, json_of, start};
+use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpListener;
-
-struct Server {
-    base: String,
-    engine: Engine,
-    api: Arc<RestApi>,
-    http: reqwest::Client,
-    _dir: tempfile::TempDir,
-}
-
-async fn start() -> Server {
-    let dir = tempfile::tempdir().unwrap();
-    let engine = Engine::open(
-        EngineConfig::new(dir.path()),
-        Arc::new(FsStorage),
-        Arc::new(SystemClock),
-    )
-    .await
-    .unwrap();
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let base = format!("http://{}", listener.local_addr().unwrap());
-    let api = RestApi::new(engine.clone());
-    let app = sluice_rest::router(api.clone());
-    tokio::spawn(async move { axum::serve(listener, app).await });
-    Server {
-        base,
-        engine,
-        api,
-        http: reqwest::Client::new(),
-        _dir: dir,
-    }
-}
-
-async fn json_of(resp: reqwest::Response) -> Value {
-    serde_json::from_slice(&resp.bytes().await.unwrap()).unwrap()
-}
-
-/// Checks an error answer: status, problem+json content type, and its stable type.
-async fn assert_problem(resp: reqwest::Response, status: u16, kind: &str) {
-    assert_eq!(resp.status().as_u16(), status);
-    assert_eq!(
-        resp.headers()[reqwest::header::CONTENT_TYPE],
-        "application/problem+json"
-    );
-    let body = json_of(resp).await;
-    assert_eq!(body["type"], format!("urn:sluice:problem:{kind}"), "{body}");
-    assert_eq!(body["status"], status);
-    assert!(body["detail"].as_str().is_some_and(|d| !d.is_empty()));
-}
-
-/// A 2 MB body that starts like a JPEG and varies everywhere, so any corruption shows.
-fn image(len: usize) -> Vec<u8> {
-    let mut v: Vec<u8> = (0..len)
-        .map(|i| (i as u32).wrapping_mul(2_654_435_761).to_le_bytes()[1])
-        .collect();
-    v[..4].copy_from_slice(&[0xFF, 0xD8, 0xFF, 0xE0]);
-    v
-}
 
 #[tokio::test]
 async fn a_two_megabyte_jpeg_round_trips_byte_identical_with_its_content_type() {
