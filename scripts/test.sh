@@ -36,6 +36,11 @@ target/pyenv/bin/python -m pytest -q -p no:cacheprovider tests/mqtt 2>&1 | tee "
 py_passed=$(grep -Eo '[0-9]+ passed' "$log" | tail -1 | grep -Eo '[0-9]+' || echo 0)
 passed=$((passed + py_passed))
 
+echo "==> REST end to end (REST -> Kafka round trip, schemathesis against /openapi.json)"
+target/pyenv/bin/python -m pytest -q -p no:cacheprovider tests/rest 2>&1 | tee "$log"
+py_passed=$(grep -Eo '[0-9]+ passed' "$log" | tail -1 | grep -Eo '[0-9]+' || echo 0)
+passed=$((passed + py_passed))
+
 echo "==> benchmark smoke run (tiny sizes; real figures come from docs/BENCHMARKS.md's commands)"
 cargo run --quiet --locked -p sluice-bench -- ledger \
   --dir target/bench-smoke --bytes-per-case 8388608 --max-small-records 2000 --producers 16 >/dev/null
@@ -43,6 +48,8 @@ cargo run --quiet --locked -p sluice-bench -- fanout-core \
   --dir target/bench-smoke --subscribers 1000 --steady-records 3 --steady-rate 50 --bursts 1 --burst-records 2 >/dev/null
 cargo run --quiet --locked -p sluice-bench -- mqtt \
   --dir target/bench-smoke --small-messages 200 --large-messages 2 --idle-connections 20 >/dev/null
+cargo run --quiet --locked -p sluice-bench -- http \
+  --dir target/bench-smoke --small-requests 200 --large-requests 4 >/dev/null
 
 echo "==> all checks passed"
 echo "tests: ${passed} passed, ${failed} failed"

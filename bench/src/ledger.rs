@@ -82,7 +82,7 @@ impl Row {
     }
 }
 
-fn payload(len: usize) -> Bytes {
+pub(crate) fn payload(len: usize) -> Bytes {
     // Incompressible-looking bytes, like an image.
     let mut x: u64 = 0x2545_F491_4F6C_DD1D;
     (0..len)

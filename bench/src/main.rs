@@ -3,6 +3,7 @@
 //! prints a Markdown table (and JSON on request) for `docs/BENCHMARKS.md`.
 
 mod fanout;
+mod http;
 mod ledger;
 mod mqtt;
 mod stats;
@@ -27,6 +28,9 @@ enum Command {
     /// MQTT one publisher → one subscriber through Sluice, Mosquitto and rumqttd (QoS 0/1,
     /// 1 KB and 2 MB), and Sluice's memory per idle connection.
     Mqtt(mqtt::MqttArgs),
+    /// The REST API over HTTP/1.1 with concurrent keep-alive clients: produce, single-record
+    /// fetch and range fetch (1 KB and 2 MB) against an HTTP floor with no storage.
+    Http(http::HttpArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -38,5 +42,6 @@ fn main() -> anyhow::Result<()> {
         Command::Ledger(args) => runtime.block_on(ledger::run(args)),
         Command::FanoutCore(args) => runtime.block_on(fanout::run(args)),
         Command::Mqtt(args) => runtime.block_on(mqtt::run(args)),
+        Command::Http(args) => runtime.block_on(http::run(args)),
     }
 }

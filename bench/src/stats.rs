@@ -53,6 +53,12 @@ pub(crate) fn memory() -> (u64, u64) {
     (field("VmRSS:"), field("VmHWM:"))
 }
 
+/// Resets the peak resident memory (VmHWM) to the current figure, so the next phase's peak is its
+/// own; false where the kernel refuses (the peak then spans the whole run so far).
+pub(crate) fn reset_peak_memory() -> bool {
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
+
 /// Wall and CPU time of one measured phase.
 #[derive(Debug)]
 pub(crate) struct Phase {
