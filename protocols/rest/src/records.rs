@@ -148,7 +148,7 @@ async fn read_body(body: Body, announced: Option<u64>, max: u64) -> Result<Bytes
         if buf.len() + chunk.len() > max {
             return Err(Problem::too_large(max as u64));
         }
-        if buf.is_empty() && chunk.len() == expected {
+        if buf.is_empty() && expected > 0 && chunk.len() == expected {
             // The whole body in one frame: keep it as it is, no copy at all.
             return Ok(chunk);
         }

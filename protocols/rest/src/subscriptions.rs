@@ -108,12 +108,19 @@ fn start_sweeper(api: &Arc<RestApi>) {
     });
 }
 
-/// A call on a consumer: counted in flight until dropped, so the sweeper leaves it alone.
-struct Use(Arc<Attached>);
+/// A call on a consumer: counted in flight until dropped, so the sweeper leaves it alone, and
+/// the consumer's idle time counted from its end (a 30 s receive must not count as idle).
+struct Use {
+    c: Arc<Attached>,
+    epoch: Instant,
+}
 
 impl Drop for Use {
     fn drop(&mut self) {
-        self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
+        let c = &self.c;
+        c.last_used_ms
+            .store(self.epoch.elapsed().as_millis() as u64, Ordering::Relaxed);
+        c.in_flight.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -137,9 +144,10 @@ fn find(api: &RestApi, topic: &str, name: &str, id: &str) -> Result<Use, Problem
         .filter(|c| c.topic == topic && c.subscription == name)
         .ok_or_else(|| unknown_consumer(id))?;
     c.in_flight.fetch_add(1, Ordering::AcqRel);
-    c.last_used_ms
-        .store(api.consumers.now_ms(), Ordering::Relaxed);
-    Ok(Use(c))
+    Ok(Use {
+        c,
+        epoch: api.consumers.epoch,
+    })
 }
 
 #[derive(Debug, Clone, Copy, Deserialize, Serialize, ToSchema)]
@@ -358,7 +366,7 @@ pub(crate) async fn receive(
     let using = find(&api, &topic, &name, &id)?;
     let wait = Duration::from_millis(q.wait_ms);
     let messages = tokio::select! {
-        m = using.0.consumer.receive(q.max_records, wait) => m?,
+        m = using.c.consumer.receive(q.max_records, wait) => m?,
         () = api.stopped() => Vec::new(),
     };
     api.metrics
@@ -407,9 +415,9 @@ async fn settle(
         .collect();
     let using = find(api, &topic, &name, &id)?;
     if ack {
-        using.0.consumer.ack(&ids)?;
+        using.c.consumer.ack(&ids)?;
     } else {
-        using.0.consumer.nack(&ids)?;
+        using.c.consumer.nack(&ids)?;
     }
     Ok(StatusCode::NO_CONTENT)
 }
