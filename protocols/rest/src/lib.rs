@@ -30,6 +30,7 @@ use utoipa_axum::routes;
 pub use admin::{ConnectionLister, ProtocolConnections};
 pub use problem::{PROBLEM_TYPE_PREFIX, Problem};
 pub use records::RECORD_HEADER_PREFIX;
+pub use subscriptions::DEFAULT_MAX_CONSUMERS;
 
 /// Counters of the REST API.
 #[derive(Debug, Default)]
@@ -107,6 +108,14 @@ impl RestApi {
             connections,
             consumers: subscriptions::Consumers::default(),
         })
+    }
+
+    /// Caps the consumers attached over REST at once (default
+    /// [`DEFAULT_MAX_CONSUMERS`]); attaching beyond it gets 429 with Retry-After.
+    pub fn limit_consumers(&self, max: usize) {
+        self.consumers
+            .limit
+            .store(max, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Resolves once the gateway begins to stop (never for an API built with [`Self::new`]).

@@ -27,6 +27,11 @@ use crate::RestApi;
 use crate::problem::{Problem, ProblemBody, json, path, query};
 use crate::records::{JsonRecord, MAX_RECORDS, MAX_WAIT_MS};
 
+/// Consumers attached over REST at once, unless [`RestApi::limit_consumers`] says otherwise:
+/// each holds a subscription slot and read-ahead buffers, and HTTP clients that attach without
+/// ever detaching would otherwise pile them up for an idle timeout each.
+pub const DEFAULT_MAX_CONSUMERS: usize = 10_000;
+
 /// How often idle consumers are looked for.
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
 /// Longest idle timeout a client may ask for.
@@ -54,6 +59,7 @@ pub(crate) struct Consumers {
     next: AtomicU64,
     epoch: Instant,
     sweeper: std::sync::OnceLock<()>,
+    pub(crate) limit: AtomicUsize,
 }
 
 impl Default for Consumers {
@@ -63,6 +69,7 @@ impl Default for Consumers {
             next: AtomicU64::new(1),
             epoch: Instant::now(),
             sweeper: std::sync::OnceLock::new(),
+            limit: AtomicUsize::new(DEFAULT_MAX_CONSUMERS),
         }
     }
 }
@@ -225,7 +232,11 @@ pub(crate) struct Attachment {
     request_body(content = Option<AttachRequest>, description = "Optional; an empty body takes the defaults"),
     responses((status = 201, description = "Attached", body = Attachment), (status = 400, description = "Bad parameters", body = ProblemBody, content_type = "application/problem+json"), (status = 404, description = "Unknown topic, partition or record", body = ProblemBody, content_type = "application/problem+json"),
         (status = 409, description = "An exclusive subscription already has its consumer",
-            body = ProblemBody, content_type = "application/problem+json"), (status = 503, description = "Shutting down or overloaded; retry after Retry-After seconds", body = ProblemBody, content_type = "application/problem+json")))]
+            body = ProblemBody, content_type = "application/problem+json"),
+        (status = 429, description = "Too many consumers attached; retry after Retry-After seconds",
+            body = ProblemBody, content_type = "application/problem+json",
+            headers(("Retry-After" = u32))),
+        (status = 503, description = "Shutting down or overloaded; retry after Retry-After seconds", body = ProblemBody, content_type = "application/problem+json")))]
 pub(crate) async fn attach(
     State(api): State<Arc<RestApi>>,
     p: Result<Path<(String, String)>, PathRejection>,
@@ -262,6 +273,16 @@ pub(crate) async fn attach(
         },
         ..SubscribeOptions::default()
     };
+    let limit = api.consumers.limit.load(Ordering::Relaxed);
+    if api.consumers.by_id.len() >= limit {
+        let mut p = Problem::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "too-many-consumers",
+            format!("{limit} consumers are attached over REST; detach some or retry later"),
+        );
+        p.retry_after_s = Some(5);
+        return Err(p);
+    }
     let consumer = api.engine.subscribe(&topic, &name, options).await?;
     start_sweeper(&api);
     let id = format!(

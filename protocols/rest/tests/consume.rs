@@ -157,6 +157,13 @@ async fn an_exclusive_subscription_refuses_a_second_consumer_and_bad_input_is_a_
     let resp = attach(&s, "alerts", "pager", json!({})).await;
     assert_problem(resp, 409, "consumer-busy").await;
 
+    // Beyond the cap on attached consumers: 429 with Retry-After, until one detaches.
+    s.api.limit_consumers(1);
+    let resp = attach(&s, "alerts", "other", json!({})).await;
+    assert_eq!(resp.headers()["retry-after"], "5");
+    assert_problem(resp, 429, "too-many-consumers").await;
+    s.api.limit_consumers(sluice_rest::DEFAULT_MAX_CONSUMERS);
+
     let resp = attach(&s, "alerts", "pager2", json!({"type": "round-robin"})).await;
     assert_problem(resp, 400, "bad-request").await;
     let resp = attach(&s, "alerts", "pager2", json!({"idle_timeout_ms": 0})).await;
