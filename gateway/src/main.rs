@@ -157,6 +157,9 @@ fn init_logging(config: &Config) {
     }
 }
 
+/// Open files kept free of client connections: segment rolls, index and metadata writes.
+const FILE_HEADROOM: u64 = 64;
+
 async fn serve(config: Config) -> anyhow::Result<()> {
     // Installed before anything else, so a signal that arrives during start-up (or right after
     // "ready") is a clean shutdown rather than the default kill.
@@ -180,6 +183,14 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     let topics = engine.list_topics();
     let partitions: usize = engine.metrics().partitions.len();
     info!(topics = topics.len(), partitions, "ledger recovered");
+    let open_now = process::stats().open_fds;
+    info!(
+        connections = soft.saturating_sub(open_now + FILE_HEADROOM),
+        open_file_limit = soft,
+        open_files = open_now,
+        "connection capacity: each client connection (MQTT, Kafka, HTTP) holds one open file; \
+         beyond this many, new connections are refused until others close"
+    );
 
     let ready = Arc::new(AtomicBool::new(false));
     let http_listener = TcpListener::bind(&config.http.addr)
@@ -224,7 +235,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     let kafka_task = tokio::spawn(kafka.clone().serve(kafka_listener, stop_rx.clone()));
     info!(protocol = "kafka", addr = %kafka_addr, advertised = %format!("{adv_host}:{adv_port}"), sasl = !config.kafka.sasl_plain_users.is_empty(), "listening");
 
-    let mqtt_listener = TcpListener::bind(&config.mqtt.addr)
+    let mqtt_listener = sluice_mqtt::bind_listener(&config.mqtt.addr)
         .await
         .with_context(|| format!("binding the MQTT listener to {}", config.mqtt.addr))?;
     let mqtt_addr = mqtt_listener.local_addr()?;

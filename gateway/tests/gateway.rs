@@ -106,6 +106,19 @@ async fn serves_health_and_metrics_and_stops_cleanly_on_sigterm() {
         "{:#?}",
         g.seen
     );
+    // How many connections the file limit leaves, as a number an operator can compare.
+    let capacity = g
+        .seen
+        .iter()
+        .find(|l| l.contains("connection capacity"))
+        .unwrap_or_else(|| panic!("{:#?}", g.seen));
+    let connections: u64 = capacity
+        .split("connections=")
+        .nth(1)
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("{capacity}"));
+    assert!(connections > 0, "{capacity}");
     assert_eq!(
         get(&format!("{}/healthz", g.http)).await,
         (200, "ok\n".into())

@@ -66,10 +66,30 @@ const SHARED_CREDIT: usize = 4;
 /// The same for a persistent session's own durable feed.
 const SESSION_CREDIT: usize = 256;
 
+/// A record to deliver: one of a live batch's decoded records, shared with every subscriber of
+/// the batch (cloning it per subscriber would allocate its header list each time), or one the
+/// delivery owns.
+#[derive(Debug)]
+enum SharedRecord {
+    Live(sluice_core::LiveRecords, usize),
+    Owned(DecodedRecord),
+}
+
+impl std::ops::Deref for SharedRecord {
+    type Target = DecodedRecord;
+
+    fn deref(&self) -> &DecodedRecord {
+        match self {
+            Self::Live(batch, i) => &batch[*i],
+            Self::Owned(r) => r,
+        }
+    }
+}
+
 #[derive(Debug)]
 struct Delivery {
     name: String,
-    record: DecodedRecord,
+    record: SharedRecord,
     /// The subscription's granted QoS.
     qos: u8,
     subscription_id: Option<usize>,
@@ -533,6 +553,15 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
         shutdown: &mut watch::Receiver<bool>,
     ) -> std::io::Result<End> {
         let mut deadline = self.keep_alive_deadline();
+        // The timer and the two signals are made once, not per loop turn: a delivery wakes this
+        // loop once per message per subscriber, and re-registering a timer and two waiters on
+        // every turn cost more than the delivery's own work. The timer is armed at the first
+        // deadline and, when it fires early because packets came since, re-armed then.
+        let far = Instant::now() + Duration::from_secs(86_400 * 365);
+        let timer = tokio::time::sleep_until(deadline.unwrap_or(far));
+        let kicked = kick.notified();
+        let stop = stopped(shutdown);
+        tokio::pin!(timer, kicked, stop);
         loop {
             // Packets already buffered (CONNECT may have arrived with more behind it).
             while let Some(&first) = inbuf.first() {
@@ -575,17 +604,21 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
                     self.server.metrics.bytes_in.fetch_add(n as u64, Ordering::Relaxed);
                 }
                 Some(d) = self.rx.recv(), if can_deliver => self.deliver(d).await?,
-                _ = sleep_until(deadline) => {
+                () = &mut timer, if deadline.is_some() => {
+                    if let Some(d) = deadline.filter(|&d| d > Instant::now()) {
+                        timer.as_mut().reset(d);
+                        continue;
+                    }
                     codec::disconnect(self.version, reason::KEEP_ALIVE_TIMEOUT, &mut self.out);
                     let _ = self.flush().await;
                     return Ok(End::Abrupt("keep-alive timeout".into()));
                 }
-                _ = kick.notified() => {
+                () = &mut kicked => {
                     codec::disconnect(self.version, reason::SESSION_TAKEN_OVER, &mut self.out);
                     let _ = self.flush().await;
                     return Ok(End::Abrupt("taken over by a new connection".into()));
                 }
-                () = stopped(shutdown) => {
+                () = &mut stop => {
                     codec::disconnect(self.version, reason::SERVER_SHUTTING_DOWN, &mut self.out);
                     let _ = self.flush().await;
                     return Ok(End::Shutdown);
@@ -885,7 +918,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
                 };
                 self.deliver(Delivery {
                     name,
-                    record,
+                    record: SharedRecord::Owned(record),
                     qos,
                     subscription_id: id,
                     retain: true,
@@ -1158,7 +1191,7 @@ struct Feed {
 }
 
 impl Feed {
-    fn delivery(&self, name: String, record: DecodedRecord, ack: Option<Acker>) -> Delivery {
+    fn delivery(&self, name: String, record: SharedRecord, ack: Option<Acker>) -> Delivery {
         Delivery {
             name,
             record,
@@ -1179,7 +1212,7 @@ impl Feed {
                 // Compressed Kafka batches are not decoded for MQTT delivery yet.
                 continue;
             };
-            for r in records.iter() {
+            for (i, r) in records.iter().enumerate() {
                 let name = self
                     .server
                     .routes
@@ -1187,9 +1220,10 @@ impl Feed {
                 if !topic::matches(&self.filter, &name) {
                     continue;
                 }
+                let shared = SharedRecord::Live(records.clone(), i);
                 if self
                     .tx
-                    .send(self.delivery(name, r.clone(), None))
+                    .send(self.delivery(name, shared, None))
                     .await
                     .is_err()
                 {
@@ -1227,7 +1261,7 @@ impl Feed {
                 }
                 if self
                     .tx
-                    .send(self.delivery(name, m.record, Some(acker)))
+                    .send(self.delivery(name, SharedRecord::Owned(m.record), Some(acker)))
                     .await
                     .is_err()
                 {
@@ -1241,13 +1275,6 @@ impl Feed {
 /// Resolves once the gateway begins to stop (without holding the watch's guard).
 async fn stopped(shutdown: &mut watch::Receiver<bool>) {
     let _ = shutdown.wait_for(|&s| s).await;
-}
-
-async fn sleep_until(deadline: Option<Instant>) {
-    match deadline {
-        Some(d) => tokio::time::sleep_until(d).await,
-        None => std::future::pending().await,
-    }
 }
 
 /// Writes `head` then `body` completely, with vectored writes and no copy of `body`.
