@@ -2,6 +2,7 @@
 //! thing, compares it with a baseline or peer run on the same machine in the same run, and
 //! prints a Markdown table (and JSON on request) for `docs/BENCHMARKS.md`.
 
+mod broadcast;
 mod fanout;
 mod http;
 mod ledger;
@@ -31,17 +32,37 @@ enum Command {
     /// The REST API over HTTP/1.1 with concurrent keep-alive clients: produce, single-record
     /// fetch and range fetch (1 KB and 2 MB) against an HTTP floor with no storage.
     Http(http::HttpArgs),
+    /// The connected-car case: one publisher, one MQTT topic, N subscribers (QoS 0/1) in worker
+    /// processes, through Sluice, Mosquitto and rumqttd each in its own process; connect time,
+    /// latency, time until the last subscriber has each message, loss, CPU per delivery, memory.
+    Broadcast(broadcast::BroadcastArgs),
+    /// A worker process of `broadcast` (started by it).
+    #[command(hide = true)]
+    BroadcastWorker(broadcast::WorkerArgs),
+    /// A broker process of `broadcast` (started by it).
+    #[command(hide = true)]
+    BroadcastPeer(broadcast::PeerArgs),
 }
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    // These run their own runtimes (sized for the processes they are).
+    let cli = match cli.command {
+        Command::Broadcast(args) => return broadcast::run(args),
+        Command::BroadcastWorker(args) => return broadcast::worker(args),
+        Command::BroadcastPeer(args) => return broadcast::peer(args),
+        command => command,
+    };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    match cli.command {
+    match cli {
         Command::Ledger(args) => runtime.block_on(ledger::run(args)),
         Command::FanoutCore(args) => runtime.block_on(fanout::run(args)),
         Command::Mqtt(args) => runtime.block_on(mqtt::run(args)),
         Command::Http(args) => runtime.block_on(http::run(args)),
+        Command::Broadcast(_) | Command::BroadcastWorker(_) | Command::BroadcastPeer(_) => {
+            unreachable!("handled above")
+        }
     }
 }

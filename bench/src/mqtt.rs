@@ -62,11 +62,11 @@ impl CaseResult {
     }
 }
 
-async fn free_port() -> anyhow::Result<u16> {
+pub(crate) async fn free_port() -> anyhow::Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0").await?.local_addr()?.port())
 }
 
-async fn start_sluice(
+pub(crate) async fn start_sluice(
     dir: &std::path::Path,
     durability: Durability,
 ) -> anyhow::Result<(u16, Engine, tokio::sync::watch::Sender<bool>)> {
@@ -87,7 +87,7 @@ async fn start_sluice(
         routes: vec![],
         users: Default::default(),
     };
-    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let listener = sluice_mqtt::bind_listener("127.0.0.1:0").await?;
     let port = listener.local_addr()?.port();
     let server = MqttServer::new(engine.clone(), settings).await?;
     let (stop, stop_rx) = tokio::sync::watch::channel(false);
@@ -113,12 +113,12 @@ fn start_mosquitto(binary: &str, port: u16, dir: &std::path::Path) -> anyhow::Re
         .with_context(|| format!("starting {binary}"))
 }
 
-fn start_rumqttd(port: u16) -> anyhow::Result<()> {
+pub(crate) fn start_rumqttd(port: u16, max_connections: usize) -> anyhow::Result<()> {
     let listen: SocketAddr = format!("127.0.0.1:{port}").parse()?;
     let config: rumqttd::Config = serde_json::from_value(json!({
         "id": 0,
         "router": {
-            "max_connections": 10010,
+            "max_connections": max_connections,
             "max_outgoing_packet_count": 200,
             "max_segment_size": 104857600,
             "max_segment_count": 10,
@@ -143,7 +143,7 @@ fn start_rumqttd(port: u16) -> anyhow::Result<()> {
 }
 
 /// Waits until something accepts connections on `port`.
-async fn wait_listening(port: u16) -> anyhow::Result<()> {
+pub(crate) async fn wait_listening(port: u16) -> anyhow::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(20);
     while tokio::net::TcpStream::connect(("127.0.0.1", port))
         .await
@@ -279,7 +279,7 @@ pub(crate) async fn run(args: MqttArgs) -> anyhow::Result<()> {
         );
     }
     let port = free_port().await?;
-    start_rumqttd(port)?;
+    start_rumqttd(port, args.idle_connections + 10)?;
     wait_listening(port).await?;
     brokers.push(("rumqttd".into(), port));
 

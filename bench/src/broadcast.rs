@@ -1,0 +1,1085 @@
+//! `sluice-bench broadcast`: the connected-car case. One publisher, one MQTT topic, N
+//! subscribers (QoS 0 or 1), small messages at a steady rate, through Sluice, Mosquitto and
+//! rumqttd in the same run, each broker in its own process so its CPU and memory are its own.
+//!
+//! The subscribers live in worker processes (`broadcast-worker`, this binary again), a few
+//! thousand minimal MQTT 3.1.1 clients each on a tokio runtime of two threads, every worker bound
+//! to its own loopback source address (127.0.0.2, .3, ...) so no address runs out of ephemeral
+//! ports. Each payload starts with its send time (wall clock, nanoseconds) and sequence number;
+//! workers measure latency on receipt into a log-bucketed histogram (1% resolution) and keep, per
+//! message, how many subscribers had it and when the last one did. The coordinator publishes,
+//! reads each process's CPU time and resident memory from /proc, merges, and prints a Markdown
+//! table (and JSON with `--json`).
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{Context, bail};
+use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpSocket, TcpStream};
+
+use crate::stats::cpu_time;
+
+const TOPIC: &str = "cars/broadcast";
+
+#[derive(Debug, clap::Args)]
+pub(crate) struct BroadcastArgs {
+    /// Subscriber counts to run, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1000,10000")]
+    subscribers: Vec<usize>,
+    /// QoS levels to run, comma-separated (0, 1).
+    #[arg(long, value_delimiter = ',', default_value = "0,1")]
+    qos: Vec<u8>,
+    /// Brokers to run, comma-separated: sluice, mosquitto, rumqttd.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "sluice,mosquitto,rumqttd"
+    )]
+    brokers: Vec<String>,
+    /// Payload bytes per message.
+    #[arg(long, default_value_t = 10 * 1024)]
+    size: usize,
+    /// Messages per second from the publisher.
+    #[arg(long, default_value_t = 1.0)]
+    rate: f64,
+    /// Messages per case.
+    #[arg(long, default_value_t = 10)]
+    messages: usize,
+    /// Subscribers per worker process (each process may hold at most 20,000 open files here).
+    #[arg(long, default_value_t = 5000)]
+    per_worker: usize,
+    /// Connections a worker opens at the same time while connecting.
+    #[arg(long, default_value_t = 256)]
+    connect_concurrency: usize,
+    /// Seconds allowed for all subscribers to connect and subscribe.
+    #[arg(long, default_value_t = 120)]
+    connect_timeout_s: u64,
+    /// Percent of subscribers that stop reading once subscribed (the slow-subscriber case);
+    /// they are left out of latency and loss, and the broker's way with them is reported.
+    #[arg(long, default_value_t = 0.0)]
+    stalled_percent: f64,
+    /// Seconds to wait after the last publish for deliveries still under way.
+    #[arg(long, default_value_t = 10)]
+    drain_s: u64,
+    /// Mosquitto binary (Debian package mosquitto); the peer is skipped when it is missing.
+    #[arg(long, default_value = "/usr/sbin/mosquitto")]
+    mosquitto: String,
+    /// Data directory for Sluice (emptied first).
+    #[arg(long, default_value = "target/bench-broadcast")]
+    dir: PathBuf,
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+/// A broker process for one case, as `broadcast-peer` runs it.
+#[derive(Debug, clap::Args)]
+pub(crate) struct PeerArgs {
+    /// sluice or rumqttd.
+    #[arg(long)]
+    broker: String,
+    /// Data directory (Sluice).
+    #[arg(long)]
+    dir: PathBuf,
+    /// Most connections (rumqttd's router limit).
+    #[arg(long, default_value_t = 120_000)]
+    max_connections: usize,
+}
+
+/// One worker process of subscribers, as `broadcast-worker` runs it.
+#[derive(Debug, clap::Args)]
+pub(crate) struct WorkerArgs {
+    #[arg(long)]
+    broker: SocketAddr,
+    /// Local address to connect from.
+    #[arg(long)]
+    source: Ipv4Addr,
+    #[arg(long)]
+    clients: usize,
+    /// Client ids are `b<first-id + i>`.
+    #[arg(long)]
+    first_id: usize,
+    #[arg(long)]
+    qos: u8,
+    /// Messages the publisher will send (sequence numbers 0..messages).
+    #[arg(long)]
+    messages: usize,
+    #[arg(long)]
+    connect_concurrency: usize,
+    /// Clients that never read after subscribing.
+    #[arg(long, default_value_t = 0)]
+    stalled: usize,
+}
+
+/// Latency histogram: bucket `i` holds samples of about 1.01^i microseconds.
+const BUCKETS: usize = 2400;
+
+fn bucket(us: u64) -> usize {
+    if us <= 1 {
+        return 0;
+    }
+    (((us as f64).ln() / 1.01f64.ln()) as usize).min(BUCKETS - 1)
+}
+
+fn bucket_us(i: usize) -> f64 {
+    1.01f64.powi(i as i32)
+}
+
+/// What the subscribers of one worker saw.
+#[derive(Debug)]
+struct Seen {
+    histogram: Vec<AtomicU64>,
+    /// Per sequence number: subscribers that had it, and the latest arrival (µs after send).
+    count: Vec<AtomicU64>,
+    last_us: Vec<AtomicU64>,
+    received: AtomicU64,
+    /// Clients that have everything (all sequence numbers).
+    complete: AtomicUsize,
+    ready: AtomicUsize,
+    failed: AtomicUsize,
+    /// Connection attempts that had to be repeated (refused, reset or timed out).
+    retries: AtomicUsize,
+}
+
+impl Seen {
+    fn new(messages: usize) -> Self {
+        let zeros = |n: usize| (0..n).map(|_| AtomicU64::new(0)).collect();
+        Self {
+            histogram: zeros(BUCKETS),
+            count: zeros(messages),
+            last_us: zeros(messages),
+            received: AtomicU64::new(0),
+            complete: AtomicUsize::new(0),
+            ready: AtomicUsize::new(0),
+            failed: AtomicUsize::new(0),
+            retries: AtomicUsize::new(0),
+        }
+    }
+}
+
+fn now_ns() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+}
+
+/// MQTT 3.1.1 remaining length.
+fn put_len(out: &mut Vec<u8>, mut n: usize) {
+    loop {
+        let mut b = (n % 128) as u8;
+        n /= 128;
+        if n > 0 {
+            b |= 0x80;
+        }
+        out.push(b);
+        if n == 0 {
+            return;
+        }
+    }
+}
+
+fn put_str(out: &mut Vec<u8>, s: &str) {
+    out.extend_from_slice(&(s.len() as u16).to_be_bytes());
+    out.extend_from_slice(s.as_bytes());
+}
+
+fn connect_packet(client_id: &str) -> Vec<u8> {
+    let mut body = Vec::new();
+    put_str(&mut body, "MQTT");
+    body.push(4); // 3.1.1
+    body.push(0x02); // clean session
+    // An hour: longer than any case, so no client needs to ping (rumqttd treats 0 as "time out
+    // at once" rather than "never").
+    body.extend_from_slice(&3600u16.to_be_bytes());
+    put_str(&mut body, client_id);
+    let mut p = vec![0x10];
+    put_len(&mut p, body.len());
+    p.extend_from_slice(&body);
+    p
+}
+
+fn subscribe_packet(qos: u8) -> Vec<u8> {
+    let mut body = vec![0, 1];
+    put_str(&mut body, TOPIC);
+    body.push(qos);
+    let mut p = vec![0x82];
+    put_len(&mut p, body.len());
+    p.extend_from_slice(&body);
+    p
+}
+
+fn publish_packet(qos: u8, pkid: u16, payload: &[u8]) -> Vec<u8> {
+    let mut body = Vec::with_capacity(payload.len() + TOPIC.len() + 4);
+    put_str(&mut body, TOPIC);
+    if qos > 0 {
+        body.extend_from_slice(&pkid.to_be_bytes());
+    }
+    body.extend_from_slice(payload);
+    let mut p = vec![0x30 | (qos << 1)];
+    put_len(&mut p, body.len());
+    p.extend_from_slice(&body);
+    p
+}
+
+/// Reads one packet: (first byte, body).
+async fn read_packet(s: &mut TcpStream, body: &mut Vec<u8>) -> std::io::Result<u8> {
+    let first = s.read_u8().await?;
+    let mut len = 0usize;
+    let mut shift = 0;
+    loop {
+        let b = s.read_u8().await?;
+        len |= ((b & 0x7F) as usize) << shift;
+        if b & 0x80 == 0 {
+            break;
+        }
+        shift += 7;
+        if shift > 21 {
+            return Err(std::io::Error::other("bad remaining length"));
+        }
+    }
+    body.resize(len, 0);
+    s.read_exact(body).await?;
+    Ok(first)
+}
+
+async fn connect(
+    broker: SocketAddr,
+    source: Ipv4Addr,
+    id: &str,
+    qos: u8,
+) -> anyhow::Result<TcpStream> {
+    let sock = TcpSocket::new_v4()?;
+    // The local port is chosen at connect time, unique per destination, rather than at bind
+    // time, unique per source address: otherwise the ports left in TIME_WAIT by earlier cases
+    // make every bind search, and connecting 19,000 clients takes tens of seconds.
+    let one: libc::c_int = 1;
+    // SAFETY: the fd is a live socket owned by `sock`; the option value is a c_int we own.
+    let set = unsafe {
+        libc::setsockopt(
+            std::os::fd::AsRawFd::as_raw_fd(&sock),
+            libc::IPPROTO_IP,
+            libc::IP_BIND_ADDRESS_NO_PORT,
+            (&raw const one).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if set != 0 {
+        return Err(std::io::Error::last_os_error().into());
+    }
+    sock.bind(SocketAddr::new(IpAddr::V4(source), 0))?;
+    let mut s = sock.connect(broker).await?;
+    s.set_nodelay(true)?;
+    s.write_all(&connect_packet(id)).await?;
+    let mut body = Vec::new();
+    let first = read_packet(&mut s, &mut body).await?;
+    if first != 0x20 || body.get(1) != Some(&0) {
+        bail!("CONNACK refused: {first:#x} {body:?}");
+    }
+    s.write_all(&subscribe_packet(qos)).await?;
+    let first = read_packet(&mut s, &mut body).await?;
+    if first != 0x90 || body.get(2).is_none_or(|&c| c > 2) {
+        bail!("SUBACK refused: {first:#x} {body:?}");
+    }
+    Ok(s)
+}
+
+thread_local! {
+    /// Each worker thread reads every socket into this one buffer, so an idle subscriber holds
+    /// no read buffer of its own (20,000 × 10 KB would be 200 MB per worker).
+    static SCRATCH: std::cell::RefCell<Vec<u8>> = std::cell::RefCell::new(vec![0; 256 * 1024]);
+}
+
+/// A complete packet at the start of `buf`: (first byte, body range, packet length).
+fn parse(buf: &[u8]) -> Option<(u8, std::ops::Range<usize>, usize)> {
+    let mut len = 0usize;
+    for i in 0..4 {
+        let b = *buf.get(1 + i)?;
+        len |= ((b & 0x7F) as usize) << (7 * i);
+        if b & 0x80 == 0 {
+            let start = 2 + i;
+            let end = start + len;
+            return (buf.len() >= end).then_some((buf[0], start..end, end));
+        }
+    }
+    None
+}
+
+/// One subscriber: receives until it has every message (or the worker is told to stop). One
+/// `read` per wake-up into the thread's scratch buffer; only a partial packet is kept.
+async fn subscriber(s: TcpStream, seen: Arc<Seen>, messages: usize) {
+    let mut partial: Vec<u8> = Vec::new();
+    let mut have = 0usize;
+    let mut acks: Vec<u8> = Vec::new();
+    loop {
+        if s.readable().await.is_err() {
+            return;
+        }
+        let outcome = SCRATCH.with_borrow_mut(|scratch| {
+            let n = match s.try_read(scratch) {
+                Ok(0) => return Err(()),
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(()),
+                Err(_) => return Err(()),
+            };
+            let data: &[u8] = if partial.is_empty() {
+                &scratch[..n]
+            } else {
+                partial.extend_from_slice(&scratch[..n]);
+                &partial
+            };
+            let mut at = 0;
+            while let Some((first, body, used)) = parse(&data[at..]) {
+                let body = &data[at..][body];
+                at += used;
+                if first >> 4 == 3 {
+                    have += record(&seen, first, body, &mut acks);
+                    if have == messages {
+                        seen.complete.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+            let rest = data[at..].to_vec();
+            partial = rest;
+            Ok(())
+        });
+        if outcome.is_err() {
+            return;
+        }
+        if !acks.is_empty() {
+            let mut written = 0;
+            while written < acks.len() {
+                if s.writable().await.is_err() {
+                    return;
+                }
+                match s.try_write(&acks[written..]) {
+                    Ok(n) => written += n,
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                    Err(_) => return,
+                }
+            }
+            acks.clear();
+        }
+    }
+}
+
+/// Counts one PUBLISH (and queues its PUBACK); 1 when it carried a payload header.
+fn record(seen: &Seen, first: u8, body: &[u8], acks: &mut Vec<u8>) -> usize {
+    let Some(topic_len) = body
+        .get(..2)
+        .map(|b| u16::from_be_bytes([b[0], b[1]]) as usize)
+    else {
+        return 0;
+    };
+    let mut at = 2 + topic_len;
+    if (first >> 1) & 3 > 0 {
+        let Some(id) = body.get(at..at + 2) else {
+            return 0;
+        };
+        acks.extend_from_slice(&[0x40, 2, id[0], id[1]]);
+        at += 2;
+    }
+    let Some(head) = body.get(at..at + 12) else {
+        return 0;
+    };
+    let sent = u64::from_be_bytes(head[..8].try_into().unwrap_or_default());
+    let seq = u32::from_be_bytes(head[8..12].try_into().unwrap_or_default()) as usize;
+    let us = now_ns().saturating_sub(sent) / 1000;
+    seen.histogram[bucket(us)].fetch_add(1, Ordering::Relaxed);
+    seen.received.fetch_add(1, Ordering::Relaxed);
+    if let (Some(c), Some(l)) = (seen.count.get(seq), seen.last_us.get(seq)) {
+        c.fetch_add(1, Ordering::Relaxed);
+        l.fetch_max(us, Ordering::Relaxed);
+    }
+    1
+}
+
+/// `broadcast-worker`: connects its subscribers, prints `ready <ms>` once all are subscribed,
+/// then counts deliveries; prints its summary as one JSON line when every client has every
+/// message or when a line arrives on stdin.
+pub(crate) fn worker(args: WorkerArgs) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    runtime.block_on(async move {
+        let seen = Arc::new(Seen::new(args.messages));
+        let gate = Arc::new(tokio::sync::Semaphore::new(args.connect_concurrency.max(1)));
+        let started = Instant::now();
+        let mut streams = Vec::with_capacity(args.clients);
+        let mut tasks = tokio::task::JoinSet::new();
+        for i in 0..args.clients {
+            let gate = gate.clone();
+            let seen = seen.clone();
+            let id = format!("b{}", args.first_id + i);
+            let (broker, source, qos) = (args.broker, args.source, args.qos);
+            tasks.spawn(async move {
+                let _permit = gate.acquire().await;
+                let mut attempt = 0;
+                loop {
+                    match connect(broker, source, &id, qos).await {
+                        Ok(s) => {
+                            seen.ready.fetch_add(1, Ordering::Relaxed);
+                            return Some(s);
+                        }
+                        Err(_) if attempt < 5 => {
+                            attempt += 1;
+                            seen.retries.fetch_add(1, Ordering::Relaxed);
+                            tokio::time::sleep(Duration::from_millis(100 << attempt)).await;
+                        }
+                        Err(_) => {
+                            seen.failed.fetch_add(1, Ordering::Relaxed);
+                            return None;
+                        }
+                    }
+                }
+            });
+        }
+        while let Some(r) = tasks.join_next().await {
+            if let Ok(Some(s)) = r {
+                streams.push(s);
+            }
+        }
+        let connect_ms = started.elapsed().as_millis();
+        println!(
+            "ready {connect_ms} {} {} {}",
+            streams.len(),
+            seen.failed.load(Ordering::Relaxed),
+            seen.retries.load(Ordering::Relaxed)
+        );
+        std::io::stdout().flush()?;
+        let cpu_before = cpu_time();
+        let stalled = args.stalled.min(streams.len());
+        // Held open and never read: the broker has to cope with them.
+        let held: Vec<TcpStream> = streams.drain(..stalled).collect();
+        let reading = streams.len();
+        for s in streams {
+            tokio::spawn(subscriber(s, seen.clone(), args.messages));
+        }
+        // Ends when every client has everything, or when the coordinator says so.
+        let (stop_tx, mut stop_rx) = tokio::sync::mpsc::channel::<()>(1);
+        std::thread::spawn(move || {
+            let mut line = String::new();
+            let _ = std::io::stdin().read_line(&mut line);
+            let _ = stop_tx.blocking_send(());
+        });
+        loop {
+            if seen.complete.load(Ordering::Relaxed) >= reading {
+                break;
+            }
+            tokio::select! {
+                _ = stop_rx.recv() => break,
+                () = tokio::time::sleep(Duration::from_millis(20)) => {}
+            }
+        }
+        let histogram: Vec<(usize, u64)> = seen
+            .histogram
+            .iter()
+            .enumerate()
+            .map(|(i, c)| (i, c.load(Ordering::Relaxed)))
+            .filter(|(_, c)| *c > 0)
+            .collect();
+        drop(held);
+        let summary = json!({
+            "connected": reading + stalled,
+            "stalled": stalled,
+            "failed": seen.failed.load(Ordering::Relaxed),
+            "received": seen.received.load(Ordering::Relaxed),
+            "count": seen.count.iter().map(|c| c.load(Ordering::Relaxed)).collect::<Vec<_>>(),
+            "last_us": seen.last_us.iter().map(|c| c.load(Ordering::Relaxed)).collect::<Vec<_>>(),
+            "histogram": histogram,
+            "cpu_us": cpu_time().saturating_sub(cpu_before).as_micros() as u64,
+        });
+        println!("{summary}");
+        std::io::stdout().flush()?;
+        // Exits without closing every socket one by one: the kernel does it at once.
+        std::process::exit(0);
+    })
+}
+
+/// `broadcast-peer`: runs Sluice or rumqttd until stdin closes; prints `ready <port>`.
+pub(crate) fn peer(args: PeerArgs) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async move {
+        let mut engine = None;
+        let port = match args.broker.as_str() {
+            "sluice" => {
+                let (port, e, stop) =
+                    crate::mqtt::start_sluice(&args.dir, sluice_core::Durability::Fsync).await?;
+                // Kept for the process's life: dropping it would stop the server.
+                std::mem::forget(stop);
+                engine = Some(e);
+                port
+            }
+            "rumqttd" => {
+                let port = crate::mqtt::free_port().await?;
+                crate::mqtt::start_rumqttd(port, args.max_connections)?;
+                crate::mqtt::wait_listening(port).await?;
+                port
+            }
+            other => bail!("unknown broker {other}"),
+        };
+        println!("ready {port}");
+        std::io::stdout().flush()?;
+        tokio::task::spawn_blocking(move || {
+            for line in std::io::stdin().lines().map_while(Result::ok) {
+                if line.trim() == "stats" {
+                    println!("{}", peer_stats(engine.as_ref()));
+                    let _ = std::io::stdout().flush();
+                }
+            }
+        })
+        .await?;
+        std::process::exit(0);
+    })
+}
+
+/// Slow-subscriber handling as the broker counted it (Sluice's live-ring counters).
+fn peer_stats(engine: Option<&sluice_core::Engine>) -> Value {
+    let Some(engine) = engine else {
+        return Value::Null;
+    };
+    let m = engine.metrics();
+    let sum =
+        |f: fn(&sluice_core::PartitionMetrics) -> u64| m.partitions.iter().map(f).sum::<u64>();
+    json!({
+        "live_dropped_records": sum(|p| p.live_dropped_records),
+        "live_disconnected": sum(|p| p.live_disconnected),
+        "live_subscribers": sum(|p| p.live_subscribers),
+    })
+}
+
+/// CPU time (user + system) and resident memory of another process, from /proc.
+fn proc_stats(pid: u32) -> (Duration, u64) {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // Fields after the command name (which may hold spaces) start after the last ')'.
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .map(|(_, rest)| rest.split_whitespace().collect())
+        .unwrap_or_default();
+    // SAFETY: sysconf has no preconditions.
+    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    let field = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    // utime and stime are fields 14 and 15 of the whole line: 11 and 12 after the name.
+    let cpu = Duration::from_millis((field(11) + field(12)) * 1000 / ticks);
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let rss = status
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse::<u64>().ok())
+        .unwrap_or(0)
+        * 1024;
+    (cpu, rss)
+}
+
+/// A broker process for one case.
+struct Broker {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    stdout: Option<BufReader<std::process::ChildStdout>>,
+    port: u16,
+}
+
+impl Broker {
+    fn start(name: &str, args: &BroadcastArgs, max_connections: usize) -> anyhow::Result<Self> {
+        let exe = std::env::current_exe()?;
+        match name {
+            "mosquitto" => {
+                let port = std::net::TcpListener::bind("127.0.0.1:0")?
+                    .local_addr()?
+                    .port();
+                let dir = args.dir.join("mosquitto");
+                std::fs::create_dir_all(&dir)?;
+                let conf = dir.join("mosquitto.conf");
+                std::fs::write(
+                    &conf,
+                    format!(
+                        "listener {port} 127.0.0.1\nallow_anonymous true\nmax_connections -1\npersistence false\nmax_queued_messages 1000\nmax_inflight_messages 100\n"
+                    ),
+                )?;
+                let child = Command::new(&args.mosquitto)
+                    .arg("-c")
+                    .arg(&conf)
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .spawn()
+                    .with_context(|| format!("starting {}", args.mosquitto))?;
+                let deadline = Instant::now() + Duration::from_secs(20);
+                while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+                    anyhow::ensure!(Instant::now() < deadline, "mosquitto does not listen");
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Ok(Self {
+                    child,
+                    stdin: None,
+                    stdout: None,
+                    port,
+                })
+            }
+            _ => {
+                let dir = args.dir.join(name);
+                if dir.exists() {
+                    std::fs::remove_dir_all(&dir)?;
+                }
+                let mut child = Command::new(exe)
+                    .args(["broadcast-peer", "--broker", name, "--dir"])
+                    .arg(&dir)
+                    .args(["--max-connections", &max_connections.to_string()])
+                    .stdin(Stdio::piped())
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::null())
+                    .spawn()?;
+                let mut stdout = BufReader::new(child.stdout.take().context("peer stdout")?);
+                let mut line = String::new();
+                stdout.read_line(&mut line)?;
+                let port = line
+                    .strip_prefix("ready ")
+                    .and_then(|p| p.trim().parse().ok())
+                    .with_context(|| format!("{name} did not start: {line:?}"))?;
+                Ok(Self {
+                    stdin: child.stdin.take(),
+                    stdout: Some(stdout),
+                    child,
+                    port,
+                })
+            }
+        }
+    }
+
+    /// The peer's counters as JSON (Sluice's slow-subscriber handling); null for Mosquitto.
+    fn stats(&mut self) -> Value {
+        let (Some(stdin), Some(stdout)) = (self.stdin.as_mut(), self.stdout.as_mut()) else {
+            return Value::Null;
+        };
+        let mut line = String::new();
+        if writeln!(stdin, "stats").is_err() || stdout.read_line(&mut line).is_err() {
+            return Value::Null;
+        }
+        serde_json::from_str(&line).unwrap_or(Value::Null)
+    }
+
+    fn stop(mut self) {
+        drop(self.stdin.take());
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// One worker process and its output.
+struct Worker {
+    child: Child,
+    stdin: ChildStdin,
+    lines: std::sync::mpsc::Receiver<String>,
+}
+
+impl Worker {
+    fn start(args: &WorkerArgs) -> anyhow::Result<Self> {
+        let mut child = Command::new(std::env::current_exe()?)
+            .args(["broadcast-worker", "--broker", &args.broker.to_string()])
+            .args(["--source", &args.source.to_string()])
+            .args(["--clients", &args.clients.to_string()])
+            .args(["--first-id", &args.first_id.to_string()])
+            .args(["--qos", &args.qos.to_string()])
+            .args(["--messages", &args.messages.to_string()])
+            .args([
+                "--connect-concurrency",
+                &args.connect_concurrency.to_string(),
+            ])
+            .args(["--stalled", &args.stalled.to_string()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()?;
+        let stdout = child.stdout.take().context("worker stdout")?;
+        let stdin = child.stdin.take().context("worker stdin")?;
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    return;
+                }
+            }
+        });
+        Ok(Self {
+            child,
+            stdin,
+            lines,
+        })
+    }
+
+    fn line(&self, deadline: Instant) -> anyhow::Result<String> {
+        let left = deadline.saturating_duration_since(Instant::now());
+        self.lines
+            .recv_timeout(left)
+            .context("a worker said nothing in time")
+    }
+}
+
+/// The merged result of one case.
+#[derive(Debug)]
+struct CaseResult {
+    broker: String,
+    qos: u8,
+    subscribers: usize,
+    connected: u64,
+    connect_s: f64,
+    published: usize,
+    received: u64,
+    histogram: Vec<u64>,
+    /// Per message: the time the last subscriber had it (ms), where every subscriber had it.
+    last_ms: Vec<f64>,
+    broker_cpu: Duration,
+    broker_rss: u64,
+    broker_rss_idle: u64,
+    worker_cpu_us: u64,
+    /// Subscribers that stopped reading (not counted in latency or loss).
+    stalled: u64,
+    /// The broker's own counters after the case (Sluice: slow-subscriber drops and disconnects).
+    broker_stats: Value,
+}
+
+impl CaseResult {
+    fn quantile_ms(&self, q: f64) -> f64 {
+        let total: u64 = self.histogram.iter().sum();
+        if total == 0 {
+            return 0.0;
+        }
+        let rank = ((q * total as f64).ceil() as u64).clamp(1, total);
+        let mut seen = 0;
+        for (i, c) in self.histogram.iter().enumerate() {
+            seen += c;
+            if seen >= rank {
+                return bucket_us(i) / 1000.0;
+            }
+        }
+        0.0
+    }
+
+    fn max_ms(&self) -> f64 {
+        self.histogram
+            .iter()
+            .rposition(|&c| c > 0)
+            .map_or(0.0, |i| bucket_us(i) / 1000.0)
+    }
+
+    fn lost(&self) -> u64 {
+        ((self.connected - self.stalled) * self.published as u64).saturating_sub(self.received)
+    }
+
+    fn cpu_per_delivery_us(&self) -> f64 {
+        self.broker_cpu.as_micros() as f64 / self.received.max(1) as f64
+    }
+
+    fn kb_per_connection(&self) -> f64 {
+        self.broker_rss.saturating_sub(self.broker_rss_idle) as f64
+            / 1024.0
+            / self.connected.max(1) as f64
+    }
+
+    fn json(&self) -> Value {
+        json!({
+            "broker": self.broker, "qos": self.qos, "subscribers": self.subscribers,
+            "connected": self.connected, "connect_s": self.connect_s,
+            "published": self.published, "received": self.received, "lost": self.lost(),
+            "p50_ms": self.quantile_ms(0.5), "p99_ms": self.quantile_ms(0.99),
+            "max_ms": self.max_ms(), "last_subscriber_ms": self.last_ms,
+            "broker_cpu_us_per_delivery": self.cpu_per_delivery_us(),
+            "broker_rss_bytes": self.broker_rss,
+            "broker_kb_per_connection": self.kb_per_connection(),
+            "worker_cpu_us_per_delivery": self.worker_cpu_us as f64 / self.received.max(1) as f64,
+            "stalled": self.stalled, "broker_stats": self.broker_stats,
+        })
+    }
+}
+
+/// Cases run so far (each gets its own block of loopback source addresses).
+static CASES: AtomicUsize = AtomicUsize::new(0);
+
+fn run_case(
+    args: &BroadcastArgs,
+    broker_name: &str,
+    qos: u8,
+    n: usize,
+) -> anyhow::Result<CaseResult> {
+    let case = CASES.fetch_add(1, Ordering::Relaxed);
+    let mut broker = Broker::start(broker_name, args, n + 100)?;
+    let pid = broker.child.id();
+    let result = (|| {
+        let addr = SocketAddr::from(([127, 0, 0, 1], broker.port));
+        let (_, rss_idle) = proc_stats(pid);
+        let started = Instant::now();
+        let mut workers = Vec::new();
+        let mut first_id = 0;
+        for (w, chunk) in (0..n)
+            .collect::<Vec<_>>()
+            .chunks(args.per_worker)
+            .enumerate()
+        {
+            let stalled = (chunk.len() as f64 * args.stalled_percent / 100.0).round() as usize;
+            workers.push(Worker::start(&WorkerArgs {
+                stalled,
+                broker: addr,
+                // A fresh address block per case, so no case meets the previous one's TIME_WAITs.
+                source: Ipv4Addr::new(127, 1 + (case % 250) as u8, 0, 2 + (w % 250) as u8),
+                clients: chunk.len(),
+                first_id,
+                qos,
+                messages: args.messages,
+                connect_concurrency: args.connect_concurrency,
+            })?);
+            first_id += chunk.len();
+        }
+        let deadline = started + Duration::from_secs(args.connect_timeout_s);
+        let (mut connected, mut retries) = (0u64, 0u64);
+        for w in &workers {
+            let line = w.line(deadline)?;
+            let mut parts = line.split_whitespace().skip(2);
+            let mut next = || {
+                parts
+                    .next()
+                    .and_then(|c| c.parse::<u64>().ok())
+                    .unwrap_or(0)
+            };
+            connected += next();
+            let _failed = next();
+            retries += next();
+        }
+        if retries > 0 {
+            eprintln!("{broker_name}: {retries} connection attempts were repeated");
+        }
+        let connect_s = started.elapsed().as_secs_f64();
+        // Let the broker settle its subscription bookkeeping before measuring memory.
+        std::thread::sleep(Duration::from_millis(500));
+        let (cpu_before, rss) = proc_stats(pid);
+
+        publish(addr, qos, args)?;
+        let drain_deadline = Instant::now() + Duration::from_secs(args.drain_s);
+        let mut summaries = Vec::new();
+        for w in &mut workers {
+            let summary = match w.line(drain_deadline) {
+                Ok(l) => l,
+                Err(_) => {
+                    let _ = writeln!(w.stdin, "stop");
+                    w.line(Instant::now() + Duration::from_secs(30))?
+                }
+            };
+            summaries.push(serde_json::from_str::<Value>(&summary)?);
+        }
+        let (cpu_after, _) = proc_stats(pid);
+        for mut w in workers {
+            let _ = w.child.wait();
+        }
+        let mut r = CaseResult {
+            broker: broker_name.to_owned(),
+            qos,
+            subscribers: n,
+            connected,
+            connect_s,
+            published: args.messages,
+            received: 0,
+            histogram: vec![0; BUCKETS],
+            last_ms: Vec::new(),
+            broker_cpu: cpu_after.saturating_sub(cpu_before),
+            broker_rss: rss,
+            broker_rss_idle: rss_idle,
+            worker_cpu_us: 0,
+            stalled: 0,
+            broker_stats: broker.stats(),
+        };
+        let mut counts = vec![0u64; args.messages];
+        let mut last = vec![0u64; args.messages];
+        for s in &summaries {
+            r.received += s["received"].as_u64().unwrap_or(0);
+            r.stalled += s["stalled"].as_u64().unwrap_or(0);
+            r.worker_cpu_us += s["cpu_us"].as_u64().unwrap_or(0);
+            for pair in s["histogram"].as_array().into_iter().flatten() {
+                let i = pair[0].as_u64().unwrap_or(0) as usize;
+                r.histogram[i.min(BUCKETS - 1)] += pair[1].as_u64().unwrap_or(0);
+            }
+            for (i, c) in s["count"].as_array().into_iter().flatten().enumerate() {
+                counts[i] += c.as_u64().unwrap_or(0);
+            }
+            for (i, l) in s["last_us"].as_array().into_iter().flatten().enumerate() {
+                last[i] = last[i].max(l.as_u64().unwrap_or(0));
+            }
+        }
+        let reading = connected - r.stalled;
+        r.last_ms = counts
+            .iter()
+            .zip(&last)
+            .filter(|(c, _)| **c == reading)
+            .map(|(_, l)| *l as f64 / 1000.0)
+            .collect();
+        Ok(r)
+    })();
+    broker.stop();
+    result
+}
+
+/// Publishes `args.messages` payloads at `args.rate` per second.
+fn publish(addr: SocketAddr, qos: u8, args: &BroadcastArgs) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async move {
+        let mut s = TcpStream::connect(addr).await?;
+        s.set_nodelay(true)?;
+        s.write_all(&connect_packet("broadcast-publisher")).await?;
+        let mut body = Vec::new();
+        read_packet(&mut s, &mut body).await?;
+        let (mut rd, mut wr) = s.into_split();
+        // PUBACKs are read and dropped: the publisher keeps its rate regardless.
+        tokio::spawn(async move {
+            let mut sink = vec![0u8; 4096];
+            while rd.read(&mut sink).await.is_ok_and(|n| n > 0) {}
+        });
+        let interval = Duration::from_secs_f64(1.0 / args.rate.max(0.001));
+        let mut tick = tokio::time::interval(interval);
+        let mut payload = vec![0x5Au8; args.size.max(12)];
+        for seq in 0..args.messages {
+            tick.tick().await;
+            payload[..8].copy_from_slice(&now_ns().to_be_bytes());
+            payload[8..12].copy_from_slice(&(seq as u32).to_be_bytes());
+            wr.write_all(&publish_packet(qos, (seq % 60_000) as u16 + 1, &payload))
+                .await?;
+        }
+        anyhow::Ok(())
+    })
+}
+
+pub(crate) fn run(args: BroadcastArgs) -> anyhow::Result<()> {
+    let mut results = Vec::new();
+    // A peer that does not survive an N is a result; Sluice not completing a case is a failure.
+    let mut sluice_failed = Vec::new();
+    for &qos in &args.qos {
+        for &n in &args.subscribers {
+            for broker in &args.brokers {
+                if broker == "mosquitto" && !std::path::Path::new(&args.mosquitto).exists() {
+                    eprintln!("mosquitto skipped: {} is missing", args.mosquitto);
+                    continue;
+                }
+                eprintln!("{broker}: QoS {qos}, {n} subscribers ...");
+                match run_case(&args, broker, qos, n) {
+                    Ok(r) => results.push(r),
+                    Err(e) => {
+                        eprintln!("{broker} QoS {qos} N={n}: did not complete: {e:#}");
+                        if broker == "sluice" {
+                            sluice_failed.push(format!("QoS {qos} N={n}: {e:#}"));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    println!(
+        "One publisher, topic `{TOPIC}`, {} B payloads at {}/s, {} messages per case; subscribers are MQTT 3.1.1 clean sessions in worker processes of up to {} clients (2 threads each, one loopback source address each). Sluice runs with durability fsync; Mosquitto in memory (persistence off); rumqttd in memory. Latency is publish to receipt over all deliveries (1% buckets); \"last\" is when the last subscriber had a message (median and max over messages). CPU per delivery is the broker process's CPU time during the publishing phase divided by deliveries.\n",
+        args.size, args.rate, args.messages, args.per_worker
+    );
+    println!(
+        "| broker | QoS | N | connected | connect s | p50 ms | p99 ms | max ms | last p50 ms | last max ms | lost | broker CPU µs/delivery | broker RSS MiB | KB/conn | client CPU µs/delivery | stalled: dropped / disconnected |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    for r in &results {
+        let mut last = r.last_ms.clone();
+        last.sort_by(f64::total_cmp);
+        let last_p50 = last.get(last.len() / 2).copied().unwrap_or(f64::NAN);
+        let last_max = last.last().copied().unwrap_or(f64::NAN);
+        let slow = match (&r.broker_stats, r.stalled) {
+            (_, 0) => "-".to_owned(),
+            (Value::Null, s) => format!("{s}: n/a"),
+            (stats, s) => format!(
+                "{s}: {} / {}",
+                stats["live_dropped_records"], stats["live_disconnected"]
+            ),
+        };
+        println!(
+            "| {} | {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {} | {:.1} | {:.0} | {:.1} | {:.1} | {} |",
+            r.broker,
+            r.qos,
+            r.subscribers,
+            r.connected,
+            r.connect_s,
+            r.quantile_ms(0.5),
+            r.quantile_ms(0.99),
+            r.max_ms(),
+            last_p50,
+            last_max,
+            r.lost(),
+            r.cpu_per_delivery_us(),
+            r.broker_rss as f64 / (1 << 20) as f64,
+            r.kb_per_connection(),
+            r.worker_cpu_us as f64 / r.received.max(1) as f64,
+            slow,
+        );
+    }
+    if let Some(path) = &args.json {
+        let all: Vec<Value> = results.iter().map(CaseResult::json).collect();
+        std::fs::write(path, serde_json::to_vec_pretty(&all)?)?;
+    }
+    anyhow::ensure!(
+        sluice_failed.is_empty(),
+        "Sluice cases did not complete: {sluice_failed:?}"
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn packets_are_framed_only_when_complete() {
+        let payload = vec![7u8; 300];
+        let p = publish_packet(1, 9, &payload);
+        // 300 + topic + packet id needs a two-byte remaining length.
+        assert_eq!(p[1] & 0x80, 0x80);
+        for cut in 0..p.len() {
+            assert!(parse(&p[..cut]).is_none(), "cut at {cut}");
+        }
+        let mut two = p.clone();
+        two.extend_from_slice(&p);
+        let (first, body, used) = parse(&two).unwrap();
+        assert_eq!((first, used), (0x32, p.len()));
+        assert_eq!(&two[body][2 + TOPIC.len()..2 + TOPIC.len() + 2], &[0, 9]);
+    }
+
+    #[test]
+    fn a_publish_is_counted_with_its_latency_and_acknowledged() {
+        let seen = Seen::new(4);
+        let mut payload = vec![0u8; 64];
+        payload[..8].copy_from_slice(&(now_ns() - 5_000_000).to_be_bytes());
+        payload[8..12].copy_from_slice(&2u32.to_be_bytes());
+        let p = publish_packet(1, 300, &payload);
+        let (first, body, _) = parse(&p).unwrap();
+        let mut acks = Vec::new();
+        assert_eq!(record(&seen, first, &p[body], &mut acks), 1);
+        assert_eq!(acks, [0x40, 2, 1, 44]);
+        assert_eq!(seen.count[2].load(Ordering::Relaxed), 1);
+        let last = seen.last_us[2].load(Ordering::Relaxed);
+        assert!((5_000..60_000_000).contains(&last), "{last}");
+    }
+
+    #[test]
+    fn buckets_hold_latencies_within_one_percent() {
+        for us in [2u64, 10, 999, 12_345, 1_000_000, 59_000_000] {
+            let b = bucket_us(bucket(us));
+            assert!(
+                b <= us as f64 * 1.0001 && b > us as f64 / 1.02,
+                "{us} -> {b}"
+            );
+        }
+    }
+}
