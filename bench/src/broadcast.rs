@@ -745,6 +745,9 @@ struct CaseResult {
     broker_rss: u64,
     broker_rss_idle: u64,
     worker_cpu_us: u64,
+    size: usize,
+    /// From the first publish to the last PUBACK (QoS 1) or write (QoS 0).
+    publish_s: f64,
     /// Subscribers that stopped reading (not counted in latency or loss).
     stalled: u64,
     /// The broker's own counters after the case (Sluice: slow-subscriber drops and disconnects).
@@ -775,6 +778,17 @@ impl CaseResult {
             .map_or(0.0, |i| bucket_us(i) / 1000.0)
     }
 
+    /// Messages the broker took per second (acknowledged, at QoS 1).
+    fn in_per_s(&self) -> f64 {
+        self.published as f64 / self.publish_s.max(1e-9)
+    }
+
+    /// Bytes delivered per second, until the last subscriber had the slowest message.
+    fn out_mb_per_s(&self) -> f64 {
+        let tail = self.last_ms.iter().copied().fold(0.0, f64::max) / 1000.0;
+        (self.received * self.size as u64) as f64 / 1e6 / (self.publish_s + tail).max(1e-9)
+    }
+
     fn lost(&self) -> u64 {
         ((self.connected - self.stalled) * self.published as u64).saturating_sub(self.received)
     }
@@ -801,6 +815,7 @@ impl CaseResult {
             "broker_kb_per_connection": self.kb_per_connection(),
             "worker_cpu_us_per_delivery": self.worker_cpu_us as f64 / self.received.max(1) as f64,
             "stalled": self.stalled, "broker_stats": self.broker_stats,
+            "in_msgs_per_s": self.in_per_s(), "out_mb_per_s": self.out_mb_per_s(),
         })
     }
 }
@@ -865,7 +880,7 @@ fn run_case(
         std::thread::sleep(Duration::from_millis(500));
         let (cpu_before, rss) = proc_stats(pid);
 
-        publish(addr, qos, args)?;
+        let publish_time = publish(addr, qos, args)?;
         let drain_deadline = Instant::now() + Duration::from_secs(args.drain_s);
         let mut summaries = Vec::new();
         for w in &mut workers {
@@ -896,6 +911,8 @@ fn run_case(
             broker_rss: rss,
             broker_rss_idle: rss_idle,
             worker_cpu_us: 0,
+            size: args.size,
+            publish_s: publish_time.as_secs_f64(),
             stalled: 0,
             broker_stats: broker.stats(),
         };
@@ -930,7 +947,10 @@ fn run_case(
 }
 
 /// Publishes `args.messages` payloads at `args.rate` per second.
-fn publish(addr: SocketAddr, qos: u8, args: &BroadcastArgs) -> anyhow::Result<()> {
+/// Publishes `args.messages` payloads at `args.rate` per second (as fast as the broker takes
+/// them when the rate is higher than that); answers the time from the first send until the last
+/// PUBACK (QoS 1: durable in Sluice) or the last write (QoS 0).
+fn publish(addr: SocketAddr, qos: u8, args: &BroadcastArgs) -> anyhow::Result<Duration> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -941,14 +961,23 @@ fn publish(addr: SocketAddr, qos: u8, args: &BroadcastArgs) -> anyhow::Result<()
         let mut body = Vec::new();
         read_packet(&mut s, &mut body).await?;
         let (mut rd, mut wr) = s.into_split();
-        // PUBACKs are read and dropped: the publisher keeps its rate regardless.
+        // The publisher keeps its rate regardless of PUBACKs; it only counts them. A publisher
+        // that subscribes to nothing receives only PUBACKs, four bytes each.
+        let acked = Arc::new(AtomicU64::new(0));
+        let counter = acked.clone();
         tokio::spawn(async move {
             let mut sink = vec![0u8; 4096];
-            while rd.read(&mut sink).await.is_ok_and(|n| n > 0) {}
+            while let Ok(n) = rd.read(&mut sink).await {
+                if n == 0 {
+                    return;
+                }
+                counter.fetch_add(n as u64, Ordering::Relaxed);
+            }
         });
         let interval = Duration::from_secs_f64(1.0 / args.rate.max(0.001));
         let mut tick = tokio::time::interval(interval);
         let mut payload = vec![0x5Au8; args.size.max(12)];
+        let started = Instant::now();
         for seq in 0..args.messages {
             tick.tick().await;
             payload[..8].copy_from_slice(&now_ns().to_be_bytes());
@@ -956,7 +985,14 @@ fn publish(addr: SocketAddr, qos: u8, args: &BroadcastArgs) -> anyhow::Result<()
             wr.write_all(&publish_packet(qos, (seq % 60_000) as u16 + 1, &payload))
                 .await?;
         }
-        anyhow::Ok(())
+        if qos > 0 {
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while acked.load(Ordering::Relaxed) < 4 * args.messages as u64 {
+                anyhow::ensure!(Instant::now() < deadline, "PUBACKs missing");
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }
+        anyhow::Ok(started.elapsed())
     })
 }
 
@@ -985,13 +1021,13 @@ pub(crate) fn run(args: BroadcastArgs) -> anyhow::Result<()> {
         }
     }
     println!(
-        "One publisher, topic `{TOPIC}`, {} B payloads at {}/s, {} messages per case; subscribers are MQTT 3.1.1 clean sessions in worker processes of up to {} clients (2 threads each, one loopback source address each). Sluice runs with durability fsync; Mosquitto in memory (persistence off); rumqttd in memory. Latency is publish to receipt over all deliveries (1% buckets); \"last\" is when the last subscriber had a message (median and max over messages). CPU per delivery is the broker process's CPU time during the publishing phase divided by deliveries.\n",
+        "One publisher, topic `{TOPIC}`, {} B payloads at {}/s, {} messages per case; subscribers are MQTT 3.1.1 clean sessions in worker processes of up to {} clients (2 threads each, one loopback source address each). Sluice runs with durability fsync; Mosquitto in memory (persistence off); rumqttd in memory. Latency is publish to receipt over all deliveries (1% buckets); \"last\" is when the last subscriber had a message (median and max over messages). CPU per delivery is the broker process's CPU time during the publishing phase divided by deliveries. \"in msg/s\" is what the broker took per second (until the last PUBACK at QoS 1: durable in Sluice); \"out MB/s\" is payload delivered per second until the last subscriber had the slowest message.\n",
         args.size, args.rate, args.messages, args.per_worker
     );
     println!(
-        "| broker | QoS | N | connected | connect s | p50 ms | p99 ms | max ms | last p50 ms | last max ms | lost | broker CPU µs/delivery | broker RSS MiB | KB/conn | client CPU µs/delivery | stalled: dropped / disconnected |"
+        "| broker | QoS | N | connected | connect s | p50 ms | p99 ms | max ms | last p50 ms | last max ms | lost | broker CPU µs/delivery | broker RSS MiB | KB/conn | client CPU µs/delivery | in msg/s | out MB/s | stalled: dropped / disconnected |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for r in &results {
         let mut last = r.last_ms.clone();
         last.sort_by(f64::total_cmp);
@@ -1006,7 +1042,7 @@ pub(crate) fn run(args: BroadcastArgs) -> anyhow::Result<()> {
             ),
         };
         println!(
-            "| {} | {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {} | {:.1} | {:.0} | {:.1} | {:.1} | {} |",
+            "| {} | {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {} | {:.1} | {:.0} | {:.1} | {:.1} | {:.1} | {:.1} | {} |",
             r.broker,
             r.qos,
             r.subscribers,
@@ -1022,6 +1058,8 @@ pub(crate) fn run(args: BroadcastArgs) -> anyhow::Result<()> {
             r.broker_rss as f64 / (1 << 20) as f64,
             r.kb_per_connection(),
             r.worker_cpu_us as f64 / r.received.max(1) as f64,
+            r.in_per_s(),
+            r.out_mb_per_s(),
             slow,
         );
     }
