@@ -103,7 +103,60 @@ struct Delivery {
 #[derive(Debug)]
 struct Subscription {
     saved: SavedSub,
+    /// Durable feeds run as tasks (they wait on a named subscription's receive).
     forwarders: Vec<JoinHandle<()>>,
+    /// Live feeds are polled by the connection itself: one wake-up per delivery instead of two
+    /// (a forwarding task's and then the connection's) and no channel in between.
+    lives: Vec<LiveFeed>,
+}
+
+/// One partition's live tail, followed for one subscription.
+#[derive(Debug)]
+struct LiveFeed {
+    feed: Feed,
+    live: sluice_core::LiveSubscriber,
+    /// The subscriber failed (its topic was deleted, or it lagged past its policy): no longer
+    /// polled.
+    ended: bool,
+}
+
+/// What `attach` starts for a subscription.
+#[derive(Debug, Default)]
+struct Feeds {
+    forwarders: Vec<JoinHandle<()>>,
+    lives: Vec<LiveFeed>,
+}
+
+/// The deliveries of the next batch any live feed of the connection has; pending while there
+/// is no live feed. Cancel-safe: nothing is taken from a feed until it is returned.
+async fn next_live(subs: &mut HashMap<String, Subscription>) -> Vec<Delivery> {
+    loop {
+        let mut feeds: Vec<&mut LiveFeed> = subs
+            .values_mut()
+            .flat_map(|s| s.lives.iter_mut())
+            .filter(|f| !f.ended)
+            .collect();
+        let (item, i) = match feeds.len() {
+            0 => return std::future::pending().await,
+            1 => (feeds[0].live.next().await, 0),
+            _ => {
+                let (item, i, _) = futures_util::future::select_all(
+                    feeds.iter_mut().map(|f| Box::pin(f.live.next())),
+                )
+                .await;
+                (item, i)
+            }
+        };
+        match item {
+            Ok(item) => {
+                let deliveries = feeds[i].feed.deliveries(&item);
+                if !deliveries.is_empty() {
+                    return deliveries;
+                }
+            }
+            Err(_) => feeds[i].ended = true,
+        }
+    }
 }
 
 impl Drop for Subscription {
@@ -185,6 +238,9 @@ struct Session<'a, S> {
     aliases: HashMap<u16, String>,
     /// Publishes queued for the ledger, in arrival order, awaiting durability.
     pending: VecDeque<PendingPublish>,
+    /// Live deliveries taken from a feed and not written yet (a batch may hold several, and
+    /// QoS 1/2 ones wait for room in the client's receive window).
+    live_queue: VecDeque<Delivery>,
     out: BytesMut,
 }
 
@@ -286,6 +342,7 @@ where
         qos2_in: std::collections::HashSet::new(),
         aliases: HashMap::new(),
         pending: VecDeque::new(),
+        live_queue: VecDeque::new(),
         out: BytesMut::with_capacity(256),
     };
     let Some(kick) = s.accept(connect).await? else {
@@ -429,12 +486,13 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
             for sub in saved.subs {
                 if let Some(target) = Target::parse(&sub.filter) {
                     match self.attach(&target, &sub).await {
-                        Ok(forwarders) => {
+                        Ok(feeds) => {
                             self.subs.insert(
                                 sub.filter.clone(),
                                 Subscription {
                                     saved: sub,
-                                    forwarders,
+                                    forwarders: feeds.forwarders,
+                                    lives: feeds.lives,
                                 },
                             );
                         }
@@ -590,7 +648,15 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
                     }
                 }
             }
+            // Live deliveries already taken from a feed go out first, as the window allows.
+            while self.inflight.len() < self.receive_max {
+                let Some(d) = self.live_queue.pop_front() else {
+                    break;
+                };
+                self.deliver(d).await?;
+            }
             let can_deliver = self.inflight.len() < self.receive_max;
+            let can_take_live = can_deliver && self.live_queue.is_empty();
             let can_read = self.pending.len() < MAX_PENDING_PUBLISHES;
             tokio::select! {
                 Some((pkid, qos, result)) = first_done(&mut self.pending), if !self.pending.is_empty() => {
@@ -604,6 +670,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
                     self.server.metrics.bytes_in.fetch_add(n as u64, Ordering::Relaxed);
                 }
                 Some(d) = self.rx.recv(), if can_deliver => self.deliver(d).await?,
+                d = next_live(&mut self.subs), if can_take_live => self.live_queue.extend(d),
                 () = &mut timer, if deadline.is_some() => {
                     if let Some(d) = deadline.filter(|&d| d > Instant::now()) {
                         timer.as_mut().reset(d);
@@ -878,7 +945,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
             // (a durable feed's consumer must let go first).
             self.subs.remove(&f.filter);
             match self.attach(&target, &saved).await {
-                Ok(forwarders) => {
+                Ok(feeds) => {
                     codes.push(saved.qos);
                     // Shared subscriptions get no retained messages (MQTT 5 §4.8.2).
                     let wants_retained =
@@ -886,8 +953,14 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
                     if target.share_group.is_none() && wants_retained {
                         retained_for.push((target.filter.clone(), saved.qos));
                     }
-                    self.subs
-                        .insert(f.filter.clone(), Subscription { saved, forwarders });
+                    self.subs.insert(
+                        f.filter.clone(),
+                        Subscription {
+                            saved,
+                            forwarders: feeds.forwarders,
+                            lives: feeds.lives,
+                        },
+                    );
                 }
                 Err(e) => {
                     warn!(peer = self.peer, filter = f.filter, error = %e, "mqtt subscribe failed");
@@ -934,14 +1007,10 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
 
     /// Feeds for a subscription: one per partition (live) or per ledger topic (durable), for
     /// every ledger topic the filter may draw from.
-    async fn attach(
-        &mut self,
-        target: &Target,
-        sub: &SavedSub,
-    ) -> Result<Vec<JoinHandle<()>>, CoreError> {
+    async fn attach(&mut self, target: &Target, sub: &SavedSub) -> Result<Feeds, CoreError> {
         let engine = &self.server.engine;
         let durable = self.durable_name(target, sub.qos);
-        let mut forwarders = Vec::new();
+        let mut feeds = Feeds::default();
         for ledger_topic in self.server.routes.topics_for_filter(&target.filter) {
             let partitions = match engine.ensure_topic(&ledger_topic).await {
                 Ok(n) => n,
@@ -971,7 +1040,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
                     } else {
                         SESSION_CREDIT
                     };
-                    forwarders.push(tokio::spawn(feed.durable(consumer, credit)));
+                    feeds
+                        .forwarders
+                        .push(tokio::spawn(feed.durable(consumer, credit)));
                 }
                 None => {
                     for p in 0..partitions {
@@ -988,12 +1059,16 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
                                 max_lag: MAX_LAG,
                             },
                         )?;
-                        forwarders.push(tokio::spawn(feed.clone().live(live)));
+                        feeds.lives.push(LiveFeed {
+                            feed: feed.clone(),
+                            live,
+                            ended: false,
+                        });
                     }
                 }
             }
         }
-        Ok(forwarders)
+        Ok(feeds)
     }
 
     fn next_pkid(&mut self) -> u16 {
@@ -1204,33 +1279,24 @@ impl Feed {
         }
     }
 
-    /// Follows one partition's live tail.
-    async fn live(self, mut live: sluice_core::LiveSubscriber) {
-        loop {
-            let Ok(item) = live.next().await else { return };
-            let Ok(records) = item.records() else {
-                // Compressed Kafka batches are not decoded for MQTT delivery yet.
-                continue;
-            };
-            for (i, r) in records.iter().enumerate() {
-                let name = self
-                    .server
-                    .routes
-                    .name_for(&self.ledger_topic, r.record.key.as_deref());
-                if !topic::matches(&self.filter, &name) {
-                    continue;
-                }
-                let shared = SharedRecord::Live(records.clone(), i);
-                if self
-                    .tx
-                    .send(self.delivery(name, shared, None))
-                    .await
-                    .is_err()
-                {
-                    return;
-                }
+    /// The deliveries a live batch makes for this subscription, each sharing the batch's
+    /// decoded record.
+    fn deliveries(&self, item: &sluice_core::LiveItem) -> Vec<Delivery> {
+        let Ok(records) = item.records() else {
+            // Compressed Kafka batches are not decoded for MQTT delivery yet.
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        for (i, r) in records.iter().enumerate() {
+            let name = self
+                .server
+                .routes
+                .name_for(&self.ledger_topic, r.record.key.as_deref());
+            if topic::matches(&self.filter, &name) {
+                out.push(self.delivery(name, SharedRecord::Live(records.clone(), i), None));
             }
         }
+        out
     }
 
     /// Follows a named subscription; every record is acknowledged once handled. Each delivery
