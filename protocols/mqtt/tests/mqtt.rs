@@ -744,3 +744,47 @@ async fn qos2_reaches_a_qos2_subscriber_through_the_full_handshake() {
     assert_eq!(publish_of(&mut rx).await.qos, QoS::AtLeastOnce);
     gw.stop().await;
 }
+
+#[tokio::test]
+async fn one_connection_follows_several_filters_over_several_partitions() {
+    let dir = tempfile::tempdir().unwrap();
+    let gw = start(dir.path()).await;
+    // The default topic with three partitions: names hash to all of them, and each filter
+    // follows every partition, so the subscriber below polls six live feeds at once.
+    if gw.engine.partition_count("mqtt").is_ok() {
+        gw.engine.delete_topic("mqtt").await.unwrap();
+    }
+    gw.engine.create_topic("mqtt", 3, None).await.unwrap();
+    let (sub, mut rx) = client(gw.port, "many", |_| {}).await;
+    sub.subscribe("fleet/#", QoS::AtLeastOnce).await.unwrap();
+    sub.subscribe("depot/#", QoS::AtMostOnce).await.unwrap();
+    subscribed(&mut rx).await;
+    subscribed(&mut rx).await;
+
+    let (publisher, _pub_rx) = client(gw.port, "pub", |_| {}).await;
+    let mut expected = std::collections::BTreeSet::new();
+    for i in 0..30 {
+        let name = if i % 3 == 0 {
+            format!("depot/{i}")
+        } else {
+            format!("fleet/{i}")
+        };
+        publisher
+            .publish(name.clone(), QoS::AtLeastOnce, false, format!("m{i}"))
+            .await
+            .unwrap();
+        expected.insert(name);
+    }
+    let mut got = std::collections::BTreeSet::new();
+    while got.len() < expected.len() {
+        let p = publish_of(&mut rx).await;
+        assert_eq!(&p.payload[..], format!("m{}", &p.topic[6..]).as_bytes());
+        assert!(got.insert(p.topic.clone()), "{} delivered twice", p.topic);
+    }
+    assert_eq!(got, expected);
+    let spread = (0..3)
+        .filter(|&p| gw.engine.offsets("mqtt", p).unwrap().1 > 0)
+        .count();
+    assert_eq!(spread, 3, "the names landed on every partition");
+    gw.stop().await;
+}
