@@ -27,9 +27,9 @@ pub const RECORD_HEADER_PREFIX: &str = "record-header-";
 /// The record header holding the request's Content-Type, answered back on a raw read.
 const CONTENT_TYPE: &str = "content-type";
 /// Longest long-poll a fetch may ask for.
-pub(crate) const MAX_WAIT_MS: u64 = 30_000;
+const MAX_WAIT_MS: u64 = 30_000;
 /// Most records one JSON fetch returns.
-pub(crate) const MAX_RECORDS: usize = 10_000;
+const MAX_RECORDS: usize = 10_000;
 
 #[derive(Debug, Deserialize, IntoParams)]
 #[serde(deny_unknown_fields)]
@@ -370,24 +370,29 @@ pub(crate) struct Limits {
 
 impl Limits {
     pub(crate) fn check(&self) -> Result<(), Problem> {
-        if self.wait_ms > MAX_WAIT_MS {
-            return Err(Problem::bad_request(format!(
-                "wait_ms is at most {MAX_WAIT_MS}"
-            )));
-        }
         if self.max_bytes == 0 || self.max_bytes > i32::MAX as usize {
             return Err(Problem::bad_request(format!(
                 "max_bytes is between 1 and {}",
                 i32::MAX
             )));
         }
-        if self.max_records == 0 || self.max_records > MAX_RECORDS {
-            return Err(Problem::bad_request(format!(
-                "max_records is between 1 and {MAX_RECORDS}"
-            )));
-        }
-        Ok(())
+        check_wait_and_count(self.wait_ms, self.max_records)
     }
+}
+
+/// The long-poll and record-count bounds every read shares (fetch, group read, receive).
+pub(crate) fn check_wait_and_count(wait_ms: u64, max_records: usize) -> Result<(), Problem> {
+    if wait_ms > MAX_WAIT_MS {
+        return Err(Problem::bad_request(format!(
+            "wait_ms is at most {MAX_WAIT_MS}"
+        )));
+    }
+    if max_records == 0 || max_records > MAX_RECORDS {
+        return Err(Problem::bad_request(format!(
+            "max_records is between 1 and {MAX_RECORDS}"
+        )));
+    }
+    Ok(())
 }
 
 pub(crate) fn default_max_records() -> usize {

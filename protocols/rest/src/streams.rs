@@ -20,7 +20,9 @@ use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use futures_util::Stream;
 use serde::{Deserialize, Serialize};
-use sluice_core::{CoreError, DecodedRecord, LiveItem, LiveOptions, SlowPolicy, StartAt};
+use sluice_core::{
+    CoreError, DecodedRecord, LiveItem, LiveOptions, LiveRecords, SlowPolicy, StartAt,
+};
 use tokio::sync::mpsc;
 use utoipa::IntoParams;
 
@@ -134,15 +136,16 @@ fn attach(
 
 /// The records of an item still to deliver, or none (counted) when its batch cannot be decoded
 /// here (a compressed batch from a Kafka producer).
-fn records(api: &RestApi, item: &LiveItem) -> Vec<DecodedRecord> {
+/// The view is shared with every other client of the batch: nothing is cloned per client.
+fn records(api: &RestApi, item: &LiveItem) -> Option<LiveRecords> {
     match item.records() {
-        Ok(r) => r.to_vec(),
+        Ok(r) => Some(r),
         Err(e) => {
             api.metrics
                 .stream_batches_skipped
                 .fetch_add(1, Ordering::Relaxed);
             tracing::debug!(error = %e, "a stream skipped a batch it cannot decode");
-            Vec::new()
+            None
         }
     }
 }
@@ -218,14 +221,14 @@ async fn serve_websocket(
                     }
                     None => return,
                 };
-                for r in records(&api, &item) {
+                for r in records(&api, &item).iter().flat_map(|r| r.iter()) {
                     if meta_frames {
-                        let json = serde_json::to_string(&meta(partition, &r)).unwrap_or_default();
+                        let json = serde_json::to_string(&meta(partition, r)).unwrap_or_default();
                         if socket.send(Message::Text(json.into())).await.is_err() {
                             return;
                         }
                     }
-                    let value = r.record.value.unwrap_or_default();
+                    let value = r.record.value.clone().unwrap_or_default();
                     if socket.send(Message::Binary(value)).await.is_err() {
                         return;
                     }
@@ -302,8 +305,8 @@ impl SseState {
             tokio::select! {
                 item = self.rx.recv() => match item {
                     Some((partition, Ok(item))) => {
-                        for r in records(&self.api, &item) {
-                            self.pending.push_back(sse_event(partition, &r));
+                        for r in records(&self.api, &item).iter().flat_map(|r| r.iter()) {
+                            self.pending.push_back(sse_event(partition, r));
                             self.api.metrics.records_streamed.fetch_add(1, Ordering::Relaxed);
                         }
                     }

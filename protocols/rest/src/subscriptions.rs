@@ -25,7 +25,7 @@ use utoipa::{IntoParams, ToSchema};
 
 use crate::RestApi;
 use crate::problem::{Problem, ProblemBody, json, path, query};
-use crate::records::{JsonRecord, MAX_RECORDS, MAX_WAIT_MS};
+use crate::records::{JsonRecord, check_wait_and_count};
 
 /// Consumers attached over REST at once, unless [`RestApi::limit_consumers`] says otherwise:
 /// each holds a subscription slot and read-ahead buffers, and HTTP clients that attach without
@@ -379,11 +379,7 @@ pub(crate) async fn receive(
 ) -> Result<Json<Received>, Problem> {
     let (topic, name, id) = path(p)?;
     let q = query(q)?;
-    if q.wait_ms > MAX_WAIT_MS || q.max_records == 0 || q.max_records > MAX_RECORDS {
-        return Err(Problem::bad_request(format!(
-            "wait_ms is at most {MAX_WAIT_MS}; max_records is between 1 and {MAX_RECORDS}"
-        )));
-    }
+    check_wait_and_count(q.wait_ms, q.max_records)?;
     let using = find(&api, &topic, &name, &id)?;
     let wait = Duration::from_millis(q.wait_ms);
     let messages = tokio::select! {
