@@ -87,7 +87,7 @@ pub(crate) async fn start_sluice(
         routes: vec![],
         users: Default::default(),
     };
-    let listener = sluice_mqtt::bind_listener("127.0.0.1:0").await?;
+    let listener = sluice_mqtt::bind_listener("127.0.0.1:0", false).await?;
     let port = listener.local_addr()?.port();
     let server = MqttServer::new(engine.clone(), settings).await?;
     let (stop, stop_rx) = tokio::sync::watch::channel(false);

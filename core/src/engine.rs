@@ -1,8 +1,10 @@
 //! The engine: the topic registry and the produce/fetch API every protocol uses.
 
+use std::future::Future;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
@@ -150,6 +152,15 @@ struct Inner {
     subscriptions: DashMap<(String, String), Arc<Subscription>>,
     sub_counters: Arc<SubscriptionCounters>,
     closing: AtomicBool,
+    topic_source: OnceLock<Arc<dyn TopicSource>>,
+}
+
+/// Supplies the topics an engine does not have, in place of auto-creation: a relay's engine
+/// mirrors its upstream's topics when a local reader first asks for one.
+pub trait TopicSource: Send + Sync + std::fmt::Debug + 'static {
+    /// Creates `topic` in the engine (for example with its upstream's partition count) and
+    /// starts filling it; an error is what the reader asking for the topic gets.
+    fn provide(self: Arc<Self>, topic: String) -> Pin<Box<dyn Future<Output = Result<()>> + Send>>;
 }
 
 /// Longest metadata string a group offset commit may carry (Kafka's default
@@ -237,6 +248,7 @@ impl Engine {
             admin: tokio::sync::Mutex::new(()),
             counters: Arc::new(EngineCounters::default()),
             closing: AtomicBool::new(false),
+            topic_source: OnceLock::new(),
         });
         let engine = Self { inner };
         let metas = {
@@ -458,6 +470,9 @@ impl Engine {
     /// The topic, created with the default policy when it is unknown and auto-creation is on.
     async fn topic_for_write(&self, name: &str) -> Result<Arc<Topic>> {
         match self.topic(name) {
+            Err(CoreError::UnknownTopic { .. }) if self.inner.topic_source.get().is_some() => {
+                self.provide(name).await
+            }
             Err(CoreError::UnknownTopic { .. }) if self.inner.config.auto_create_topics => {
                 match self
                     .create_topic(name, self.inner.config.default_partitions, None)
@@ -469,6 +484,32 @@ impl Engine {
             }
             other => other,
         }
+    }
+
+    async fn provide(&self, name: &str) -> Result<Arc<Topic>> {
+        if let Some(source) = self.inner.topic_source.get() {
+            match source.clone().provide(name.to_owned()).await {
+                Ok(()) | Err(CoreError::TopicExists { .. }) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        self.topic(name)
+    }
+
+    /// Makes the engine ask `source` for topics it does not have instead of auto-creating
+    /// them (set once, before serving; later calls are ignored).
+    pub fn set_topic_source(&self, source: Arc<dyn TopicSource>) {
+        let _ = self.inner.topic_source.set(source);
+    }
+
+    /// A topic to read from: its partition count, after asking the topic source (if any) for
+    /// a topic the engine does not have. Never auto-creates.
+    pub async fn readable_topic(&self, name: &str) -> Result<u32> {
+        let topic = match self.topic(name) {
+            Err(CoreError::UnknownTopic { .. }) => self.provide(name).await?,
+            other => other?,
+        };
+        Ok(topic.partitions.len() as u32)
     }
 
     /// Makes sure a topic exists, creating it if auto-creation is on; returns its partition

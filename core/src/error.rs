@@ -65,6 +65,9 @@ pub enum CoreError {
     ConsumerBusy { topic: String, subscription: String },
     #[error("the engine is shutting down")]
     ShuttingDown,
+    /// A relay could not get a topic or its data from its upstream node.
+    #[error("relay upstream: {reason}")]
+    Upstream { reason: String },
 }
 
 impl CoreError {

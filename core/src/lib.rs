@@ -21,7 +21,7 @@ mod subscription;
 pub use ackset::AckSet;
 pub use engine::{
     Engine, EngineConfig, GroupLag, MAX_COMMIT_METADATA, MAX_PARTITIONS, PartitionChoice,
-    PartitionDescription, PendingAck, ProduceAck, TopicDescription, validate_group_id,
+    PartitionDescription, PendingAck, ProduceAck, TopicDescription, TopicSource, validate_group_id,
     validate_topic_name,
 };
 pub use error::{CoreError, Result};

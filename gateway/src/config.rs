@@ -39,6 +39,32 @@ pub(crate) struct Config {
     pub(crate) kafka: sluice_kafka::KafkaSettings,
     pub(crate) topics: TopicsSection,
     pub(crate) storage: StorageSection,
+    pub(crate) relay: RelaySection,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RelaySection {
+    pub(crate) upstream: String,
+    pub(crate) upstream_mqtt: String,
+    pub(crate) name: String,
+    pub(crate) fetch_max_wait_ms: u32,
+    pub(crate) fetch_partition_max_bytes: u32,
+    pub(crate) local_retention_bytes: u64,
+}
+
+impl RelaySection {
+    /// The upstream's MQTT address: as set, or the Kafka address's host with port 1883.
+    pub(crate) fn upstream_mqtt(&self) -> String {
+        if !self.upstream_mqtt.is_empty() {
+            return self.upstream_mqtt.clone();
+        }
+        let host = self
+            .upstream
+            .rsplit_once(':')
+            .map_or(self.upstream.as_str(), |(h, _)| h);
+        format!("{host}:1883")
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
@@ -89,6 +115,8 @@ pub(crate) struct CliOverrides {
     pub(crate) kafka_addr: Option<String>,
     pub(crate) log_format: Option<LogFormat>,
     pub(crate) log_level: Option<String>,
+    pub(crate) relay_upstream: Option<String>,
+    pub(crate) relay_upstream_mqtt: Option<String>,
 }
 
 /// A configuration problem, reported before anything starts.
@@ -193,7 +221,7 @@ impl Config {
             table = trial;
         }
         let c = cli;
-        let overrides: [(&[&str], Option<Value>); 6] = [
+        let overrides: [(&[&str], Option<Value>); 8] = [
             (
                 &["data_dir"],
                 c.data_dir
@@ -213,6 +241,14 @@ impl Config {
                 }),
             ),
             (&["log", "level"], c.log_level.clone().map(Value::String)),
+            (
+                &["relay", "upstream"],
+                c.relay_upstream.clone().map(Value::String),
+            ),
+            (
+                &["relay", "upstream_mqtt"],
+                c.relay_upstream_mqtt.clone().map(Value::String),
+            ),
         ];
         for (path, value) in overrides {
             if let Some(v) = value {
@@ -286,6 +322,31 @@ impl Config {
         if self.data_dir.as_os_str().is_empty() {
             return invalid("data_dir must not be empty".into());
         }
+        let relay = &self.relay;
+        for (key, addr) in [
+            ("relay.upstream", &relay.upstream),
+            ("relay.upstream_mqtt", &relay.upstream_mqtt),
+        ] {
+            if !addr.is_empty()
+                && addr
+                    .rsplit_once(':')
+                    .is_none_or(|(_, p)| p.parse::<u16>().is_err())
+            {
+                return invalid(format!("{key} = {addr:?} is not HOST:PORT"));
+            }
+        }
+        if relay.upstream.is_empty() && !relay.upstream_mqtt.is_empty() {
+            return invalid("relay.upstream_mqtt is set but relay.upstream is not".into());
+        }
+        if !(1024..=i32::MAX as u32).contains(&relay.fetch_partition_max_bytes) {
+            return invalid("relay.fetch_partition_max_bytes must be at least 1024".into());
+        }
+        if relay.fetch_max_wait_ms > 60_000 {
+            return invalid("relay.fetch_max_wait_ms must be at most 60000".into());
+        }
+        if relay.local_retention_bytes < 4 << 20 {
+            return invalid("relay.local_retention_bytes must be at least 4194304".into());
+        }
         if !(1..=MAX_PARTITIONS).contains(&self.topics.default_partitions) {
             return invalid(format!(
                 "topics.default_partitions must be between 1 and {MAX_PARTITIONS}, not {}",
@@ -333,6 +394,36 @@ impl Config {
             subscription_flush_interval: Duration::from_millis(
                 self.storage.subscription_flush_interval_ms,
             ),
+        }
+    }
+
+    /// Whether this process runs as a relay.
+    pub(crate) fn is_relay(&self) -> bool {
+        !self.relay.upstream.is_empty()
+    }
+
+    /// A relay's engine: a scratch copy in `dir` that never fsyncs, creates nothing by itself
+    /// (its topics are the upstream's) and keeps `relay.local_retention_bytes` per partition.
+    pub(crate) fn relay_engine_config(&self, dir: PathBuf) -> EngineConfig {
+        let mut c = self.engine_config();
+        c.data_dir = dir;
+        c.auto_create_topics = false;
+        c.default_policy = self.relay_topic_policy();
+        c
+    }
+
+    /// Policy of a relay's local copy of a topic.
+    pub(crate) fn relay_topic_policy(&self) -> TopicPolicy {
+        let keep = self.relay.local_retention_bytes;
+        TopicPolicy {
+            durability: sluice_core::Durability::None,
+            segment_bytes: (keep / 4).clamp(1 << 20, 1 << 30),
+            segment_ms: -1,
+            retention_ms: -1,
+            retention_bytes: keep as i64,
+            // Whatever the upstream accepted must fit here too.
+            max_message_bytes: 1 << 30,
+            ..self.topics.defaults.clone()
         }
     }
 }
@@ -395,6 +486,50 @@ mod tests {
         assert_eq!(c.storage.writer_queue_depth, 77);
         let c = Config::load(Some(f.path()), vars, &CliOverrides::default()).unwrap();
         assert_eq!(c.http.addr, "127.0.0.1:2", "env beats file");
+    }
+
+    #[test]
+    fn relay_settings_come_from_the_cli_and_are_checked() {
+        let c = Config::load(None, env(&[]), &CliOverrides::default()).unwrap();
+        assert!(!c.is_relay(), "a main node by default");
+        let cli = CliOverrides {
+            relay_upstream: Some("main.example:9092".into()),
+            ..CliOverrides::default()
+        };
+        let c = Config::load(None, env(&[]), &cli).unwrap();
+        assert!(c.is_relay());
+        assert_eq!(c.relay.upstream_mqtt(), "main.example:1883");
+        let e = c.relay_engine_config(PathBuf::from("/scratch"));
+        assert!(!e.auto_create_topics, "a relay's topics are the upstream's");
+        assert_eq!(e.default_policy.durability, Durability::None);
+        assert_eq!(e.default_policy.retention_bytes, 268_435_456);
+        assert!(e.default_policy.validate().is_ok());
+        let cli = CliOverrides {
+            relay_upstream: Some("main.example:9092".into()),
+            relay_upstream_mqtt: Some("10.0.0.1:2883".into()),
+            ..CliOverrides::default()
+        };
+        let c = Config::load(None, env(&[]), &cli).unwrap();
+        assert_eq!(c.relay.upstream_mqtt(), "10.0.0.1:2883");
+        for (var, value, key) in [
+            ("SLUICE_RELAY__UPSTREAM", "no-port", "relay.upstream"),
+            ("SLUICE_RELAY__UPSTREAM_MQTT", "h:1", "relay.upstream_mqtt"),
+            (
+                "SLUICE_RELAY__FETCH_PARTITION_MAX_BYTES",
+                "10",
+                "fetch_partition_max_bytes",
+            ),
+            (
+                "SLUICE_RELAY__LOCAL_RETENTION_BYTES",
+                "1000",
+                "local_retention_bytes",
+            ),
+        ] {
+            let err = Config::load(None, env(&[(var, value)]), &CliOverrides::default())
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(key), "{var}={value}: {err}");
+        }
     }
 
     #[test]

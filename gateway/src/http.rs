@@ -24,16 +24,30 @@ pub(crate) struct AppState {
     pub(crate) rest: Arc<sluice_rest::RestApi>,
     /// Turns true when the gateway begins to stop (ends MQTT-over-WebSocket sessions).
     pub(crate) stop: tokio::sync::watch::Receiver<bool>,
+    /// Set when this process is a relay.
+    pub(crate) relay: Option<Relay>,
+}
+
+/// What a relay has beyond a main node: its name and its two links to the upstream.
+#[derive(Debug, Clone)]
+pub(crate) struct Relay {
+    pub(crate) name: String,
+    pub(crate) mirror: Arc<sluice_kafka::Mirror>,
+    pub(crate) upstream: Arc<sluice_mqtt::Upstream>,
 }
 
 pub(crate) fn router(state: AppState) -> Router {
+    let api = match state.relay {
+        Some(_) => sluice_rest::relay_router(state.rest.clone()),
+        None => sluice_rest::router(state.rest.clone()),
+    };
     Router::new()
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .route("/mqtt", get(crate::ws::mqtt))
-        .with_state(state.clone())
-        .merge(sluice_rest::router(state.rest))
+        .with_state(state)
+        .merge(api)
 }
 
 /// Liveness: the process is up and its runtime answers.
@@ -61,6 +75,9 @@ async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
         crate::metrics::render_mqtt(&mut body, mqtt);
     }
     crate::metrics::render_rest(&mut body, &state.rest.metrics);
+    if let Some(relay) = &state.relay {
+        crate::metrics::render_relay(&mut body, relay, &engine);
+    }
     (
         [(
             header::CONTENT_TYPE,

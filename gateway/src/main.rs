@@ -15,8 +15,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 use sluice_core::{Engine, FsStorage, SystemClock};
-use sluice_kafka::KafkaServer;
-use sluice_mqtt::MqttServer;
+use sluice_kafka::{KafkaServer, Mirror, MirrorSettings};
+use sluice_mqtt::{MqttServer, Upstream};
 use tokio::net::TcpListener;
 use tracing::{info, warn};
 
@@ -44,6 +44,8 @@ struct Cli {
 enum Command {
     /// Run the gateway (the default).
     Serve(Opts),
+    /// Run as a fan-out relay of another Sluice node (see `[relay]` in `default-config`).
+    Relay(RelayOpts),
     /// Print the effective configuration after every layer, as TOML, and exit.
     PrintConfig(Opts),
     /// Print the commented default configuration file and exit.
@@ -75,8 +77,25 @@ struct Opts {
     log_level: Option<String>,
 }
 
+#[derive(Debug, Args, Clone, Default)]
+struct RelayOpts {
+    /// The upstream node's Kafka listener, HOST:PORT. Env: SLUICE_RELAY__UPSTREAM.
+    #[arg(long, value_name = "HOST:PORT")]
+    upstream: Option<String>,
+    /// The upstream node's MQTT listener, HOST:PORT (default: its host, port 1883).
+    /// Env: SLUICE_RELAY__UPSTREAM_MQTT.
+    #[arg(long, value_name = "HOST:PORT")]
+    upstream_mqtt: Option<String>,
+    #[command(flatten)]
+    opts: Opts,
+}
+
 impl Opts {
     fn load(&self) -> Result<Config, config::ConfigError> {
+        self.load_with(None)
+    }
+
+    fn load_with(&self, relay: Option<&RelayOpts>) -> Result<Config, config::ConfigError> {
         let file = self
             .config
             .clone()
@@ -88,6 +107,8 @@ impl Opts {
             kafka_addr: self.kafka_addr.clone(),
             log_format: self.log_format,
             log_level: self.log_level.clone(),
+            relay_upstream: relay.and_then(|r| r.upstream.clone()),
+            relay_upstream_mqtt: relay.and_then(|r| r.upstream_mqtt.clone()),
         };
         Config::load(file.as_deref(), std::env::vars(), &cli)
     }
@@ -95,22 +116,27 @@ impl Opts {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let (opts, print_only) = match cli.command {
-        None => (cli.opts, false),
-        Some(Command::Serve(opts)) => (opts, false),
-        Some(Command::PrintConfig(opts)) => (opts, true),
+    let (loaded, print_only) = match &cli.command {
+        None => (cli.opts.load(), false),
+        Some(Command::Serve(opts)) => (opts.load(), false),
+        Some(Command::Relay(relay)) => (relay.opts.load_with(Some(relay)), false),
+        Some(Command::PrintConfig(opts)) => (opts.load(), true),
         Some(Command::DefaultConfig) => {
             print!("{DEFAULT_CONFIG}");
             return ExitCode::SUCCESS;
         }
     };
-    let config = match opts.load() {
+    let config = match loaded {
         Ok(c) => c,
         Err(e) => {
             eprintln!("sluice: {e}");
             return ExitCode::from(2);
         }
     };
+    if matches!(cli.command, Some(Command::Relay(_))) && !config.is_relay() {
+        eprintln!("sluice: a relay needs its upstream: --upstream HOST:PORT or relay.upstream");
+        return ExitCode::from(2);
+    }
     if print_only {
         match toml::to_string(&config) {
             Ok(text) => {
@@ -173,13 +199,22 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         hard_limit = hard,
         "starting sluice"
     );
-    let engine = Engine::open(
-        config.engine_config(),
-        Arc::new(FsStorage),
-        Arc::new(SystemClock),
-    )
-    .await
-    .with_context(|| format!("opening data directory {}", config.data_dir.display()))?;
+    // A relay keeps no state of its own: a scratch copy of what it follows, gone at stop.
+    let scratch = config.is_relay().then(|| {
+        process::remove_stale_relay_dirs();
+        process::relay_scratch_dir()
+    });
+    let engine_config = match &scratch {
+        Some(dir) => {
+            let _ = std::fs::remove_dir_all(dir);
+            config.relay_engine_config(dir.clone())
+        }
+        None => config.engine_config(),
+    };
+    let dir = engine_config.data_dir.clone();
+    let engine = Engine::open(engine_config, Arc::new(FsStorage), Arc::new(SystemClock))
+        .await
+        .with_context(|| format!("opening data directory {}", dir.display()))?;
     let topics = engine.list_topics();
     let partitions: usize = engine.metrics().partitions.len();
     info!(topics = topics.len(), partitions, "ledger recovered");
@@ -192,12 +227,49 @@ async fn serve(config: Config) -> anyhow::Result<()> {
          beyond this many, new connections are refused until others close"
     );
 
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let relay = config.is_relay().then(|| {
+        let name = if config.relay.name.is_empty() {
+            format!("{}-{}", process::host_name(), std::process::id())
+        } else {
+            config.relay.name.clone()
+        };
+        let mirror = Mirror::new(
+            engine.clone(),
+            MirrorSettings {
+                upstream: config.relay.upstream.clone(),
+                client_id: format!("sluice-relay-{name}"),
+                max_wait_ms: config.relay.fetch_max_wait_ms as i32,
+                partition_max_bytes: config.relay.fetch_partition_max_bytes as i32,
+                local_policy: config.relay_topic_policy(),
+            },
+            stop_rx.clone(),
+        );
+        engine.set_topic_source(mirror.clone());
+        let upstream = Upstream::start(
+            config.relay.upstream_mqtt(),
+            format!("sluice-relay-{name}"),
+            stop_rx.clone(),
+        );
+        info!(
+            relay = name,
+            upstream = config.relay.upstream,
+            upstream_mqtt = upstream.addr(),
+            scratch = %dir.display(),
+            "running as a relay: topics are followed from the upstream on first use"
+        );
+        http::Relay {
+            name,
+            mirror,
+            upstream,
+        }
+    });
+
     let ready = Arc::new(AtomicBool::new(false));
     let http_listener = TcpListener::bind(&config.http.addr)
         .await
         .with_context(|| format!("binding the HTTP listener to {}", config.http.addr))?;
     let http_addr = http_listener.local_addr()?;
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let kafka_metrics = Arc::new(std::sync::OnceLock::new());
     let mqtt_metrics = Arc::new(std::sync::OnceLock::new());
     let app = http::router(http::AppState {
@@ -211,6 +283,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
             connection_lister(kafka_metrics.clone(), mqtt_metrics.clone()),
         ),
         stop: stop_rx.clone(),
+        relay: relay.clone(),
     });
     let mut http_stop = stop_rx.clone();
     let http_task = tokio::spawn(async move {
@@ -223,25 +296,39 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         })
         .await
     });
-    info!(protocol = "http", addr = %http_addr, routes = "/healthz /readyz /metrics /mqtt (MQTT over WebSocket) /openapi.json and the REST API (docs/REST.md)", "listening");
+    let routes = if relay.is_some() {
+        "/healthz /readyz /metrics /mqtt (MQTT over WebSocket) and the streams /topics/{topic}/ws and /topics/{topic}/events"
+    } else {
+        "/healthz /readyz /metrics /mqtt (MQTT over WebSocket) /openapi.json and the REST API (docs/REST.md)"
+    };
+    info!(protocol = "http", addr = %http_addr, routes, "listening");
 
-    let kafka_listener = TcpListener::bind(&config.kafka.addr)
-        .await
-        .with_context(|| format!("binding the Kafka listener to {}", config.kafka.addr))?;
-    let kafka_addr = kafka_listener.local_addr()?;
-    let kafka = KafkaServer::new(engine.clone(), config.kafka.clone(), kafka_addr);
-    let (adv_host, adv_port) = kafka.advertised();
-    let _ = kafka_metrics.set(kafka.clone());
-    let kafka_task = tokio::spawn(kafka.clone().serve(kafka_listener, stop_rx.clone()));
-    info!(protocol = "kafka", addr = %kafka_addr, advertised = %format!("{adv_host}:{adv_port}"), sasl = !config.kafka.sasl_plain_users.is_empty(), "listening");
+    // A relay is no Kafka broker: Kafka clients use the upstream.
+    let kafka_task = if relay.is_none() {
+        let kafka_listener = TcpListener::bind(&config.kafka.addr)
+            .await
+            .with_context(|| format!("binding the Kafka listener to {}", config.kafka.addr))?;
+        let kafka_addr = kafka_listener.local_addr()?;
+        let kafka = KafkaServer::new(engine.clone(), config.kafka.clone(), kafka_addr);
+        let (adv_host, adv_port) = kafka.advertised();
+        let _ = kafka_metrics.set(kafka.clone());
+        info!(protocol = "kafka", addr = %kafka_addr, advertised = %format!("{adv_host}:{adv_port}"), sasl = !config.kafka.sasl_plain_users.is_empty(), "listening");
+        Some(tokio::spawn(
+            kafka.clone().serve(kafka_listener, stop_rx.clone()),
+        ))
+    } else {
+        None
+    };
 
-    let mqtt_listener = sluice_mqtt::bind_listener(&config.mqtt.addr)
+    let mqtt_listener = sluice_mqtt::bind_listener(&config.mqtt.addr, relay.is_some())
         .await
         .with_context(|| format!("binding the MQTT listener to {}", config.mqtt.addr))?;
     let mqtt_addr = mqtt_listener.local_addr()?;
-    let mqtt = MqttServer::new(engine.clone(), config.mqtt.clone())
-        .await
-        .context("starting the MQTT server")?;
+    let mqtt = match &relay {
+        Some(r) => MqttServer::relay(engine.clone(), config.mqtt.clone(), r.upstream.clone()).await,
+        None => MqttServer::new(engine.clone(), config.mqtt.clone()).await,
+    }
+    .context("starting the MQTT server")?;
     let _ = mqtt_metrics.set(mqtt.clone());
     let mqtt_task = tokio::spawn(mqtt.clone().serve(mqtt_listener, stop_rx.clone()));
     info!(protocol = "mqtt", addr = %mqtt_addr, routes = config.mqtt.routes.len(), default_topic = %config.mqtt.default_topic, "listening");
@@ -260,13 +347,20 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         Ok(Err(e)) => warn!(error = %e, "HTTP server stopped with an error"),
         Err(e) => warn!(error = %e, "HTTP server task failed"),
     }
-    if let Err(e) = kafka_task.await {
+    if let Some(task) = kafka_task
+        && let Err(e) = task.await
+    {
         warn!(error = %e, "Kafka listener task failed");
     }
     if let Err(e) = mqtt_task.await {
         warn!(error = %e, "MQTT listener task failed");
     }
     engine.shutdown().await;
+    if let Some(dir) = scratch
+        && let Err(e) = std::fs::remove_dir_all(&dir)
+    {
+        warn!(dir = %dir.display(), error = %e, "relay scratch directory not removed");
+    }
     info!("stopped");
     Ok(())
 }

@@ -52,6 +52,115 @@ impl Out {
     }
 }
 
+/// Appends a relay's metrics: its subscribers, its lag behind the upstream and the state of
+/// its two upstream links. Every series carries the relay's name, so relays sharing a port
+/// can be told apart once scraped.
+pub(crate) fn render_relay(body: &mut String, relay: &crate::http::Relay, engine: &EngineMetrics) {
+    use std::sync::atomic::Ordering::Relaxed;
+    let mut o = Out(std::mem::take(body));
+    let who = format!("relay=\"{}\"", escape(&relay.name));
+    let m = &relay.mirror.metrics;
+    let u = &relay.upstream.metrics;
+    // The relay's own follower of the retained messages is not a subscriber.
+    let subscribers: u64 = engine
+        .partitions
+        .iter()
+        .filter(|p| !p.topic.starts_with("__mqtt_"))
+        .map(|p| p.live_subscribers)
+        .sum();
+    o.header(
+        "sluice_relay_info",
+        "gauge",
+        "This process is a relay; its upstream's Kafka and MQTT addresses.",
+    );
+    o.sample(
+        "sluice_relay_info",
+        &format!(
+            "{who},upstream=\"{}\",upstream_mqtt=\"{}\"",
+            escape(relay.mirror.upstream()),
+            escape(relay.upstream.addr())
+        ),
+        1,
+    );
+    let rows: [(&str, &str, &str, u64); 9] = [
+        (
+            "sluice_relay_subscribers",
+            "gauge",
+            "Live subscribers (MQTT, WebSocket, SSE) served by this relay.",
+            subscribers,
+        ),
+        (
+            "sluice_relay_upstream_reconnects_total",
+            "counter",
+            "Upstream connections re-established after a failure (followers and the publish link).",
+            m.upstream_reconnects.load(Relaxed) + u.reconnects.load(Relaxed),
+        ),
+        (
+            "sluice_relay_copied_batches_total",
+            "counter",
+            "Record batches copied from the upstream.",
+            m.batches.load(Relaxed),
+        ),
+        (
+            "sluice_relay_copied_bytes_total",
+            "counter",
+            "Bytes copied from the upstream.",
+            m.bytes.load(Relaxed),
+        ),
+        (
+            "sluice_relay_position_resets_total",
+            "counter",
+            "Times a followed partition's position had left the upstream's log and skipped to its latest offset.",
+            m.resets.load(Relaxed),
+        ),
+        (
+            "sluice_relay_forwarded_publishes_total",
+            "counter",
+            "Publishes forwarded to the upstream and acknowledged there as durable.",
+            u.forwarded.load(Relaxed),
+        ),
+        (
+            "sluice_relay_forward_refused_total",
+            "counter",
+            "Publishes the upstream refused.",
+            u.forward_refused.load(Relaxed),
+        ),
+        (
+            "sluice_relay_spliced_sessions",
+            "gauge",
+            "Persistent-session MQTT connections passed through to the upstream, open now.",
+            u.spliced_open.load(Relaxed),
+        ),
+        (
+            "sluice_relay_spliced_sessions_total",
+            "counter",
+            "Persistent-session MQTT connections passed through to the upstream.",
+            u.spliced_total.load(Relaxed),
+        ),
+    ];
+    for (name, kind, help, value) in rows {
+        o.header(name, kind, help);
+        o.sample(name, &who, value);
+    }
+    let lag = relay.mirror.lag();
+    o.header(
+        "sluice_relay_lag_records",
+        "gauge",
+        "Records the upstream has that this relay has not copied yet, by followed partition.",
+    );
+    for (topic, partition, l) in lag {
+        o.sample(
+            "sluice_relay_lag_records",
+            &format!(
+                "{who},topic=\"{}\",partition=\"{partition}\"",
+                escape(&topic)
+            ),
+            l,
+        );
+    }
+    *body = o.0;
+}
+
 /// Appends the Kafka listener's counters.
 pub(crate) fn render_kafka(body: &mut String, k: &sluice_kafka::KafkaMetrics) {
     use std::sync::atomic::Ordering::Relaxed;

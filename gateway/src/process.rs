@@ -62,6 +62,44 @@ pub(crate) fn stats() -> ProcessStats {
     s
 }
 
+/// Prefix of a relay's scratch directory in the system temp directory; the pid follows.
+const RELAY_SCRATCH_PREFIX: &str = "sluice-relay-";
+
+/// Where this relay process keeps its scratch copy.
+pub(crate) fn relay_scratch_dir() -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("{RELAY_SCRATCH_PREFIX}{}", std::process::id()))
+}
+
+/// Removes scratch directories of relay processes that no longer run (killed before they
+/// could clean up).
+pub(crate) fn remove_stale_relay_dirs() {
+    let Ok(entries) = fs::read_dir(std::env::temp_dir()) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(RELAY_SCRATCH_PREFIX))
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if pid != std::process::id() && fs::metadata(format!("/proc/{pid}")).is_err() {
+            let _ = fs::remove_dir_all(e.path());
+        }
+    }
+}
+
+/// This machine's host name, for a relay's default name.
+pub(crate) fn host_name() -> String {
+    fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_owned())
+        .ok()
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "relay".to_owned())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

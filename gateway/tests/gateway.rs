@@ -2,100 +2,11 @@
 //! HTTP, clean stop on SIGTERM and SIGINT, configuration errors, recovery of existing data.
 #![allow(clippy::unwrap_used)]
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
-use std::time::Duration;
+mod common;
 
-const BIN: &str = env!("CARGO_BIN_EXE_sluice");
-/// Upper bound for any single wait on the child; a healthy run takes a fraction of it.
-const PATIENCE: Duration = Duration::from_secs(60);
+use std::process::Command;
 
-struct Gateway {
-    child: Child,
-    lines: mpsc::Receiver<String>,
-    seen: Vec<String>,
-    http: String,
-}
-
-impl Gateway {
-    fn start(data_dir: &std::path::Path, extra: &[&str]) -> Self {
-        let mut child = Command::new(BIN)
-            .args([
-                "--data-dir",
-                data_dir.to_str().unwrap(),
-                "--http-addr",
-                "127.0.0.1:0",
-                "--kafka-addr",
-                "127.0.0.1:0",
-                "--mqtt-addr",
-                "127.0.0.1:0",
-            ])
-            .args(extra)
-            .env_remove("RUST_LOG")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap();
-        let (tx, lines) = mpsc::channel();
-        let stdout = child.stdout.take().unwrap();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        let mut g = Self {
-            child,
-            lines,
-            seen: Vec::new(),
-            http: String::new(),
-        };
-        let line = g.wait_for_line(|l| l.contains("listening") && l.contains("http"));
-        let addr = line.split("addr").nth(1).unwrap();
-        let addr: String = addr
-            .trim_start_matches(['=', '"', ':'])
-            .chars()
-            .take_while(|c| c.is_ascii_digit() || *c == '.' || *c == ':')
-            .collect();
-        g.http = format!("http://{addr}");
-        g.wait_for_line(|l| l.contains("ready"));
-        g
-    }
-
-    fn wait_for_line(&mut self, f: impl Fn(&str) -> bool) -> String {
-        loop {
-            let line = self
-                .lines
-                .recv_timeout(PATIENCE)
-                .unwrap_or_else(|e| panic!("no matching log line ({e}); saw {:#?}", self.seen));
-            self.seen.push(line.clone());
-            if f(&line) {
-                return line;
-            }
-        }
-    }
-
-    fn signal(&self, sig: i32) {
-        // SAFETY: kill with a valid pid and signal number has no memory effects.
-        assert_eq!(unsafe { libc::kill(self.child.id() as i32, sig) }, 0);
-    }
-
-    /// Sends `sig` and returns the exit status and every remaining log line.
-    fn stop_with(mut self, sig: i32) -> (std::process::ExitStatus, Vec<String>) {
-        self.signal(sig);
-        let status = self.child.wait().unwrap();
-        let mut all = self.seen;
-        all.extend(self.lines.try_iter());
-        (status, all)
-    }
-}
-
-async fn get(url: &str) -> (u16, String) {
-    let resp = reqwest::get(url).await.unwrap();
-    (resp.status().as_u16(), resp.text().await.unwrap())
-}
+use common::{BIN, Gateway, get};
 
 #[tokio::test]
 async fn serves_health_and_metrics_and_stops_cleanly_on_sigterm() {
@@ -318,6 +229,14 @@ fn configuration_errors_stop_the_start_with_a_clear_message() {
         assert_eq!(out.status.code(), Some(2), "{args:?} {env:?}: {stderr}");
         assert!(stderr.contains(needle), "{args:?} {env:?}: {stderr}");
     }
+    // A relay without an upstream has nothing to relay.
+    let out = Command::new(BIN)
+        .args(["relay", "--data-dir", dir.path().to_str().unwrap()])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("--upstream"), "{stderr}");
 }
 
 #[test]

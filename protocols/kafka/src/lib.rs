@@ -11,6 +11,7 @@ mod codec;
 mod coordinator;
 mod errors;
 mod handlers;
+mod mirror;
 mod producers;
 mod server;
 mod versions;
@@ -20,6 +21,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 pub use alloc_guard::GuardedAlloc;
+pub use mirror::{Mirror, MirrorMetrics, MirrorSettings};
 pub use server::{KafkaMetrics, KafkaServer};
 
 /// Entry point for the fuzz target in `protocols/kafka/fuzz`: decodes one request frame (without

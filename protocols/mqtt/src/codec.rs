@@ -393,6 +393,7 @@ pub(crate) mod reason {
     pub(crate) const SESSION_TAKEN_OVER: u8 = 0x8E;
     pub(crate) const KEEP_ALIVE_TIMEOUT: u8 = 0x8D;
     pub(crate) const SERVER_SHUTTING_DOWN: u8 = 0x8B;
+    pub(crate) const SERVER_UNAVAILABLE: u8 = 0x88;
     pub(crate) const IMPLEMENTATION_SPECIFIC: u8 = 0x83;
 }
 
@@ -426,6 +427,7 @@ pub(crate) fn connack(
                 reason::PACKET_TOO_LARGE => v5::ConnectReturnCode::PacketTooLarge,
                 reason::MALFORMED => v5::ConnectReturnCode::MalformedPacket,
                 reason::PROTOCOL_ERROR => v5::ConnectReturnCode::ProtocolError,
+                reason::SERVER_UNAVAILABLE => v5::ConnectReturnCode::ServerUnavailable,
                 _ => v5::ConnectReturnCode::UnspecifiedError,
             };
             let props = v5::ConnAckProperties {
@@ -613,7 +615,7 @@ pub(crate) fn first_bytes(buf: &[u8]) -> impl Iterator<Item = u8> + '_ {
     })
 }
 
-fn put_varint(out: &mut BytesMut, mut v: usize) {
+pub(crate) fn put_varint(out: &mut BytesMut, mut v: usize) {
     loop {
         let mut b = (v % 128) as u8;
         v /= 128;
@@ -627,7 +629,7 @@ fn put_varint(out: &mut BytesMut, mut v: usize) {
     }
 }
 
-fn put_str(out: &mut BytesMut, s: &[u8]) {
+pub(crate) fn put_str(out: &mut BytesMut, s: &[u8]) {
     out.put_u16(s.len() as u16);
     out.put_slice(s);
 }

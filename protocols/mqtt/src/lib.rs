@@ -16,6 +16,7 @@ mod session;
 mod sessions;
 mod state;
 mod topic;
+mod upstream;
 
 use std::collections::BTreeMap;
 
@@ -25,6 +26,7 @@ pub use retained::RETAINED_TOPIC;
 pub use routes::Route;
 pub use server::{MqttMetrics, MqttServer, PacketCounts};
 pub use sessions::SESSIONS_TOPIC;
+pub use upstream::{Upstream, UpstreamMetrics};
 
 /// Pending connections the kernel queues before `accept` (the usual `somaxconn` ceiling; the
 /// kernel caps it there). tokio's default of 1024 overflows when thousands of devices reconnect
@@ -32,8 +34,12 @@ pub use sessions::SESSIONS_TOPIC;
 pub const LISTEN_BACKLOG: u32 = 4096;
 
 /// Binds the MQTT listener with [`LISTEN_BACKLOG`] (and `SO_REUSEADDR`, so a restart does not
-/// wait out TIME_WAIT).
-pub async fn bind_listener(addr: &str) -> std::io::Result<tokio::net::TcpListener> {
+/// wait out TIME_WAIT). With `reuse_port`, `SO_REUSEPORT` too: several relays on one host
+/// then share the address and the kernel spreads new connections over them.
+pub async fn bind_listener(
+    addr: &str,
+    reuse_port: bool,
+) -> std::io::Result<tokio::net::TcpListener> {
     let mut last = None;
     for a in tokio::net::lookup_host(addr).await? {
         let socket = if a.is_ipv4() {
@@ -42,6 +48,9 @@ pub async fn bind_listener(addr: &str) -> std::io::Result<tokio::net::TcpListene
             tokio::net::TcpSocket::new_v6()?
         };
         socket.set_reuseaddr(true)?;
+        if reuse_port {
+            socket.set_reuseport(true)?;
+        }
         match socket.bind(a).and_then(|()| socket.listen(LISTEN_BACKLOG)) {
             Ok(listener) => return Ok(listener),
             Err(e) => last = Some(e),

@@ -3,10 +3,15 @@
 //! properties; an empty value clears). Replayed at start, so they survive restarts.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use bytes::Bytes;
 use parking_lot::RwLock;
-use sluice_core::{CoreError, Engine, PartitionChoice, PendingAck, Record};
+use sluice_core::{
+    CoreError, DecodedRecord, Engine, LiveOptions, PartitionChoice, PendingAck, Record, SlowPolicy,
+    StartAt,
+};
+use tracing::warn;
 
 use crate::codec::Props;
 use crate::message;
@@ -38,29 +43,61 @@ impl Retained {
     /// Creates the topic if needed (kept forever, one partition) and replays it.
     pub(crate) async fn load(engine: Engine) -> Result<Self, CoreError> {
         let mut map = BTreeMap::new();
-        state::replay(&engine, RETAINED_TOPIC, |name, r| {
-            match r.record.value.filter(|v| !v.is_empty()) {
-                Some(payload) => {
-                    let (props, origin) = message::from_headers(&r.record.headers);
-                    let msg = RetainedMsg {
-                        payload,
-                        qos: origin.qos.unwrap_or(0),
-                        props,
-                        published_ms: r.record.timestamp,
-                    };
-                    map.insert(name.to_owned(), msg);
-                }
-                None => {
-                    map.remove(name);
-                }
-            }
-        })
-        .await?;
+        state::replay(&engine, RETAINED_TOPIC, |name, r| apply(&mut map, name, r)).await?;
         Ok(Self {
             engine,
             map: RwLock::new(map),
             writing: tokio::sync::Mutex::new(()),
         })
+    }
+
+    /// A relay's retained messages: the topic is the upstream's, mirrored into the local
+    /// engine, and every record of it (from the first) updates the map as it arrives. The
+    /// relay forwards retained publishes upstream and never writes the topic itself.
+    pub(crate) async fn mirrored(engine: Engine) -> Result<Arc<Self>, CoreError> {
+        engine.readable_topic(RETAINED_TOPIC).await?;
+        let mut live = engine.subscribe_live(
+            RETAINED_TOPIC,
+            0,
+            LiveOptions {
+                start: StartAt::Offset(0),
+                policy: SlowPolicy::CatchUp,
+                max_lag: 1 << 20,
+            },
+        )?;
+        let this = Arc::new(Self {
+            engine,
+            map: RwLock::new(BTreeMap::new()),
+            writing: tokio::sync::Mutex::new(()),
+        });
+        let weak = Arc::downgrade(&this);
+        tokio::spawn(async move {
+            loop {
+                let item = match live.next().await {
+                    Ok(item) => item,
+                    Err(e) => {
+                        warn!(error = %e, "relay: following retained messages stopped");
+                        return;
+                    }
+                };
+                let Some(this) = weak.upgrade() else { return };
+                let Ok(records) = item.records() else {
+                    continue;
+                };
+                let mut map = this.map.write();
+                for r in records.iter() {
+                    if let Some(name) = r
+                        .record
+                        .key
+                        .as_deref()
+                        .and_then(|k| std::str::from_utf8(k).ok())
+                    {
+                        apply(&mut map, name, r.clone());
+                    }
+                }
+            }
+        });
+        Ok(this)
     }
 
     /// Queues the durable record storing (or, with an empty payload, clearing) the retained
@@ -109,5 +146,24 @@ impl Retained {
 
     pub(crate) fn len(&self) -> usize {
         self.map.read().len()
+    }
+}
+
+/// Applies one record of the retained topic: stores the message, or clears it when empty.
+fn apply(map: &mut BTreeMap<String, RetainedMsg>, name: &str, r: DecodedRecord) {
+    match r.record.value.filter(|v| !v.is_empty()) {
+        Some(payload) => {
+            let (props, origin) = message::from_headers(&r.record.headers);
+            let msg = RetainedMsg {
+                payload,
+                qos: origin.qos.unwrap_or(0),
+                props,
+                published_ms: r.record.timestamp,
+            };
+            map.insert(name.to_owned(), msg);
+        }
+        None => {
+            map.remove(name);
+        }
     }
 }

@@ -16,6 +16,7 @@ use crate::retained::Retained;
 use crate::routes::Routes;
 use crate::session;
 use crate::sessions::Sessions;
+use crate::upstream::Upstream;
 
 /// Counters of the MQTT listener (no label per client).
 #[derive(Debug, Default)]
@@ -95,7 +96,9 @@ pub struct MqttServer {
     pub(crate) engine: Engine,
     pub(crate) settings: MqttSettings,
     pub(crate) routes: Routes,
-    pub(crate) retained: Retained,
+    pub(crate) retained: Arc<Retained>,
+    /// Set on a relay: where publishes and persistent sessions go.
+    pub(crate) upstream: Option<Arc<Upstream>>,
     pub(crate) sessions: Sessions,
     pub(crate) clients: DashMap<String, Registered>,
     /// Wills waiting out their delay, by client id; a reconnect cancels them.
@@ -107,9 +110,31 @@ pub struct MqttServer {
 impl MqttServer {
     /// Builds the server: validates the routes and replays the retained messages.
     pub async fn new(engine: Engine, settings: MqttSettings) -> Result<Arc<Self>, CoreError> {
+        let retained = Arc::new(Retained::load(engine.clone()).await?);
+        Self::build(engine, settings, retained, None).await
+    }
+
+    /// Builds a relay's server: `engine` mirrors the upstream's topics (see
+    /// `sluice_kafka::Mirror`), publishes are forwarded to `upstream` and acknowledged once
+    /// durable there, persistent sessions are spliced to it, and retained messages are the
+    /// upstream's, followed as they change.
+    pub async fn relay(
+        engine: Engine,
+        settings: MqttSettings,
+        upstream: Arc<Upstream>,
+    ) -> Result<Arc<Self>, CoreError> {
+        let retained = Retained::mirrored(engine.clone()).await?;
+        Self::build(engine, settings, retained, Some(upstream)).await
+    }
+
+    async fn build(
+        engine: Engine,
+        settings: MqttSettings,
+        retained: Arc<Retained>,
+        upstream: Option<Arc<Upstream>>,
+    ) -> Result<Arc<Self>, CoreError> {
         let routes = Routes::new(settings.routes.clone(), &settings.default_topic)
             .map_err(|reason| CoreError::InvalidPolicy { reason })?;
-        let retained = Retained::load(engine.clone()).await?;
         let sessions = Sessions::load(engine.clone()).await?;
         if retained.len() > 0 || sessions.len() > 0 {
             info!(
@@ -123,12 +148,18 @@ impl MqttServer {
             settings,
             routes,
             retained,
+            upstream,
             sessions,
             clients: DashMap::new(),
             pending_wills: DashMap::new(),
             next_connection: AtomicU64::new(1),
             metrics: MqttMetrics::default(),
         }))
+    }
+
+    /// The upstream of a relay (`None` on a main node).
+    pub fn upstream(&self) -> Option<&Arc<Upstream>> {
+        self.upstream.as_ref()
     }
 
     /// Retained messages held.

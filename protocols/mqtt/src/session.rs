@@ -277,18 +277,28 @@ where
     let connect_deadline =
         Instant::now() + Duration::from_millis(server.settings.connect_timeout_ms);
     // CONNECT first: its protocol level picks the codec.
-    let (version, connect) = loop {
+    let (version, connect, head) = loop {
         if !inbuf.is_empty() {
             match codec::connect_version(&inbuf) {
-                Ok(v) => match codec::read(&mut inbuf, v, max) {
-                    Ok(In::Connect(c)) => break (v, c),
-                    Ok(_) => return reject(server, &mut stream, v, reason::PROTOCOL_ERROR).await,
-                    Err(DecodeError::Incomplete(_)) => {}
-                    Err(DecodeError::TooLarge { .. }) => {
-                        return reject(server, &mut stream, v, reason::PACKET_TOO_LARGE).await;
+                Ok(v) => {
+                    // A relay may pass the connection on to its upstream: the bytes read so
+                    // far, CONNECT included, go along.
+                    let head = server
+                        .upstream
+                        .as_ref()
+                        .map(|_| Bytes::copy_from_slice(&inbuf));
+                    match codec::read(&mut inbuf, v, max) {
+                        Ok(In::Connect(c)) => break (v, c, head),
+                        Ok(_) => {
+                            return reject(server, &mut stream, v, reason::PROTOCOL_ERROR).await;
+                        }
+                        Err(DecodeError::Incomplete(_)) => {}
+                        Err(DecodeError::TooLarge { .. }) => {
+                            return reject(server, &mut stream, v, reason::PACKET_TOO_LARGE).await;
+                        }
+                        Err(_) => return reject(server, &mut stream, v, reason::MALFORMED).await,
                     }
-                    Err(_) => return reject(server, &mut stream, v, reason::MALFORMED).await,
-                },
+                }
                 Err(DecodeError::Incomplete(_)) => {}
                 Err(DecodeError::UnsupportedProtocol(_)) => {
                     // Answered in the oldest form every client version understands.
@@ -320,6 +330,18 @@ where
             .fetch_add(read as u64, Ordering::Relaxed);
     };
     server.metrics.packets_in.add(0x10);
+    if let (Some(upstream), Some(head)) = (&server.upstream, head)
+        && wants_persistent_session(&connect)
+    {
+        // The upstream keeps the session and its durable cursor; the relay keeps nothing.
+        return match upstream.open_splice(&head).await {
+            Ok(up) => upstream.splice(&mut stream, up, &mut shutdown).await,
+            Err(e) => {
+                warn!(peer, upstream = upstream.addr(), error = %e, "relay: upstream unreachable for a persistent session");
+                reject(server, &mut stream, version, reason::SERVER_UNAVAILABLE).await
+            }
+        };
+    }
     let (tx, rx) = mpsc::channel(DELIVERY_QUEUE);
     let mut s = Session {
         server,
@@ -388,6 +410,15 @@ where
         }
     }
     Ok(())
+}
+
+/// Whether a CONNECT asks for session state beyond the connection: a session to resume, or
+/// one to keep after it ends.
+fn wants_persistent_session(c: &Connect) -> bool {
+    match c.version {
+        Version::V4 => !c.clean_start,
+        Version::V5 => !c.clean_start || c.session_expiry > 0,
+    }
 }
 
 /// Refuses a connection with a CONNACK carrying `code`, then closes it.
@@ -1201,6 +1232,10 @@ async fn queue(
     let Some(ledger_topic) = server.routes.topic_for(name) else {
         return Box::pin(std::future::ready(Err(reason::TOPIC_NAME_INVALID)));
     };
+    if let Some(upstream) = &server.upstream {
+        // The upstream routes, stores and retains it; its PUBACK means durable there.
+        return upstream.forward(name, payload, origin.retain, props).await;
+    }
     let published_ms = server.engine.now_ms();
     let record = Record {
         timestamp: published_ms,

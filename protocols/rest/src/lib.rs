@@ -139,6 +139,17 @@ impl RestApi {
 )]
 struct ApiDoc;
 
+/// A relay's HTTP routes: the live streams (WebSocket and server-sent events) of the topics
+/// it mirrors. The rest of the API writes or reads the ledger, which is the upstream's.
+pub fn relay_router(api: Arc<RestApi>) -> Router {
+    let (router, _) = OpenApiRouter::new()
+        .routes(routes!(streams::websocket))
+        .routes(routes!(streams::events))
+        .with_state(api)
+        .split_for_parts();
+    router
+}
+
 /// The REST routes and `/openapi.json`, ready to merge into the gateway's router.
 pub fn router(api: Arc<RestApi>) -> Router {
     let (router, doc) = OpenApiRouter::with_openapi(ApiDoc::openapi())

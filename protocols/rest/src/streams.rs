@@ -84,7 +84,7 @@ impl Drop for Open<'_> {
 
 /// Attaches live subscribers to the partitions asked for and merges what they deliver into one
 /// queue; each subscriber's task ends when the queue's reader goes away.
-fn attach(
+async fn attach(
     api: &RestApi,
     topic: &str,
     q: &StreamQuery,
@@ -107,9 +107,11 @@ fn attach(
         policy,
         ..LiveOptions::default()
     };
+    // On a relay this is where a topic starts being followed from upstream.
+    let count = api.engine.readable_topic(topic).await?;
     let partitions = match q.partition {
         Some(p) => vec![p],
-        None => (0..api.engine.partition_count(topic)?).collect(),
+        None => (0..count).collect(),
     };
     let mut subscribers = Vec::with_capacity(partitions.len());
     for p in partitions {
@@ -192,7 +194,7 @@ pub(crate) async fn websocket(
 ) -> Result<Response, Problem> {
     let topic = path(p)?;
     let q = query(q)?;
-    let rx = attach(&api, &topic, &q)?;
+    let rx = attach(&api, &topic, &q).await?;
     // Whichever part of the handshake is missing, the answer is: upgrade to WebSocket.
     let ws = ws.map_err(|e| Problem::rejected(StatusCode::UPGRADE_REQUIRED, e.body_text()))?;
     let meta_frames = q.meta;
@@ -265,7 +267,7 @@ pub(crate) async fn events(
 ) -> Result<Sse<impl Stream<Item = Result<Event, Infallible>>>, Problem> {
     let topic = path(p)?;
     let q = query(q)?;
-    let rx = attach(&api, &topic, &q)?;
+    let rx = attach(&api, &topic, &q).await?;
     api.metrics.sse_streams.fetch_add(1, Ordering::Relaxed);
     let state = SseState {
         api,

@@ -1,0 +1,155 @@
+//! Runs the `sluice` binary as a child process and reads its log, for the end-to-end tests.
+#![allow(clippy::unwrap_used, dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+pub(crate) const BIN: &str = env!("CARGO_BIN_EXE_sluice");
+/// Upper bound for any single wait on the child; a healthy run takes a fraction of it.
+pub(crate) const PATIENCE: Duration = Duration::from_secs(60);
+
+pub(crate) struct Gateway {
+    pub(crate) child: Child,
+    lines: mpsc::Receiver<String>,
+    pub(crate) seen: Vec<String>,
+    /// `http://HOST:PORT` of the HTTP listener.
+    pub(crate) http: String,
+    /// HOST:PORT of the MQTT listener.
+    pub(crate) mqtt: String,
+    /// HOST:PORT of the Kafka listener (empty on a relay, which has none).
+    pub(crate) kafka: String,
+}
+
+impl Gateway {
+    /// A main node on `data_dir`, every listener on a free loopback port.
+    pub(crate) fn start(data_dir: &std::path::Path, extra: &[&str]) -> Self {
+        let mut args = vec![
+            "--data-dir",
+            data_dir.to_str().unwrap(),
+            "--http-addr",
+            "127.0.0.1:0",
+            "--kafka-addr",
+            "127.0.0.1:0",
+            "--mqtt-addr",
+            "127.0.0.1:0",
+        ];
+        args.extend_from_slice(extra);
+        Self::spawn(&args)
+    }
+
+    /// A relay of `upstream` whose MQTT listener is `mqtt_addr` (port 0: a free one).
+    pub(crate) fn relay(upstream: &Gateway, mqtt_addr: &str) -> Self {
+        Self::spawn(&[
+            "relay",
+            "--upstream",
+            &upstream.kafka,
+            "--upstream-mqtt",
+            &upstream.mqtt,
+            "--http-addr",
+            "127.0.0.1:0",
+            "--mqtt-addr",
+            mqtt_addr,
+        ])
+    }
+
+    /// Starts `sluice ARGS` and waits until it logs "ready".
+    pub(crate) fn spawn(args: &[&str]) -> Self {
+        let mut child = Command::new(BIN)
+            .args(args)
+            .env_remove("RUST_LOG")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        let (tx, lines) = mpsc::channel();
+        let stdout = child.stdout.take().unwrap();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let mut g = Self {
+            child,
+            lines,
+            seen: Vec::new(),
+            http: String::new(),
+            mqtt: String::new(),
+            kafka: String::new(),
+        };
+        loop {
+            let line = g.wait_for_line(|l| {
+                l.contains("listening")
+                    || l.ends_with(" ready")
+                    || l.contains(r#""message":"ready""#)
+            });
+            if !line.contains("listening") {
+                break;
+            }
+            let addr = listen_addr(&line);
+            let is = |p: &str| {
+                line.contains(&format!("protocol=\"{p}\""))
+                    || line.contains(&format!(r#""protocol":"{p}""#))
+            };
+            if is("http") {
+                g.http = format!("http://{addr}");
+            } else if is("mqtt") {
+                g.mqtt = addr;
+            } else if is("kafka") {
+                g.kafka = addr;
+            }
+        }
+        g
+    }
+
+    pub(crate) fn wait_for_line(&mut self, f: impl Fn(&str) -> bool) -> String {
+        loop {
+            let line = self
+                .lines
+                .recv_timeout(PATIENCE)
+                .unwrap_or_else(|e| panic!("no matching log line ({e}); saw {:#?}", self.seen));
+            self.seen.push(line.clone());
+            if f(&line) {
+                return line;
+            }
+        }
+    }
+
+    pub(crate) fn signal(&self, sig: i32) {
+        // SAFETY: kill with a valid pid and signal number has no memory effects.
+        assert_eq!(unsafe { libc::kill(self.child.id() as i32, sig) }, 0);
+    }
+
+    /// Sends `sig` and returns the exit status and every remaining log line.
+    pub(crate) fn stop_with(mut self, sig: i32) -> (std::process::ExitStatus, Vec<String>) {
+        self.signal(sig);
+        let status = self.child.wait().unwrap();
+        let mut all = std::mem::take(&mut self.seen);
+        all.extend(self.lines.try_iter());
+        (status, all)
+    }
+}
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The HOST:PORT after `addr` in a "listening" log line (text or JSON).
+fn listen_addr(line: &str) -> String {
+    let addr = line.split("addr").nth(1).unwrap();
+    addr.trim_start_matches(['=', '"', ':'])
+        .chars()
+        .take_while(|c| c.is_ascii_digit() || *c == '.' || *c == ':')
+        .collect()
+}
+
+pub(crate) async fn get(url: &str) -> (u16, String) {
+    let resp = reqwest::get(url).await.unwrap();
+    (resp.status().as_u16(), resp.text().await.unwrap())
+}

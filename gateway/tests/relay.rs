@@ -1,0 +1,341 @@
+//! Fan-out relays as an operator runs them: a main node and `sluice relay` processes, MQTT
+//! clients (rumqttc) on both, over real sockets.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::{Gateway, PATIENCE, get};
+use rumqttc::{AsyncClient, Event, MqttOptions, Packet, QoS};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+
+/// What a client task reports while it runs.
+#[derive(Debug)]
+enum Note {
+    ConnAck { session_present: bool },
+    SubAck,
+    Received,
+}
+
+fn options(addr: &str, id: &str, clean: bool) -> MqttOptions {
+    let (host, port) = addr.rsplit_once(':').unwrap();
+    let mut o = MqttOptions::new(id, host, port.parse().unwrap());
+    o.set_clean_session(clean);
+    o.set_keep_alive(Duration::from_secs(60));
+    o.set_max_packet_size(1 << 20, 1 << 20);
+    o
+}
+
+/// A subscriber that subscribes to `filter` (unless `None`: a resumed session has its
+/// subscriptions) and returns the first `want` messages it receives, or what it had when its
+/// connection ended.
+fn subscriber(
+    addr: &str,
+    id: &str,
+    clean: bool,
+    filter: Option<&'static str>,
+    want: usize,
+    notes: mpsc::UnboundedSender<Note>,
+) -> JoinHandle<Vec<(String, Bytes)>> {
+    let (client, mut events) = AsyncClient::new(options(addr, id, clean), 16);
+    tokio::spawn(async move {
+        let mut got = Vec::new();
+        while got.len() < want {
+            match tokio::time::timeout(PATIENCE, events.poll()).await {
+                Ok(Ok(Event::Incoming(Packet::ConnAck(ack)))) => {
+                    let _ = notes.send(Note::ConnAck {
+                        session_present: ack.session_present,
+                    });
+                    if let Some(f) = filter {
+                        client.subscribe(f, QoS::AtLeastOnce).await.unwrap();
+                    }
+                }
+                Ok(Ok(Event::Incoming(Packet::SubAck(_)))) => {
+                    let _ = notes.send(Note::SubAck);
+                }
+                Ok(Ok(Event::Incoming(Packet::Publish(p)))) => {
+                    got.push((p.topic, p.payload));
+                    let _ = notes.send(Note::Received);
+                }
+                Ok(Ok(_)) => {}
+                Ok(Err(_)) | Err(_) => break,
+            }
+        }
+        let _ = client.disconnect().await;
+        got
+    })
+}
+
+/// Publishes one QoS 1 message and returns once its PUBACK arrives, with whatever `check`
+/// says at that moment.
+async fn publish<T: Send + 'static>(
+    addr: &str,
+    id: &str,
+    topic: &str,
+    payload: Bytes,
+    check: impl Fn() -> T + Send + 'static,
+) -> T {
+    let (client, mut events) = AsyncClient::new(options(addr, id, true), 16);
+    client
+        .publish_bytes(topic, QoS::AtLeastOnce, false, payload)
+        .await
+        .unwrap();
+    loop {
+        match tokio::time::timeout(PATIENCE, events.poll()).await {
+            Ok(Ok(Event::Incoming(Packet::PubAck(_)))) => {
+                let seen = check();
+                let _ = client.disconnect().await;
+                return seen;
+            }
+            Ok(Ok(_)) => {}
+            other => panic!("publish to {addr} failed: {other:?}"),
+        }
+    }
+}
+
+/// A 4 KB payload that names its message and is different in every byte position.
+fn payload(i: usize) -> Bytes {
+    let mut v = format!("message {i}:").into_bytes();
+    v.extend((0..4096).map(|j| ((i * 31 + j) % 251) as u8));
+    Bytes::from(v)
+}
+
+/// Waits for `n` notes of the kind `want` picks, ignoring the others.
+async fn wait_for(notes: &mut mpsc::UnboundedReceiver<Note>, n: usize, want: fn(&Note) -> bool) {
+    let mut seen = 0;
+    while seen < n {
+        match tokio::time::timeout(PATIENCE, notes.recv()).await {
+            Ok(Some(note)) if want(&note) => seen += 1,
+            Ok(Some(_)) => {}
+            other => panic!("{seen} of {n} expected notes, then {other:?}"),
+        }
+    }
+}
+
+async fn wait_for_suback(notes: &mut mpsc::UnboundedReceiver<Note>, n: usize) {
+    wait_for(notes, n, |n| matches!(n, Note::SubAck)).await;
+}
+
+/// Names and sizes of received messages, for readable failures (payloads are 4 KB).
+fn summary(got: &[(String, Bytes)]) -> Vec<String> {
+    got.iter()
+        .map(|(topic, p)| {
+            let head = p.iter().take_while(|&&b| b != b':').map(|&b| b as char);
+            format!("{topic} {} ({} bytes)", head.collect::<String>(), p.len())
+        })
+        .collect()
+}
+
+/// Checks that `got` is exactly `want`: the same messages in order, every byte intact.
+fn assert_messages(got: &[(String, Bytes)], want: &[(String, Bytes)], who: &str) {
+    assert_eq!(summary(got), summary(want), "{who}");
+    assert!(got == want, "{who}: payload bytes differ");
+}
+
+/// Waits until every named subscription of the upstream's `mqtt` topic (the durable cursors
+/// of persistent sessions) has nothing unacknowledged.
+async fn acknowledged_upstream(main: &Gateway) {
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    loop {
+        let (_, body) = get(&format!("{}/topics/mqtt/subscriptions", main.http)).await;
+        let list: serde_json::Value = serde_json::from_str(&body).unwrap();
+        let subs = list["subscriptions"].as_array().unwrap();
+        if !subs.is_empty() && subs.iter().all(|s| s["backlog"] == 0) {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "still unacknowledged upstream: {body}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn metric(text: &str, name: &str) -> u64 {
+    text.lines()
+        .find(|l| l.starts_with(name) && !l.starts_with('#'))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in {text}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_and_its_main_node_deliver_every_message_intact_to_2000_subscribers() {
+    let dir = tempfile::tempdir().unwrap();
+    let main = Gateway::start(dir.path(), &[]);
+    let relay = Gateway::relay(&main, "127.0.0.1:0");
+    let (tx, mut notes) = mpsc::unbounded_channel();
+    const PER_NODE: usize = 1000;
+    const MESSAGES: usize = 11;
+    let mut subs = Vec::new();
+    for i in 0..2 * PER_NODE {
+        let addr = if i % 2 == 0 { &main.mqtt } else { &relay.mqtt };
+        subs.push(subscriber(
+            addr,
+            &format!("car-{i}"),
+            true,
+            Some("cars/#"),
+            MESSAGES,
+            tx.clone(),
+        ));
+    }
+    wait_for_suback(&mut notes, 2 * PER_NODE).await;
+    let (_, metrics) = get(&format!("{}/metrics", relay.http)).await;
+    assert_eq!(
+        metric(&metrics, "sluice_relay_subscribers"),
+        PER_NODE as u64
+    );
+
+    // Ten through the main node, then one through the relay: all in one ledger order.
+    let mut expected = Vec::new();
+    for i in 0..MESSAGES {
+        let (addr, topic) = if i < MESSAGES - 1 {
+            (&main.mqtt, "cars/broadcast")
+        } else {
+            (&relay.mqtt, "cars/from-relay")
+        };
+        publish(addr, &format!("pub-{i}"), topic, payload(i), || ()).await;
+        expected.push((topic.to_owned(), payload(i)));
+    }
+    for (i, sub) in subs.into_iter().enumerate() {
+        let node = if i % 2 == 0 { "main" } else { "relay" };
+        assert_messages(
+            &sub.await.unwrap(),
+            &expected,
+            &format!("subscriber {i} on {node}"),
+        );
+    }
+    // One upstream stream for the topic however many subscribers: the relay copied each
+    // batch once.
+    let (_, metrics) = get(&format!("{}/metrics", relay.http)).await;
+    assert!(metric(&metrics, "sluice_relay_copied_batches_total") >= MESSAGES as u64);
+    assert!(metrics.contains("sluice_relay_lag_records{"), "{metrics}");
+    assert_eq!(
+        metric(&metrics, "sluice_relay_forwarded_publishes_total"),
+        1
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_relay_resumes_live_views_at_the_tail_and_sessions_at_their_cursor() {
+    let dir = tempfile::tempdir().unwrap();
+    let main = Gateway::start(dir.path(), &[]);
+    let relay = Gateway::relay(&main, "127.0.0.1:0");
+    let port = relay.mqtt.clone();
+    let (tx, mut notes) = mpsc::unbounded_channel();
+    // A live view (clean session) and a car with a persistent session, both on the relay.
+    let live = subscriber(&relay.mqtt, "view", true, Some("cars/#"), 100, tx.clone());
+    let car = subscriber(&relay.mqtt, "car-7", false, Some("cars/#"), 100, tx.clone());
+    wait_for_suback(&mut notes, 2).await;
+    publish(&main.mqtt, "p1", "cars/news", payload(1), || ()).await;
+    wait_for(&mut notes, 2, |n| matches!(n, Note::Received)).await;
+    // The car's PUBACK travels through the relay; once the upstream has it, killing the relay
+    // cannot make the upstream deliver the message again (QoS 1 would be allowed to).
+    acknowledged_upstream(&main).await;
+
+    // The relay dies; the upstream keeps the car's session and cursor.
+    let (_, lines) = relay.stop_with(libc::SIGKILL);
+    let news = |i| ("cars/news".to_owned(), payload(i));
+    assert_messages(
+        &live.await.unwrap(),
+        &[news(1)],
+        "live view before the restart",
+    );
+    assert_messages(&car.await.unwrap(), &[news(1)], "car before the restart");
+    assert!(lines.iter().any(|l| l.contains("running as a relay")));
+
+    publish(&main.mqtt, "p2", "cars/news", payload(2), || ()).await;
+    let relay = Gateway::relay(&main, &port);
+    let live = subscriber(&relay.mqtt, "view-2", true, Some("cars/#"), 1, tx.clone());
+    let car = subscriber(&relay.mqtt, "car-7", false, None, 2, tx.clone());
+    let mut resumed = None;
+    let mut subscribed = false;
+    while resumed.is_none() || !subscribed {
+        let note = tokio::time::timeout(PATIENCE, notes.recv())
+            .await
+            .expect("the car's session was not resumed (session present = 0)");
+        match note {
+            // Only the car's CONNACK can say a session was present.
+            Some(Note::ConnAck { session_present }) => {
+                if session_present {
+                    resumed = Some(true);
+                }
+            }
+            Some(Note::SubAck) => subscribed = true,
+            // The car may get what it missed as soon as its session resumes.
+            Some(Note::Received) => {}
+            None => unreachable!("the test holds a sender"),
+        }
+    }
+    publish(&main.mqtt, "p3", "cars/news", payload(3), || ()).await;
+    // The live view starts at the tail: the first thing it sees is what came after it.
+    assert_messages(
+        &live.await.unwrap(),
+        &[news(3)],
+        "live view after the restart",
+    );
+    // The car resumes at its durable cursor upstream: nothing missed while the relay was down.
+    assert_messages(
+        &car.await.unwrap(),
+        &[news(2), news(3)],
+        "car after the restart",
+    );
+    let (_, metrics) = get(&format!("{}/metrics", relay.http)).await;
+    assert_eq!(metric(&metrics, "sluice_relay_spliced_sessions_total"), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publish_through_a_relay_is_acknowledged_only_once_durable_upstream() {
+    let dir = tempfile::tempdir().unwrap();
+    let main = Gateway::start(dir.path(), &[]);
+    let relay = Gateway::relay(&main, "127.0.0.1:0");
+    // With the upstream frozen the relay cannot know the publish is durable, so no PUBACK may
+    // come until it runs again.
+    main.signal(libc::SIGSTOP);
+    let resumed = Arc::new(AtomicBool::new(false));
+    let seen = resumed.clone();
+    let acked = tokio::spawn({
+        let addr = relay.mqtt.clone();
+        async move {
+            publish(&addr, "device-1", "cars/durable", payload(9), move || {
+                seen.load(Ordering::SeqCst)
+            })
+            .await
+        }
+    });
+    // Long enough for a relay that acknowledged on its own to have done so.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    resumed.store(true, Ordering::SeqCst);
+    main.signal(libc::SIGCONT);
+    assert!(
+        acked.await.unwrap(),
+        "PUBACK arrived while the upstream was stopped"
+    );
+    // Acknowledged means durable: it survives the upstream being killed right away.
+    let (_, _) = main.stop_with(libc::SIGKILL);
+    let main = Gateway::start(dir.path(), &[]);
+    let (status, body) = get(&format!(
+        "{}/topics/mqtt/partitions/0/records?offset=0",
+        main.http
+    ))
+    .await;
+    assert_eq!(status, 200, "{body}");
+    let records: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let values: Vec<Vec<u8>> = records["records"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            use base64::Engine as _;
+            base64::engine::general_purpose::STANDARD
+                .decode(r["value"].as_str().unwrap())
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(values, vec![payload(9).to_vec()]);
+}

@@ -1,0 +1,479 @@
+//! A relay's follower: mirrors topics of an upstream Sluice node into the local engine over
+//! the Kafka protocol. One connection and one long-polling Fetch per topic (all its
+//! partitions), however many local subscribers read it; batches are appended verbatim, so the
+//! local live ring serves them with the same shared-bytes path as the upstream's.
+//!
+//! It starts at the upstream's latest offsets (a relay serves live views; MQTT sessions that
+//! need a durable cursor are served by the upstream itself) except for the MQTT server's own
+//! state topics, which it copies from the start. After a lost connection it resumes from the
+//! next offset it has not appended, so a relay that stays up sees no gap.
+
+use std::collections::{BTreeMap, HashSet};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use kafka_protocol::messages::fetch_request::{FetchPartition, FetchTopic};
+use kafka_protocol::messages::list_offsets_request::{ListOffsetsPartition, ListOffsetsTopic};
+use kafka_protocol::messages::metadata_request::MetadataRequestTopic;
+use kafka_protocol::messages::{
+    ApiKey, BrokerId, FetchRequest, FetchResponse, ListOffsetsRequest, ListOffsetsResponse,
+    MetadataRequest, MetadataResponse, RequestHeader, ResponseHeader, TopicName,
+};
+use kafka_protocol::protocol::{Decodable, Encodable, StrBytes};
+use parking_lot::Mutex;
+use sluice_core::{BatchHeader, CoreError, Engine, PartitionChoice, TopicPolicy, TopicSource};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::watch;
+use tracing::{info, warn};
+
+use crate::errors;
+
+/// Versions used towards the upstream (a Sluice node supports them all; see `versions.rs`).
+const METADATA_VERSION: i16 = 9;
+const LIST_OFFSETS_VERSION: i16 = 6;
+const FETCH_VERSION: i16 = 12;
+/// Largest response frame accepted from the upstream.
+const MAX_FRAME: usize = 256 << 20;
+/// How long a request to the upstream may take beyond its own long-poll wait.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Settings of a mirror (from the gateway's `[relay]` section).
+#[derive(Debug, Clone)]
+pub struct MirrorSettings {
+    /// The upstream's Kafka listener, HOST:PORT.
+    pub upstream: String,
+    /// Client id the upstream sees (and logs) for this relay's connections.
+    pub client_id: String,
+    /// Longest a Fetch waits upstream for new data.
+    pub max_wait_ms: i32,
+    /// Most bytes one Fetch returns per partition (at least one whole batch is always sent).
+    pub partition_max_bytes: i32,
+    /// Policy of the local copies (no fsync; bounded by size).
+    pub local_policy: TopicPolicy,
+}
+
+/// Counters of a mirror, rendered as `sluice_relay_*` metrics.
+#[derive(Debug, Default)]
+pub struct MirrorMetrics {
+    /// Connections to the upstream re-established after a failure.
+    pub upstream_reconnects: AtomicU64,
+    /// Batches copied from the upstream.
+    pub batches: AtomicU64,
+    /// Bytes of those batches.
+    pub bytes: AtomicU64,
+    /// Times a partition's position was no longer in the upstream's log and jumped to its
+    /// latest offset (records in between were never seen here).
+    pub resets: AtomicU64,
+}
+
+/// Follows upstream topics on demand; install with [`Engine::set_topic_source`].
+#[derive(Debug)]
+pub struct Mirror {
+    engine: Engine,
+    settings: MirrorSettings,
+    /// Topics being followed; the lock also serialises first requests for one topic.
+    followed: tokio::sync::Mutex<HashSet<String>>,
+    /// Upstream high watermark minus the next offset to copy, by topic and partition.
+    lag: Mutex<BTreeMap<(String, u32), u64>>,
+    pub metrics: MirrorMetrics,
+    stop: watch::Receiver<bool>,
+}
+
+impl Mirror {
+    pub fn new(engine: Engine, settings: MirrorSettings, stop: watch::Receiver<bool>) -> Arc<Self> {
+        Arc::new(Self {
+            engine,
+            settings,
+            followed: tokio::sync::Mutex::new(HashSet::new()),
+            lag: Mutex::new(BTreeMap::new()),
+            metrics: MirrorMetrics::default(),
+            stop,
+        })
+    }
+
+    /// The upstream's Kafka address.
+    pub fn upstream(&self) -> &str {
+        &self.settings.upstream
+    }
+
+    /// Records behind the upstream, by followed topic and partition.
+    pub fn lag(&self) -> Vec<(String, u32, u64)> {
+        self.lag
+            .lock()
+            .iter()
+            .map(|((t, p), l)| (t.clone(), *p, *l))
+            .collect()
+    }
+
+    /// Topics followed now.
+    pub async fn followed(&self) -> Vec<String> {
+        let mut v: Vec<String> = self.followed.lock().await.iter().cloned().collect();
+        v.sort();
+        v
+    }
+
+    async fn follow(self: &Arc<Self>, topic: &str) -> Result<(), CoreError> {
+        let mut followed = self.followed.lock().await;
+        if followed.contains(topic) {
+            return Ok(());
+        }
+        let mut conn = Conn::open(&self.settings).await.map_err(upstream_error)?;
+        let partitions = conn.partitions(topic).await?;
+        let from_start = topic.starts_with("__mqtt_");
+        let starts = conn
+            .list_offsets(topic, partitions, if from_start { -2 } else { -1 })
+            .await?;
+        match self
+            .engine
+            .create_topic(topic, partitions, Some(self.settings.local_policy.clone()))
+            .await
+        {
+            Ok(_) | Err(CoreError::TopicExists { .. }) => {}
+            Err(e) => return Err(e),
+        }
+        followed.insert(topic.to_owned());
+        info!(
+            topic,
+            partitions,
+            upstream = self.settings.upstream,
+            "relay: following upstream topic"
+        );
+        let mirror = self.clone();
+        let topic = topic.to_owned();
+        tokio::spawn(async move { mirror.run(topic, conn, starts).await });
+        Ok(())
+    }
+
+    /// Copies `topic` until the relay stops, reconnecting after failures.
+    async fn run(self: Arc<Self>, topic: String, conn: Conn, mut next: Vec<i64>) {
+        let mut stop = self.stop.clone();
+        let mut conn = Some(conn);
+        let mut backoff = Duration::from_millis(100);
+        loop {
+            if *stop.borrow() {
+                return;
+            }
+            let c = match conn.as_mut() {
+                Some(c) => c,
+                None => match Conn::open(&self.settings).await {
+                    Ok(c) => {
+                        self.metrics
+                            .upstream_reconnects
+                            .fetch_add(1, Ordering::Relaxed);
+                        info!(topic, "relay: upstream connection restored");
+                        backoff = Duration::from_millis(100);
+                        conn.insert(c)
+                    }
+                    Err(e) => {
+                        warn!(topic, error = %e, "relay: upstream unreachable");
+                        tokio::select! {
+                            () = tokio::time::sleep(backoff) => {}
+                            _ = stop.wait_for(|&s| s) => return,
+                        }
+                        backoff = (backoff * 2).min(Duration::from_secs(2));
+                        continue;
+                    }
+                },
+            };
+            let fetched = tokio::select! {
+                r = c.fetch(&topic, &next, &self.settings) => r,
+                _ = stop.wait_for(|&s| s) => return,
+            };
+            let resp = match fetched {
+                Ok(resp) => resp,
+                Err(e) => {
+                    warn!(topic, error = %e, "relay: upstream fetch failed; reconnecting");
+                    conn = None;
+                    continue;
+                }
+            };
+            if let Err(e) = self.apply(&topic, &mut next, resp, c).await {
+                warn!(topic, error = %e, "relay: copying upstream data failed; reconnecting");
+                conn = None;
+                tokio::time::sleep(backoff).await;
+            }
+        }
+    }
+
+    /// Appends what one Fetch returned and advances the partitions' next offsets.
+    async fn apply(
+        &self,
+        topic: &str,
+        next: &mut [i64],
+        resp: FetchResponse,
+        conn: &mut Conn,
+    ) -> Result<(), CoreError> {
+        for t in resp.responses {
+            for p in t.partitions {
+                let Some(slot) = usize::try_from(p.partition_index)
+                    .ok()
+                    .filter(|&i| i < next.len())
+                else {
+                    continue;
+                };
+                if p.error_code == errors::OFFSET_OUT_OF_RANGE {
+                    self.metrics.resets.fetch_add(1, Ordering::Relaxed);
+                    let latest = conn.list_offsets(topic, next.len() as u32, -1).await?;
+                    warn!(
+                        topic,
+                        partition = slot,
+                        from = next[slot],
+                        to = latest[slot],
+                        "relay: position left the upstream's log; skipping to its latest offset"
+                    );
+                    next[slot] = latest[slot];
+                    continue;
+                }
+                if p.error_code != errors::NONE {
+                    return Err(CoreError::Upstream {
+                        reason: format!(
+                            "upstream fetch error code {} on partition {slot}",
+                            p.error_code
+                        ),
+                    });
+                }
+                let mut data = p.records.unwrap_or_default();
+                while let Ok(header) = BatchHeader::parse(&data) {
+                    let Some(len) = header.total_len().filter(|&l| l <= data.len()) else {
+                        break;
+                    };
+                    let batch = data.split_to(len);
+                    let last = header.base_offset + i64::from(header.last_offset_delta);
+                    if last < next[slot] {
+                        continue;
+                    }
+                    self.engine
+                        .append_batch(
+                            topic,
+                            PartitionChoice::Id(slot as u32),
+                            BytesMut::from(&batch[..]),
+                        )
+                        .await?;
+                    self.metrics.batches.fetch_add(1, Ordering::Relaxed);
+                    self.metrics.bytes.fetch_add(len as u64, Ordering::Relaxed);
+                    next[slot] = last + 1;
+                }
+                let lag = (p.high_watermark - next[slot]).max(0) as u64;
+                self.lag.lock().insert((topic.to_owned(), slot as u32), lag);
+            }
+        }
+        Ok(())
+    }
+}
+
+impl TopicSource for Mirror {
+    fn provide(
+        self: Arc<Self>,
+        topic: String,
+    ) -> Pin<Box<dyn Future<Output = Result<(), CoreError>> + Send>> {
+        Box::pin(async move { self.follow(&topic).await })
+    }
+}
+
+fn upstream_error(e: std::io::Error) -> CoreError {
+    CoreError::Upstream {
+        reason: e.to_string(),
+    }
+}
+
+/// One connection to the upstream's Kafka listener, used by one task at a time.
+#[derive(Debug)]
+struct Conn {
+    stream: TcpStream,
+    client_id: StrBytes,
+    correlation: i32,
+    inbuf: BytesMut,
+}
+
+impl Conn {
+    async fn open(settings: &MirrorSettings) -> std::io::Result<Self> {
+        let stream = tokio::time::timeout(REQUEST_TIMEOUT, TcpStream::connect(&settings.upstream))
+            .await
+            .map_err(|_| {
+                std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out")
+            })??;
+        stream.set_nodelay(true)?;
+        Ok(Self {
+            stream,
+            client_id: StrBytes::from_string(settings.client_id.clone()),
+            correlation: 0,
+            inbuf: BytesMut::with_capacity(64 * 1024),
+        })
+    }
+
+    /// Sends one request and reads its response.
+    async fn call<Req: Encodable, Resp: Decodable>(
+        &mut self,
+        key: ApiKey,
+        version: i16,
+        req: &Req,
+        wait: Duration,
+    ) -> std::io::Result<Resp> {
+        self.correlation = self.correlation.wrapping_add(1);
+        let mut header = RequestHeader::default();
+        header.request_api_key = key as i16;
+        header.request_api_version = version;
+        header.correlation_id = self.correlation;
+        header.client_id = Some(self.client_id.clone());
+        let mut buf = BytesMut::with_capacity(256);
+        buf.put_i32(0);
+        header
+            .encode(&mut buf, key.request_header_version(version))
+            .and_then(|()| req.encode(&mut buf, version))
+            .map_err(std::io::Error::other)?;
+        let len = (buf.len() - 4) as i32;
+        buf[..4].copy_from_slice(&len.to_be_bytes());
+        let exchange = async {
+            self.stream.write_all(&buf).await?;
+            self.read_frame().await
+        };
+        let mut frame = tokio::time::timeout(wait + REQUEST_TIMEOUT, exchange)
+            .await
+            .map_err(|_| {
+                std::io::Error::new(std::io::ErrorKind::TimedOut, "upstream timed out")
+            })??;
+        let header = ResponseHeader::decode(&mut frame, key.response_header_version(version))
+            .map_err(std::io::Error::other)?;
+        if header.correlation_id != self.correlation {
+            return Err(std::io::Error::other(format!(
+                "response {} to request {}",
+                header.correlation_id, self.correlation
+            )));
+        }
+        Resp::decode(&mut frame, version).map_err(std::io::Error::other)
+    }
+
+    async fn read_frame(&mut self) -> std::io::Result<Bytes> {
+        loop {
+            if self.inbuf.len() >= 4 {
+                let len = (&self.inbuf[..4]).get_i32();
+                let len = usize::try_from(len)
+                    .ok()
+                    .filter(|&l| l <= MAX_FRAME)
+                    .ok_or_else(|| std::io::Error::other(format!("bad frame length {len}")))?;
+                if self.inbuf.len() >= 4 + len {
+                    self.inbuf.advance(4);
+                    return Ok(self.inbuf.split_to(len).freeze());
+                }
+                self.inbuf.reserve(4 + len - self.inbuf.len());
+            }
+            if self.stream.read_buf(&mut self.inbuf).await? == 0 {
+                return Err(std::io::ErrorKind::UnexpectedEof.into());
+            }
+        }
+    }
+
+    /// The topic's partition count upstream.
+    async fn partitions(&mut self, topic: &str) -> Result<u32, CoreError> {
+        let mut t = MetadataRequestTopic::default();
+        t.name = Some(TopicName(StrBytes::from_string(topic.to_owned())));
+        let mut req = MetadataRequest::default();
+        req.topics = Some(vec![t]);
+        // A reader on a relay gets what it would get on the upstream: a topic created on
+        // first use when the upstream auto-creates topics.
+        req.allow_auto_topic_creation = true;
+        let resp: MetadataResponse = self
+            .call(ApiKey::Metadata, METADATA_VERSION, &req, Duration::ZERO)
+            .await
+            .map_err(upstream_error)?;
+        let t = resp.topics.into_iter().next();
+        match t {
+            Some(t) if t.error_code == errors::NONE && !t.partitions.is_empty() => {
+                Ok(t.partitions.len() as u32)
+            }
+            _ => Err(CoreError::UnknownTopic {
+                topic: topic.to_owned(),
+            }),
+        }
+    }
+
+    /// Offsets by time of every partition: −1 latest, −2 earliest.
+    async fn list_offsets(
+        &mut self,
+        topic: &str,
+        partitions: u32,
+        timestamp: i64,
+    ) -> Result<Vec<i64>, CoreError> {
+        let mut t = ListOffsetsTopic::default();
+        t.name = TopicName(StrBytes::from_string(topic.to_owned()));
+        t.partitions = (0..partitions as i32)
+            .map(|i| {
+                let mut p = ListOffsetsPartition::default();
+                p.partition_index = i;
+                p.timestamp = timestamp;
+                p.current_leader_epoch = -1;
+                p
+            })
+            .collect();
+        let mut req = ListOffsetsRequest::default();
+        req.replica_id = BrokerId(-1);
+        req.topics = vec![t];
+        let resp: ListOffsetsResponse = self
+            .call(
+                ApiKey::ListOffsets,
+                LIST_OFFSETS_VERSION,
+                &req,
+                Duration::ZERO,
+            )
+            .await
+            .map_err(upstream_error)?;
+        let mut out = vec![-1i64; partitions as usize];
+        for p in resp.topics.into_iter().flat_map(|t| t.partitions) {
+            if p.error_code != errors::NONE {
+                return Err(CoreError::Upstream {
+                    reason: format!(
+                        "upstream ListOffsets error code {} on {topic}/{}",
+                        p.error_code, p.partition_index
+                    ),
+                });
+            }
+            if let Some(slot) = out.get_mut(p.partition_index as usize) {
+                *slot = p.offset;
+            }
+        }
+        if out.contains(&-1) {
+            return Err(CoreError::Upstream {
+                reason: format!("upstream ListOffsets left out partitions of {topic}"),
+            });
+        }
+        Ok(out)
+    }
+
+    /// One long-polling Fetch of every partition from its next offset.
+    async fn fetch(
+        &mut self,
+        topic: &str,
+        next: &[i64],
+        settings: &MirrorSettings,
+    ) -> std::io::Result<FetchResponse> {
+        let mut t = FetchTopic::default();
+        t.topic = TopicName(StrBytes::from_string(topic.to_owned()));
+        t.partitions = next
+            .iter()
+            .enumerate()
+            .map(|(i, &offset)| {
+                let mut p = FetchPartition::default();
+                p.partition = i as i32;
+                p.fetch_offset = offset;
+                p.partition_max_bytes = settings.partition_max_bytes;
+                p.current_leader_epoch = -1;
+                p.log_start_offset = -1;
+                p
+            })
+            .collect();
+        let mut req = FetchRequest::default();
+        req.replica_id = BrokerId(-1);
+        req.max_wait_ms = settings.max_wait_ms;
+        req.min_bytes = 1;
+        req.max_bytes = i32::MAX;
+        req.session_epoch = -1;
+        req.topics = vec![t];
+        let wait = Duration::from_millis(settings.max_wait_ms.max(0) as u64);
+        self.call(ApiKey::Fetch, FETCH_VERSION, &req, wait).await
+    }
+}

@@ -1,0 +1,363 @@
+//! A relay's link to its upstream node's MQTT listener.
+//!
+//! Publishes that reach a relay are forwarded over one MQTT 5 connection at QoS 1 and count as
+//! stored only when the upstream's PUBACK says they are durable there, so the relay answers its
+//! own client's PUBACK no earlier. Connections that ask for a persistent session are spliced
+//! byte for byte to the upstream, which keeps their durable cursor: a relay holds no session
+//! state, and such a client resumes where it left off whichever relay it reaches next.
+
+use std::collections::VecDeque;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::{mpsc, oneshot, watch};
+use tracing::{info, warn};
+
+use crate::codec::{self, Props, Version, reason};
+
+/// Forwarded publishes the upstream may hold unacknowledged at once (well under any receive
+/// maximum a Sluice node announces).
+const MAX_INFLIGHT: usize = 512;
+/// Queued publishes waiting for the forwarding connection.
+const QUEUE: usize = 4096;
+const KEEP_ALIVE: Duration = Duration::from_secs(30);
+
+/// Counters of the link, rendered as `sluice_relay_*` metrics.
+#[derive(Debug, Default)]
+pub struct UpstreamMetrics {
+    /// Publishes the upstream acknowledged as durable.
+    pub forwarded: AtomicU64,
+    /// Publishes the upstream refused (its reason code went back to the client).
+    pub forward_refused: AtomicU64,
+    /// Times the forwarding connection was re-established.
+    pub reconnects: AtomicU64,
+    /// Persistent-session connections spliced to the upstream, open now.
+    pub spliced_open: AtomicU64,
+    /// Persistent-session connections spliced to the upstream, in all.
+    pub spliced_total: AtomicU64,
+}
+
+/// The upstream of a relay.
+#[derive(Debug)]
+pub struct Upstream {
+    addr: String,
+    tx: mpsc::Sender<Forward>,
+    pub metrics: Arc<UpstreamMetrics>,
+}
+
+#[derive(Debug)]
+struct Forward {
+    topic: String,
+    payload: Bytes,
+    retain: bool,
+    props: Props,
+    done: oneshot::Sender<Result<(), u8>>,
+}
+
+impl Upstream {
+    /// Starts the forwarding connection to `addr` (the upstream's MQTT listener), which
+    /// reconnects by itself until `stop` turns true.
+    pub fn start(addr: String, client_id: String, stop: watch::Receiver<bool>) -> Arc<Self> {
+        let (tx, rx) = mpsc::channel(QUEUE);
+        let metrics = Arc::new(UpstreamMetrics::default());
+        tokio::spawn(forward_loop(
+            addr.clone(),
+            client_id,
+            rx,
+            metrics.clone(),
+            stop,
+        ));
+        Arc::new(Self { addr, tx, metrics })
+    }
+
+    /// The upstream's MQTT address.
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    /// Queues a publish for the upstream; the future resolves once the upstream has it
+    /// durable, or with the reason code it refused it with.
+    pub(crate) async fn forward(
+        &self,
+        topic: &str,
+        payload: Bytes,
+        retain: bool,
+        props: &Props,
+    ) -> Pin<Box<dyn Future<Output = Result<(), u8>> + Send>> {
+        let (done, rx) = oneshot::channel();
+        let f = Forward {
+            topic: topic.to_owned(),
+            payload,
+            retain,
+            props: props.clone(),
+            done,
+        };
+        if self.tx.send(f).await.is_err() {
+            return Box::pin(std::future::ready(Err(reason::SERVER_UNAVAILABLE)));
+        }
+        Box::pin(async move { rx.await.unwrap_or(Err(reason::SERVER_UNAVAILABLE)) })
+    }
+
+    /// Connects to the upstream for a client's persistent session and sends it `head` (the
+    /// client's CONNECT and whatever followed it).
+    pub(crate) async fn open_splice(&self, head: &[u8]) -> std::io::Result<TcpStream> {
+        let mut up = tokio::time::timeout(Duration::from_secs(10), TcpStream::connect(&self.addr))
+            .await
+            .map_err(|_| {
+                std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out")
+            })??;
+        up.set_nodelay(true)?;
+        up.write_all(head).await?;
+        Ok(up)
+    }
+
+    /// Copies bytes both ways between a client and its spliced upstream connection until
+    /// either side closes or the relay stops.
+    pub(crate) async fn splice<S>(
+        &self,
+        client: &mut S,
+        mut up: TcpStream,
+        shutdown: &mut watch::Receiver<bool>,
+    ) -> std::io::Result<()>
+    where
+        S: AsyncRead + AsyncWrite + Unpin,
+    {
+        self.metrics.spliced_total.fetch_add(1, Ordering::Relaxed);
+        self.metrics.spliced_open.fetch_add(1, Ordering::Relaxed);
+        let r = tokio::select! {
+            r = tokio::io::copy_bidirectional(client, &mut up) => r.map(|_| ()),
+            () = stopped(shutdown) => Ok(()),
+        };
+        self.metrics.spliced_open.fetch_sub(1, Ordering::Relaxed);
+        r
+    }
+}
+
+/// Keeps one MQTT 5 connection to the upstream and sends it every queued publish at QoS 1.
+/// Publishes unacknowledged when a connection drops are sent again (DUP) on the next one, in
+/// their order: at least once, like any QoS 1 sender.
+async fn forward_loop(
+    addr: String,
+    client_id: String,
+    mut rx: mpsc::Receiver<Forward>,
+    metrics: Arc<UpstreamMetrics>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut inflight: VecDeque<(u16, Forward)> = VecDeque::new();
+    let mut next_pkid: u16 = 0;
+    let mut backoff = Duration::from_millis(100);
+    let mut first = true;
+    loop {
+        if *stop.borrow() {
+            return;
+        }
+        let mut conn = match connect(&addr, &client_id).await {
+            Ok(c) => c,
+            Err(e) => {
+                warn!(upstream = addr, error = %e, "relay: upstream MQTT unreachable");
+                tokio::select! {
+                    () = tokio::time::sleep(backoff) => {}
+                    () = stopped(&mut stop) => return,
+                }
+                backoff = (backoff * 2).min(Duration::from_secs(2));
+                continue;
+            }
+        };
+        if !first {
+            metrics.reconnects.fetch_add(1, Ordering::Relaxed);
+            info!(upstream = addr, "relay: upstream MQTT connection restored");
+        }
+        first = false;
+        backoff = Duration::from_millis(100);
+        let r = serve(
+            &mut conn,
+            &mut rx,
+            &mut inflight,
+            &mut next_pkid,
+            &metrics,
+            &mut stop,
+        )
+        .await;
+        match r {
+            Ok(()) => return,
+            Err(e) => warn!(upstream = addr, error = %e, "relay: upstream MQTT connection lost"),
+        }
+    }
+}
+
+struct Conn {
+    stream: TcpStream,
+    inbuf: BytesMut,
+}
+
+async fn connect(addr: &str, client_id: &str) -> std::io::Result<Conn> {
+    let stream = tokio::time::timeout(Duration::from_secs(10), TcpStream::connect(addr))
+        .await
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out"))??;
+    stream.set_nodelay(true)?;
+    let mut conn = Conn {
+        stream,
+        inbuf: BytesMut::with_capacity(4096),
+    };
+    // MQTT 5 CONNECT: clean start, no session to keep (what is in flight is resent by us).
+    let mut vh = BytesMut::new();
+    codec::put_str(&mut vh, b"MQTT");
+    vh.put_u8(5);
+    vh.put_u8(0x02);
+    vh.put_u16(KEEP_ALIVE.as_secs() as u16);
+    vh.put_u8(0);
+    codec::put_str(&mut vh, client_id.as_bytes());
+    let mut out = BytesMut::new();
+    out.put_u8(0x10);
+    codec::put_varint(&mut out, vh.len());
+    out.extend_from_slice(&vh);
+    conn.stream.write_all(&out).await?;
+    let (kind, body) = read_packet(&mut conn).await?;
+    if kind != 0x20 || body.len() < 2 {
+        return Err(std::io::Error::other(format!(
+            "expected CONNACK, got packet type {kind:#x}"
+        )));
+    }
+    if body[1] != reason::SUCCESS {
+        return Err(std::io::Error::other(format!(
+            "upstream refused the connection with reason {:#x}",
+            body[1]
+        )));
+    }
+    Ok(conn)
+}
+
+/// Reads one packet: its type nibble (shifted into the high bits, as on the wire) and body.
+async fn read_packet(conn: &mut Conn) -> std::io::Result<(u8, Bytes)> {
+    loop {
+        if let Some((kind, header, len)) = parse_fixed_header(&conn.inbuf)?
+            && conn.inbuf.len() >= header + len
+        {
+            conn.inbuf.advance(header);
+            return Ok((kind, conn.inbuf.split_to(len).freeze()));
+        }
+        if conn.stream.read_buf(&mut conn.inbuf).await? == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+    }
+}
+
+/// Type, header length and remaining length of the packet at the start of `buf`, once its
+/// fixed header is complete.
+fn parse_fixed_header(buf: &[u8]) -> std::io::Result<Option<(u8, usize, usize)>> {
+    if buf.is_empty() {
+        return Ok(None);
+    }
+    let mut len = 0usize;
+    for i in 0..4 {
+        let Some(&b) = buf.get(1 + i) else {
+            return Ok(None);
+        };
+        len |= usize::from(b & 0x7F) << (7 * i);
+        if b & 0x80 == 0 {
+            return Ok(Some((buf[0] & 0xF0, 2 + i, len)));
+        }
+    }
+    Err(std::io::Error::other("malformed remaining length"))
+}
+
+fn encode(pkid: u16, f: &Forward, dup: bool, out: &mut BytesMut) {
+    let start = out.len();
+    codec::publish_header(
+        Version::V5,
+        &f.topic,
+        1,
+        f.retain,
+        pkid,
+        &f.props,
+        None,
+        f.payload.len(),
+        out,
+    );
+    if dup {
+        out[start] |= 0x08;
+    }
+}
+
+async fn serve(
+    conn: &mut Conn,
+    rx: &mut mpsc::Receiver<Forward>,
+    inflight: &mut VecDeque<(u16, Forward)>,
+    next_pkid: &mut u16,
+    metrics: &UpstreamMetrics,
+    stop: &mut watch::Receiver<bool>,
+) -> std::io::Result<()> {
+    for (pkid, f) in inflight.iter() {
+        let mut out = BytesMut::new();
+        encode(*pkid, f, true, &mut out);
+        conn.stream.write_all(&out).await?;
+        conn.stream.write_all(&f.payload).await?;
+    }
+    let mut ping = tokio::time::interval(KEEP_ALIVE / 2);
+    ping.tick().await;
+    loop {
+        tokio::select! {
+            f = rx.recv(), if inflight.len() < MAX_INFLIGHT => {
+                let Some(f) = f else { return Ok(()) };
+                *next_pkid = next_pkid.checked_add(1).unwrap_or(1);
+                let mut out = BytesMut::new();
+                encode(*next_pkid, &f, false, &mut out);
+                conn.stream.write_all(&out).await?;
+                conn.stream.write_all(&f.payload).await?;
+                inflight.push_back((*next_pkid, f));
+            }
+            r = conn.stream.read_buf(&mut conn.inbuf) => {
+                if r? == 0 {
+                    return Err(std::io::ErrorKind::UnexpectedEof.into());
+                }
+                while let Some((kind, header, len)) = parse_fixed_header(&conn.inbuf)? {
+                    if conn.inbuf.len() < header + len {
+                        break;
+                    }
+                    conn.inbuf.advance(header);
+                    let body = conn.inbuf.split_to(len);
+                    match kind {
+                        0x40 if body.len() >= 2 => {
+                            let pkid = u16::from_be_bytes([body[0], body[1]]);
+                            let code = body.get(2).copied().unwrap_or(reason::SUCCESS);
+                            if let Some(i) = inflight.iter().position(|(p, _)| *p == pkid)
+                                && let Some((_, f)) = inflight.remove(i)
+                            {
+                                // 0x10 "no matching subscribers" is a success in MQTT 5.
+                                let result = if code < 0x80 {
+                                    metrics.forwarded.fetch_add(1, Ordering::Relaxed);
+                                    Ok(())
+                                } else {
+                                    metrics.forward_refused.fetch_add(1, Ordering::Relaxed);
+                                    Err(code)
+                                };
+                                let _ = f.done.send(result);
+                            }
+                        }
+                        0xD0 => {}
+                        0xE0 => return Err(std::io::Error::other("upstream sent DISCONNECT")),
+                        other => {
+                            return Err(std::io::Error::other(format!(
+                                "unexpected packet type {other:#x} from upstream"
+                            )));
+                        }
+                    }
+                }
+            }
+            _ = ping.tick() => {
+                conn.stream.write_all(&[0xC0, 0x00]).await?;
+            }
+            () = stopped(stop) => return Ok(()),
+        }
+    }
+}
+
+async fn stopped(stop: &mut watch::Receiver<bool>) {
+    let _ = stop.wait_for(|&s| s).await;
+}
