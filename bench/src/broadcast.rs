@@ -36,7 +36,8 @@ pub(crate) struct BroadcastArgs {
     /// QoS levels to run, comma-separated (0, 1).
     #[arg(long, value_delimiter = ',', default_value = "0,1")]
     qos: Vec<u8>,
-    /// Brokers to run, comma-separated: sluice, mosquitto, rumqttd.
+    /// Brokers to run, comma-separated: sluice, sluice-relays (a main node and `--relays`
+    /// relays sharing one MQTT port; subscribers on the relays), mosquitto, rumqttd.
     #[arg(
         long,
         value_delimiter = ',',
@@ -71,6 +72,14 @@ pub(crate) struct BroadcastArgs {
     /// Mosquitto binary (Debian package mosquitto); the peer is skipped when it is missing.
     #[arg(long, default_value = "/usr/sbin/mosquitto")]
     mosquitto: String,
+    /// Relays behind the main node for `sluice-relays` (each process may hold at most
+    /// 20,000 connections here).
+    #[arg(long, default_value_t = 6)]
+    relays: usize,
+    /// The `sluice` binary for `sluice-relays` (default: next to this one; build it with
+    /// `cargo build --release -p sluice`).
+    #[arg(long)]
+    sluice_bin: Option<PathBuf>,
     /// Data directory for Sluice (emptied first).
     #[arg(long, default_value = "target/bench-broadcast")]
     dir: PathBuf,
@@ -295,25 +304,10 @@ thread_local! {
     static SCRATCH: std::cell::RefCell<Vec<u8>> = std::cell::RefCell::new(vec![0; 256 * 1024]);
 }
 
-/// A complete packet at the start of `buf`: (first byte, body range, packet length).
-fn parse(buf: &[u8]) -> Option<(u8, std::ops::Range<usize>, usize)> {
-    let mut len = 0usize;
-    for i in 0..4 {
-        let b = *buf.get(1 + i)?;
-        len |= ((b & 0x7F) as usize) << (7 * i);
-        if b & 0x80 == 0 {
-            let start = 2 + i;
-            let end = start + len;
-            return (buf.len() >= end).then_some((buf[0], start..end, end));
-        }
-    }
-    None
-}
-
 /// One subscriber: receives until it has every message (or the worker is told to stop). One
 /// `read` per wake-up into the thread's scratch buffer; only a partial packet is kept.
 async fn subscriber(s: TcpStream, seen: Arc<Seen>, messages: usize) {
-    let mut partial: Vec<u8> = Vec::new();
+    let mut framer = Framer::default();
     let mut have = 0usize;
     let mut acks: Vec<u8> = Vec::new();
     loop {
@@ -327,25 +321,14 @@ async fn subscriber(s: TcpStream, seen: Arc<Seen>, messages: usize) {
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(()),
                 Err(_) => return Err(()),
             };
-            let data: &[u8] = if partial.is_empty() {
-                &scratch[..n]
-            } else {
-                partial.extend_from_slice(&scratch[..n]);
-                &partial
-            };
-            let mut at = 0;
-            while let Some((first, body, used)) = parse(&data[at..]) {
-                let body = &data[at..][body];
-                at += used;
+            framer.feed(&scratch[..n], |first, head| {
                 if first >> 4 == 3 {
-                    have += record(&seen, first, body, &mut acks);
+                    have += record(&seen, first, head, &mut acks);
                     if have == messages {
                         seen.complete.fetch_add(1, Ordering::Relaxed);
                     }
                 }
-            }
-            let rest = data[at..].to_vec();
-            partial = rest;
+            });
             Ok(())
         });
         if outcome.is_err() {
@@ -368,7 +351,78 @@ async fn subscriber(s: TcpStream, seen: Arc<Seen>, messages: usize) {
     }
 }
 
-/// Counts one PUBLISH (and queues its PUBACK); 1 when it carried a payload header.
+/// Body bytes of a packet kept for counting it: topic, packet id and the payload's time stamp
+/// and sequence number, with room for longer topic names.
+const HEAD_BYTES: usize = 256;
+
+/// Splits a byte stream into packets keeping only the first [`HEAD_BYTES`] of each body: the
+/// rest of a large payload is skipped as it arrives, never buffered or copied, so a subscriber
+/// of 2 MB images costs the load generator one read per chunk and nothing per byte.
+#[derive(Debug, Default)]
+struct Framer {
+    /// The current packet's fixed header and body head, as far as they have arrived.
+    head: Vec<u8>,
+    /// (first byte, fixed header length, body length) once the fixed header is complete.
+    packet: Option<(u8, usize, usize)>,
+    /// Body bytes after the head still to come.
+    skip: usize,
+}
+
+impl Framer {
+    /// Consumes `data`; calls `done(first byte, body head)` for each packet once its last byte
+    /// has arrived (so a delivery counts when it is complete).
+    fn feed(&mut self, mut data: &[u8], mut done: impl FnMut(u8, &[u8])) {
+        while !data.is_empty() {
+            if let Some((first, header, len)) = self.packet {
+                let kept = len.min(HEAD_BYTES);
+                if self.head.len() < header + kept {
+                    let n = (header + kept - self.head.len()).min(data.len());
+                    self.head.extend_from_slice(&data[..n]);
+                    data = &data[n..];
+                    self.skip = len - kept;
+                    if self.head.len() < header + kept {
+                        continue;
+                    }
+                } else {
+                    let n = self.skip.min(data.len());
+                    self.skip -= n;
+                    data = &data[n..];
+                }
+                if self.skip == 0 {
+                    done(first, &self.head[header..]);
+                    self.head.clear();
+                    self.packet = None;
+                }
+                continue;
+            }
+            self.head.push(data[0]);
+            data = &data[1..];
+            self.packet = fixed_header(&self.head);
+            if let Some((first, header, 0)) = self.packet {
+                debug_assert_eq!(self.head.len(), header);
+                done(first, &[]);
+                self.head.clear();
+                self.packet = None;
+            }
+        }
+    }
+}
+
+/// (first byte, header length, remaining length) of a complete fixed header at `buf`'s start.
+fn fixed_header(buf: &[u8]) -> Option<(u8, usize, usize)> {
+    let mut len = 0usize;
+    for i in 0..4 {
+        let b = *buf.get(1 + i)?;
+        len |= ((b & 0x7F) as usize) << (7 * i);
+        if b & 0x80 == 0 {
+            return Some((buf[0], 2 + i, len));
+        }
+    }
+    None
+}
+
+/// Counts one PUBLISH (and queues its PUBACK); 1 when it carried a payload header. `body` is
+/// the packet's body or at least its first [`HEAD_BYTES`].
 fn record(seen: &Seen, first: u8, body: &[u8], acks: &mut Vec<u8>) -> usize {
     let Some(topic_len) = body
         .get(..2)
@@ -585,18 +639,129 @@ fn proc_stats(pid: u32) -> (Duration, u64) {
     (cpu, rss)
 }
 
-/// A broker process for one case.
+/// A broker process for one case (with its relays, for `sluice-relays`).
 struct Broker {
     child: Child,
     stdin: Option<ChildStdin>,
     stdout: Option<BufReader<std::process::ChildStdout>>,
+    /// Where subscribers connect.
     port: u16,
+    /// Where the publisher connects (the main node, when subscribers are on relays).
+    publish_port: u16,
+    relays: Vec<Child>,
+}
+
+/// Starts the `sluice` gateway binary with `args` and returns it with the addresses of its
+/// listeners by protocol, once it logs "ready". Its log keeps being read (and dropped) so it
+/// never blocks on a full pipe.
+fn spawn_gateway(
+    bin: &std::path::Path,
+    args: &[String],
+) -> anyhow::Result<(Child, std::collections::HashMap<String, SocketAddr>)> {
+    let mut child = Command::new(bin)
+        .args(args)
+        .args(["--log-format", "text"])
+        .env_remove("RUST_LOG")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .with_context(|| format!("starting {}", bin.display()))?;
+    let mut lines = BufReader::new(child.stdout.take().context("gateway stdout")?).lines();
+    let mut addrs = std::collections::HashMap::new();
+    loop {
+        let line = lines
+            .next()
+            .context("the gateway exited before it was ready")??;
+        if line.ends_with(" ready") {
+            break;
+        }
+        if let (Some(p), Some(a)) = (
+            line.split("protocol=\"")
+                .nth(1)
+                .and_then(|r| r.split('"').next()),
+            line.split(" addr=")
+                .nth(1)
+                .and_then(|r| r.split(' ').next()),
+        ) {
+            addrs.insert(p.to_owned(), a.parse()?);
+        }
+    }
+    std::thread::spawn(move || lines.map_while(Result::ok).for_each(drop));
+    Ok((child, addrs))
 }
 
 impl Broker {
+    /// A Sluice main node (durability fsync) and `args.relays` relays of it on one shared MQTT
+    /// port.
+    fn start_relays(args: &BroadcastArgs) -> anyhow::Result<Self> {
+        let bin = match &args.sluice_bin {
+            Some(b) => b.clone(),
+            None => std::env::current_exe()?.with_file_name("sluice"),
+        };
+        let dir = args.dir.join("sluice-main");
+        if dir.exists() {
+            std::fs::remove_dir_all(&dir)?;
+        }
+        let any = "127.0.0.1:0".to_owned();
+        let (child, main) = spawn_gateway(
+            &bin,
+            &[
+                "--data-dir".into(),
+                dir.display().to_string(),
+                "--http-addr".into(),
+                any.clone(),
+                "--kafka-addr".into(),
+                any.clone(),
+                "--mqtt-addr".into(),
+                any.clone(),
+                "--log-level".into(),
+                "warn,sluice=info".into(),
+            ],
+        )?;
+        let (kafka, mqtt) = (main["kafka"], main["mqtt"]);
+        let mut broker = Self {
+            child,
+            stdin: None,
+            stdout: None,
+            port: 0,
+            publish_port: mqtt.port(),
+            relays: Vec::new(),
+        };
+        for _ in 0..args.relays.max(1) {
+            let port = format!("127.0.0.1:{}", broker.port);
+            let (relay, addrs) = spawn_gateway(
+                &bin,
+                &[
+                    "relay".into(),
+                    "--upstream".into(),
+                    kafka.to_string(),
+                    "--upstream-mqtt".into(),
+                    mqtt.to_string(),
+                    "--http-addr".into(),
+                    any.clone(),
+                    "--mqtt-addr".into(),
+                    port,
+                    "--log-level".into(),
+                    "warn,sluice=info".into(),
+                ],
+            )?;
+            broker.port = addrs["mqtt"].port();
+            broker.relays.push(relay);
+        }
+        Ok(broker)
+    }
+
+    /// Every process of this broker.
+    fn pids(&self) -> Vec<u32> {
+        std::iter::once(self.child.id())
+            .chain(self.relays.iter().map(Child::id))
+            .collect()
+    }
+
     fn start(name: &str, args: &BroadcastArgs, max_connections: usize) -> anyhow::Result<Self> {
         let exe = std::env::current_exe()?;
         match name {
+            "sluice-relays" => Self::start_relays(args),
             "mosquitto" => {
                 let port = std::net::TcpListener::bind("127.0.0.1:0")?
                     .local_addr()?
@@ -627,6 +792,8 @@ impl Broker {
                     stdin: None,
                     stdout: None,
                     port,
+                    publish_port: port,
+                    relays: Vec::new(),
                 })
             }
             _ => {
@@ -654,6 +821,8 @@ impl Broker {
                     stdout: Some(stdout),
                     child,
                     port,
+                    publish_port: port,
+                    relays: Vec::new(),
                 })
             }
         }
@@ -673,8 +842,14 @@ impl Broker {
 
     fn stop(mut self) {
         drop(self.stdin.take());
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        for c in self
+            .relays
+            .iter_mut()
+            .chain(std::iter::once(&mut self.child))
+        {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
     }
 }
 
@@ -831,10 +1006,16 @@ fn run_case(
 ) -> anyhow::Result<CaseResult> {
     let case = CASES.fetch_add(1, Ordering::Relaxed);
     let mut broker = Broker::start(broker_name, args, n + 100)?;
-    let pid = broker.child.id();
+    let pids = broker.pids();
+    // CPU and memory of the broker's processes together.
+    let usage = || {
+        pids.iter()
+            .map(|&p| proc_stats(p))
+            .fold((Duration::ZERO, 0), |(c, m), (pc, pm)| (c + pc, m + pm))
+    };
     let result = (|| {
         let addr = SocketAddr::from(([127, 0, 0, 1], broker.port));
-        let (_, rss_idle) = proc_stats(pid);
+        let (_, rss_idle) = usage();
         let started = Instant::now();
         let mut workers = Vec::new();
         let mut first_id = 0;
@@ -878,9 +1059,10 @@ fn run_case(
         let connect_s = started.elapsed().as_secs_f64();
         // Let the broker settle its subscription bookkeeping before measuring memory.
         std::thread::sleep(Duration::from_millis(500));
-        let (cpu_before, rss) = proc_stats(pid);
+        let (cpu_before, rss) = usage();
 
-        let publish_time = publish(addr, qos, args)?;
+        let publish_addr = SocketAddr::from(([127, 0, 0, 1], broker.publish_port));
+        let publish_time = publish(publish_addr, qos, args)?;
         let drain_deadline = Instant::now() + Duration::from_secs(args.drain_s);
         let mut summaries = Vec::new();
         for w in &mut workers {
@@ -893,12 +1075,15 @@ fn run_case(
             };
             summaries.push(serde_json::from_str::<Value>(&summary)?);
         }
-        let (cpu_after, _) = proc_stats(pid);
+        let (cpu_after, _) = usage();
         for mut w in workers {
             let _ = w.child.wait();
         }
         let mut r = CaseResult {
-            broker: broker_name.to_owned(),
+            broker: match broker_name {
+                "sluice-relays" => format!("sluice + {} relays", args.relays.max(1)),
+                other => other.to_owned(),
+            },
             qos,
             subscribers: n,
             connected,
@@ -996,7 +1181,59 @@ fn publish(addr: SocketAddr, qos: u8, args: &BroadcastArgs) -> anyhow::Result<Du
     })
 }
 
+/// This machine's loopback TCP ceiling: two sender/receiver pairs (one per core here) moving
+/// 2 MB writes for about two seconds, in GB/s of payload. The yardstick for egress.
+fn loopback_gbps() -> anyhow::Result<f64> {
+    use std::io::Read;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let addr = listener.local_addr()?;
+    let run_for = Duration::from_secs(2);
+    let senders: Vec<_> = (0..2)
+        .map(|_| {
+            std::thread::spawn(move || -> std::io::Result<()> {
+                let mut s = std::net::TcpStream::connect(addr)?;
+                let buf = vec![0x5Au8; 2 << 20];
+                let started = Instant::now();
+                while started.elapsed() < run_for {
+                    s.write_all(&buf)?;
+                }
+                Ok(())
+            })
+        })
+        .collect();
+    let receivers: Vec<_> = (0..2)
+        .map(|_| {
+            let (mut s, _) = listener.accept()?;
+            Ok(std::thread::spawn(move || {
+                let mut buf = vec![0u8; 2 << 20];
+                let mut total = 0u64;
+                while let Ok(n) = s.read(&mut buf) {
+                    if n == 0 {
+                        break;
+                    }
+                    total += n as u64;
+                }
+                total
+            }))
+        })
+        .collect::<anyhow::Result<_>>()?;
+    let started = Instant::now();
+    for t in senders {
+        t.join()
+            .map_err(|_| anyhow::anyhow!("loopback sender panicked"))??;
+    }
+    let mut total = 0;
+    for t in receivers {
+        total += t
+            .join()
+            .map_err(|_| anyhow::anyhow!("loopback receiver panicked"))?;
+    }
+    Ok(total as f64 / 1e9 / started.elapsed().as_secs_f64())
+}
+
 pub(crate) fn run(args: BroadcastArgs) -> anyhow::Result<()> {
+    // Measured first, on an idle machine, so egress figures have a ceiling to compare with.
+    let loopback = loopback_gbps()?;
     let mut results = Vec::new();
     // A peer that does not survive an N is a result; Sluice not completing a case is a failure.
     let mut sluice_failed = Vec::new();
@@ -1012,7 +1249,7 @@ pub(crate) fn run(args: BroadcastArgs) -> anyhow::Result<()> {
                     Ok(r) => results.push(r),
                     Err(e) => {
                         eprintln!("{broker} QoS {qos} N={n}: did not complete: {e:#}");
-                        if broker == "sluice" {
+                        if broker.starts_with("sluice") {
                             sluice_failed.push(format!("QoS {qos} N={n}: {e:#}"));
                         }
                     }
@@ -1021,7 +1258,7 @@ pub(crate) fn run(args: BroadcastArgs) -> anyhow::Result<()> {
         }
     }
     println!(
-        "One publisher, topic `{TOPIC}`, {} B payloads at {}/s, {} messages per case; subscribers are MQTT 3.1.1 clean sessions in worker processes of up to {} clients (2 threads each, one loopback source address each). Sluice runs with durability fsync; Mosquitto in memory (persistence off); rumqttd in memory. Latency is publish to receipt over all deliveries (1% buckets); \"last\" is when the last subscriber had a message (median and max over messages). CPU per delivery is the broker process's CPU time during the publishing phase divided by deliveries. \"in msg/s\" is what the broker took per second (until the last PUBACK at QoS 1: durable in Sluice); \"out MB/s\" is payload delivered per second until the last subscriber had the slowest message.\n",
+        "One publisher, topic `{TOPIC}`, {} B payloads at {}/s, {} messages per case; subscribers are MQTT 3.1.1 clean sessions in worker processes of up to {} clients (2 threads each, one loopback source address each). Sluice runs with durability fsync; Mosquitto in memory (persistence off); rumqttd in memory. Latency is publish to receipt over all deliveries (1% buckets); \"last\" is when the last subscriber had a message (median and max over messages). CPU per delivery is the broker process's CPU time during the publishing phase divided by deliveries. \"in msg/s\" is what the broker took per second (until the last PUBACK at QoS 1: durable in Sluice); \"out MB/s\" is payload delivered per second until the last subscriber had the slowest message. \"sluice + R relays\": subscribers on R relay processes sharing one MQTT port (SO_REUSEPORT), the publisher on the main node; CPU and memory are all of them together. Loopback ceiling measured in this run (2 TCP streams of 2 MB writes): {loopback:.2} GB/s.\n",
         args.size, args.rate, args.messages, args.per_worker
     );
     println!(
@@ -1065,7 +1302,8 @@ pub(crate) fn run(args: BroadcastArgs) -> anyhow::Result<()> {
     }
     if let Some(path) = &args.json {
         let all: Vec<Value> = results.iter().map(CaseResult::json).collect();
-        std::fs::write(path, serde_json::to_vec_pretty(&all)?)?;
+        let doc = json!({ "loopback_gb_per_s": loopback, "cases": all });
+        std::fs::write(path, serde_json::to_vec_pretty(&doc)?)?;
     }
     anyhow::ensure!(
         sluice_failed.is_empty(),
@@ -1079,19 +1317,42 @@ mod tests {
     use super::*;
 
     #[test]
-    fn packets_are_framed_only_when_complete() {
-        let payload = vec![7u8; 300];
-        let p = publish_packet(1, 9, &payload);
-        // 300 + topic + packet id needs a two-byte remaining length.
-        assert_eq!(p[1] & 0x80, 0x80);
-        for cut in 0..p.len() {
-            assert!(parse(&p[..cut]).is_none(), "cut at {cut}");
+    fn the_framer_counts_each_packet_once_when_its_last_byte_arrives() {
+        let mut small = vec![7u8; 300];
+        small[8..12].copy_from_slice(&1u32.to_be_bytes());
+        let mut large = vec![9u8; 2 << 20];
+        large[8..12].copy_from_slice(&2u32.to_be_bytes());
+        let mut stream = publish_packet(1, 5, &small);
+        stream.extend_from_slice(&[0xD0, 0]);
+        stream.extend_from_slice(&publish_packet(0, 0, &large));
+        for chunk in [1, 7, 300, 65_536, stream.len()] {
+            let mut f = Framer::default();
+            let mut got = Vec::new();
+            for (i, piece) in stream.chunks(chunk).enumerate() {
+                f.feed(piece, |first, head| {
+                    got.push((
+                        i,
+                        first,
+                        head.len(),
+                        head.get(2 + TOPIC.len()..).map(<[u8]>::to_vec),
+                    ))
+                });
+            }
+            let kinds: Vec<u8> = got.iter().map(|g| g.1).collect();
+            assert_eq!(kinds, [0x32, 0xD0, 0x30], "chunks of {chunk}");
+            // The large one completes with the last chunk, not before.
+            assert_eq!(
+                got[2].0,
+                stream.len().div_ceil(chunk) - 1,
+                "chunks of {chunk}"
+            );
+            assert_eq!(got[0].3.as_deref().map(|h| &h[..2]), Some(&[0u8, 5][..]));
+            assert!(got[2].2 <= HEAD_BYTES);
+            assert_eq!(
+                got[2].3.as_deref().map(|h| &h[8..12]),
+                Some(&2u32.to_be_bytes()[..])
+            );
         }
-        let mut two = p.clone();
-        two.extend_from_slice(&p);
-        let (first, body, used) = parse(&two).unwrap();
-        assert_eq!((first, used), (0x32, p.len()));
-        assert_eq!(&two[body][2 + TOPIC.len()..2 + TOPIC.len() + 2], &[0, 9]);
     }
 
     #[test]
@@ -1101,9 +1362,10 @@ mod tests {
         payload[..8].copy_from_slice(&(now_ns() - 5_000_000).to_be_bytes());
         payload[8..12].copy_from_slice(&2u32.to_be_bytes());
         let p = publish_packet(1, 300, &payload);
-        let (first, body, _) = parse(&p).unwrap();
+        let (first, header, len) = fixed_header(&p).unwrap();
+        assert_eq!(header + len, p.len());
         let mut acks = Vec::new();
-        assert_eq!(record(&seen, first, &p[body], &mut acks), 1);
+        assert_eq!(record(&seen, first, &p[header..], &mut acks), 1);
         assert_eq!(acks, [0x40, 2, 1, 44]);
         assert_eq!(seen.count[2].load(Ordering::Relaxed), 1);
         let last = seen.last_us[2].load(Ordering::Relaxed);
