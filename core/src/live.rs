@@ -34,6 +34,7 @@ pub struct LiveBatch {
     /// The batch exactly as stored.
     pub bytes: Bytes,
     records: OnceLock<Result<Arc<[DecodedRecord]>, BatchError>>,
+    shared: OnceLock<Arc<dyn std::any::Any + Send + Sync>>,
 }
 
 impl LiveBatch {
@@ -45,7 +46,22 @@ impl LiveBatch {
             max_timestamp: h.max_timestamp,
             bytes,
             records: OnceLock::new(),
+            shared: OnceLock::new(),
         })
+    }
+
+    /// What a protocol works out from this batch once (parsed headers, encoded packet headers)
+    /// and shares between every subscriber that delivers it. `None` when another type was
+    /// stored first (one protocol per process uses this).
+    pub fn shared<T: std::any::Any + Send + Sync>(
+        &self,
+        init: impl FnOnce() -> T,
+    ) -> Option<Arc<T>> {
+        self.shared
+            .get_or_init(|| Arc::new(init()))
+            .clone()
+            .downcast()
+            .ok()
     }
 
     /// The batch's records, decoded on first use and shared afterwards. Keys, values and
@@ -240,6 +256,18 @@ pub struct LiveRecords {
     start: usize,
 }
 
+impl LiveRecords {
+    /// Position in the whole batch of this view's record `i`.
+    pub fn batch_index(&self, i: usize) -> usize {
+        self.start + i
+    }
+
+    /// Records in the whole batch.
+    pub fn batch_len(&self) -> usize {
+        self.all.len()
+    }
+}
+
 impl std::ops::Deref for LiveRecords {
     type Target = [DecodedRecord];
 
@@ -423,5 +451,39 @@ impl Drop for LiveSubscriber {
             .counters
             .subscribers
             .fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sluice_storage::{ProducerInfo, Record, encode_batch};
+
+    #[test]
+    fn a_batch_shares_what_the_first_subscriber_works_out() {
+        let record = Record {
+            timestamp: 1,
+            key: None,
+            value: Some(Bytes::from_static(b"v")),
+            headers: Vec::new(),
+        };
+        let batch = LiveBatch::new(encode_batch(&[record], ProducerInfo::NONE).freeze()).unwrap();
+        let mut built = 0;
+        let first = batch.shared(|| {
+            built += 1;
+            vec![7u32]
+        });
+        let second = batch.shared(|| {
+            built += 1;
+            vec![8u32]
+        });
+        assert_eq!(built, 1);
+        assert!(Arc::ptr_eq(
+            first.as_ref().unwrap(),
+            second.as_ref().unwrap()
+        ));
+        assert_eq!(*second.unwrap(), vec![7]);
+        // Another type is not handed out as this one.
+        assert!(batch.shared(|| 0u8).is_none());
     }
 }

@@ -104,7 +104,41 @@ pub struct MqttServer {
     /// Wills waiting out their delay, by client id; a reconnect cancels them.
     pub(crate) pending_wills: DashMap<String, tokio::task::JoinHandle<()>>,
     next_connection: AtomicU64,
+    /// Bytes of large payloads being written to sockets now (see [`EGRESS_BUDGET`]).
+    pub(crate) egress: tokio::sync::Semaphore,
     pub metrics: MqttMetrics,
+}
+
+/// Payloads at least this large are written under the egress budget.
+pub(crate) const LARGE_PAYLOAD: usize = 64 * 1024;
+/// Unit of the egress budget's permits.
+pub(crate) const EGRESS_UNIT: usize = 64 * 1024;
+/// Most bytes of large payloads the process writes to subscribers' sockets at once. Without a
+/// bound, an image to 10,000 subscribers asks the kernel to buffer 20 GB at once; past its TCP
+/// memory limit (`tcp_mem`, about 2 GB here) it drops segments even on loopback, and the
+/// retransmission timeouts turn a second of work into a minute. With the bound, deliveries go
+/// out in waves that the kernel buffers whole.
+pub(crate) const EGRESS_BUDGET: usize = 64 << 20;
+/// Unsent bytes a subscriber socket may hold before a write waits (`TCP_NOTSENT_LOWAT`), so a
+/// large write completes only when most of it has left for the peer and the egress budget
+/// tracks what is really in flight.
+const NOTSENT_LOWAT: libc::c_int = 256 * 1024;
+
+/// Sets `TCP_NOTSENT_LOWAT` on an accepted connection (best effort: a kernel without it just
+/// buffers more).
+fn limit_unsent<S: std::os::fd::AsRawFd>(stream: &S) {
+    let v = NOTSENT_LOWAT;
+    // SAFETY: setsockopt reads `size_of::<c_int>()` bytes from a valid pointer to `v`; the
+    // descriptor belongs to a live socket.
+    unsafe {
+        libc::setsockopt(
+            stream.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_NOTSENT_LOWAT,
+            (&v as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        );
+    }
 }
 
 impl MqttServer {
@@ -153,6 +187,7 @@ impl MqttServer {
             clients: DashMap::new(),
             pending_wills: DashMap::new(),
             next_connection: AtomicU64::new(1),
+            egress: tokio::sync::Semaphore::new(EGRESS_BUDGET / EGRESS_UNIT),
             metrics: MqttMetrics::default(),
         }))
     }
@@ -226,6 +261,7 @@ impl MqttServer {
             match accepted {
                 Ok((stream, peer)) => {
                     let _ = stream.set_nodelay(true);
+                    limit_unsent(&stream);
                     self.metrics
                         .connections_accepted
                         .fetch_add(1, Ordering::Relaxed);

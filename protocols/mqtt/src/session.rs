@@ -37,7 +37,7 @@ use crate::codec::{
 };
 use crate::message::{self, Origin};
 use crate::retained::RetainedMsg;
-use crate::server::{MqttServer, Registered};
+use crate::server::{EGRESS_BUDGET, EGRESS_UNIT, LARGE_PAYLOAD, MqttServer, Registered};
 use crate::sessions::{SavedSession, SavedSub};
 use crate::topic;
 
@@ -86,10 +86,56 @@ impl std::ops::Deref for SharedRecord {
     }
 }
 
+/// What every subscriber delivering one live record needs from it, worked out by the first and
+/// shared by the others: the name it goes out under, its properties and origin, and the whole
+/// PUBLISH header of a plain QoS 0 delivery (not retained, no subscription identifier, no
+/// expiry to count down), which is the same bytes for every subscriber of a protocol version.
+#[derive(Debug)]
+struct RecordShare {
+    name: Arc<str>,
+    props: Props,
+    origin: message::Origin,
+    /// The plain QoS 0 header for MQTT 3.1.1 and for MQTT 5 (`None` when the record has an
+    /// expiry, which each delivery counts down).
+    plain: [Option<Bytes>; 2],
+}
+
+impl RecordShare {
+    fn new(name: String, record: &DecodedRecord) -> Self {
+        let (props, origin) = message::from_headers(&record.record.headers);
+        let len = record.record.value.as_ref().map_or(0, Bytes::len);
+        let header = |version, props: &Props| {
+            let mut out = BytesMut::with_capacity(64 + name.len());
+            codec::publish_header(version, &name, 0, false, 0, props, None, len, &mut out);
+            out.freeze()
+        };
+        let plain = if props.message_expiry.is_none() {
+            [
+                Some(header(Version::V4, &Props::default())),
+                Some(header(Version::V5, &props)),
+            ]
+        } else {
+            [None, None]
+        };
+        Self {
+            name: name.into(),
+            props,
+            origin,
+            plain,
+        }
+    }
+}
+
+/// A live batch's [`RecordShare`]s, one per record, each made when first needed.
+#[derive(Debug)]
+struct BatchShare(Box<[std::sync::OnceLock<Arc<RecordShare>>]>);
+
 #[derive(Debug)]
 struct Delivery {
-    name: String,
+    name: Arc<str>,
     record: SharedRecord,
+    /// Shared per-record work, for live deliveries.
+    share: Option<Arc<RecordShare>>,
     /// The subscription's granted QoS.
     qos: u8,
     subscription_id: Option<usize>,
@@ -1021,8 +1067,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
                     },
                 };
                 self.deliver(Delivery {
-                    name,
+                    name: name.into(),
                     record: SharedRecord::Owned(record),
+                    share: None,
                     qos,
                     subscription_id: id,
                     retain: true,
@@ -1113,7 +1160,14 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
 
     /// Writes one PUBLISH: a header encoded here, then the shared payload, in one vectored write.
     async fn deliver(&mut self, d: Delivery) -> std::io::Result<()> {
-        let (mut props, origin) = message::from_headers(&d.record.record.headers);
+        let parsed;
+        let (props, origin) = match &d.share {
+            Some(s) => (&s.props, &s.origin),
+            None => {
+                parsed = message::from_headers(&d.record.record.headers);
+                (&parsed.0, &parsed.1)
+            }
+        };
         if d.no_local && origin.client.as_deref() == Some(self.client_id.as_str()) {
             if let Some(a) = d.ack {
                 a.ack();
@@ -1121,6 +1175,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
             return Ok(());
         }
         // MQTT 5 message expiry: drop what expired, send the remaining lifetime.
+        let mut remaining = None;
         if let Some(expiry) = props.message_expiry {
             let age = (self.server.engine.now_ms() - d.record.record.timestamp).max(0) / 1000;
             if age >= i64::from(expiry) {
@@ -1130,28 +1185,47 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
                 }
                 return Ok(());
             }
-            props.message_expiry = Some(expiry - age as u32);
-        }
-        if self.version == Version::V4 {
-            props = Props::default();
+            remaining = Some(expiry - age as u32);
         }
         // The minimum of the published QoS and the granted QoS.
         let qos = d.qos.min(origin.qos.unwrap_or(2));
         let retain = d.retain || (d.retain_as_published && origin.retain);
         let payload = d.record.record.value.clone().unwrap_or_default();
         let pkid = if qos > 0 { self.next_pkid() } else { 0 };
-        let mut head = BytesMut::with_capacity(64 + d.name.len());
-        let size = codec::publish_header(
-            self.version,
-            &d.name,
-            qos,
-            retain,
-            pkid,
-            &props,
-            d.subscription_id,
-            payload.len(),
-            &mut head,
-        );
+        let version_slot = usize::from(self.version == Version::V5);
+        let plain = d
+            .share
+            .as_ref()
+            .and_then(|s| s.plain[version_slot].clone())
+            .filter(|_| qos == 0 && !retain && d.subscription_id.is_none());
+        let head = match plain {
+            // The same header bytes every plain QoS 0 subscriber of this record gets.
+            Some(h) => h,
+            None => {
+                let props = match (self.version, remaining) {
+                    (Version::V4, _) => &Props::default(),
+                    (Version::V5, None) => props,
+                    (Version::V5, Some(left)) => &Props {
+                        message_expiry: Some(left),
+                        ..props.clone()
+                    },
+                };
+                let mut head = BytesMut::with_capacity(64 + d.name.len());
+                codec::publish_header(
+                    self.version,
+                    &d.name,
+                    qos,
+                    retain,
+                    pkid,
+                    props,
+                    d.subscription_id,
+                    payload.len(),
+                    &mut head,
+                );
+                head.freeze()
+            }
+        };
+        let size = head.len() + payload.len();
         if self.client_max_packet.is_some_and(|max| size > max) {
             // MQTT 5: a server must not send a packet larger than the client's maximum.
             self.server
@@ -1163,6 +1237,17 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
             }
             return Ok(());
         }
+        let server = self.server;
+        let _budget = if payload.len() >= LARGE_PAYLOAD {
+            let units = payload
+                .len()
+                .div_ceil(EGRESS_UNIT)
+                .min(EGRESS_BUDGET / EGRESS_UNIT);
+            // The semaphore lives as long as the server and is never closed.
+            server.egress.acquire_many(units as u32).await.ok()
+        } else {
+            None
+        };
         write_all_vectored(&mut self.stream, &head, &payload).await?;
         if qos > 0 {
             self.inflight.insert(pkid, d.ack);
@@ -1301,10 +1386,11 @@ struct Feed {
 }
 
 impl Feed {
-    fn delivery(&self, name: String, record: SharedRecord, ack: Option<Acker>) -> Delivery {
+    fn delivery(&self, name: Arc<str>, record: SharedRecord, ack: Option<Acker>) -> Delivery {
         Delivery {
             name,
             record,
+            share: None,
             qos: self.sub.qos,
             subscription_id: self.sub.id,
             retain: false,
@@ -1321,14 +1407,34 @@ impl Feed {
             // Compressed Kafka batches are not decoded for MQTT delivery yet.
             return Vec::new();
         };
+        let Some(batch) = item.batch.shared(|| {
+            BatchShare(
+                (0..records.batch_len())
+                    .map(|_| Default::default())
+                    .collect(),
+            )
+        }) else {
+            return Vec::new();
+        };
         let mut out = Vec::new();
         for (i, r) in records.iter().enumerate() {
-            let name = self
-                .server
-                .routes
-                .name_for(&self.ledger_topic, r.record.key.as_deref());
-            if topic::matches(&self.filter, &name) {
-                out.push(self.delivery(name, SharedRecord::Live(records.clone(), i), None));
+            let share = batch.0[records.batch_index(i)]
+                .get_or_init(|| {
+                    let name = self
+                        .server
+                        .routes
+                        .name_for(&self.ledger_topic, r.record.key.as_deref());
+                    Arc::new(RecordShare::new(name, r))
+                })
+                .clone();
+            if topic::matches(&self.filter, &share.name) {
+                let mut d = self.delivery(
+                    share.name.clone(),
+                    SharedRecord::Live(records.clone(), i),
+                    None,
+                );
+                d.share = Some(share);
+                out.push(d);
             }
         }
         out
@@ -1362,7 +1468,7 @@ impl Feed {
                 }
                 if self
                     .tx
-                    .send(self.delivery(name, SharedRecord::Owned(m.record), Some(acker)))
+                    .send(self.delivery(name.into(), SharedRecord::Owned(m.record), Some(acker)))
                     .await
                     .is_err()
                 {
@@ -1404,6 +1510,47 @@ async fn write_all_vectored<S: AsyncWrite + Unpin>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn plain_qos0_headers_are_encoded_once_per_record_and_version() {
+        let props = Props {
+            user: vec![("site".into(), "north".into())],
+            ..Props::default()
+        };
+        let origin = message::Origin {
+            client: Some("car-1".into()),
+            qos: Some(0),
+            retain: false,
+        };
+        let record = |props: &Props| DecodedRecord {
+            offset: 0,
+            record: sluice_core::Record {
+                timestamp: 0,
+                key: Some(Bytes::from_static(b"cars/1")),
+                value: Some(Bytes::from_static(b"payload")),
+                headers: message::to_headers(props, &origin),
+            },
+        };
+        let share = RecordShare::new("cars/1".into(), &record(&props));
+        for (slot, version, p) in [
+            (0, Version::V4, Props::default()),
+            (1, Version::V5, props.clone()),
+        ] {
+            let mut want = BytesMut::new();
+            codec::publish_header(version, "cars/1", 0, false, 0, &p, None, 7, &mut want);
+            assert_eq!(share.plain[slot].as_deref(), Some(&want[..]), "{version:?}");
+        }
+        assert_eq!(share.origin, origin);
+        // An expiry is counted down per delivery: no shared header then.
+        let expiring = Props {
+            message_expiry: Some(60),
+            ..props
+        };
+        assert_eq!(
+            RecordShare::new("cars/1".into(), &record(&expiring)).plain,
+            [None, None]
+        );
+    }
 
     #[test]
     fn shared_filters_parse() {
