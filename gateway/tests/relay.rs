@@ -339,3 +339,39 @@ async fn a_publish_through_a_relay_is_acknowledged_only_once_durable_upstream() 
         .collect();
     assert_eq!(values, vec![payload(9).to_vec()]);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_outlives_an_upstream_restart_and_its_subscribers_keep_receiving() {
+    let dir = tempfile::tempdir().unwrap();
+    let main = Gateway::start(dir.path(), &[]);
+    let relay = Gateway::relay(&main, "127.0.0.1:0");
+    let (tx, mut notes) = mpsc::unbounded_channel();
+    let view = subscriber(&relay.mqtt, "view", true, Some("cars/#"), 2, tx.clone());
+    wait_for_suback(&mut notes, 1).await;
+    publish(&main.mqtt, "p1", "cars/news", payload(1), || ()).await;
+    wait_for(&mut notes, 1, |n| matches!(n, Note::Received)).await;
+
+    // The main node restarts on the same addresses; the relay's subscriber stays connected.
+    let (kafka, mqtt) = (main.kafka.clone(), main.mqtt.clone());
+    let (status, _) = main.stop_with(libc::SIGTERM);
+    assert!(status.success());
+    let main = Gateway::spawn(&[
+        "--data-dir",
+        dir.path().to_str().unwrap(),
+        "--http-addr",
+        "127.0.0.1:0",
+        "--kafka-addr",
+        &kafka,
+        "--mqtt-addr",
+        &mqtt,
+    ]);
+    publish(&main.mqtt, "p2", "cars/news", payload(2), || ()).await;
+    let news = |i| ("cars/news".to_owned(), payload(i));
+    assert_messages(
+        &view.await.unwrap(),
+        &[news(1), news(2)],
+        "relay subscriber",
+    );
+    let (_, metrics) = get(&format!("{}/metrics", relay.http)).await;
+    assert!(metric(&metrics, "sluice_relay_upstream_reconnects_total") >= 1);
+}

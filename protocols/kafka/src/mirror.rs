@@ -153,11 +153,20 @@ impl Mirror {
     async fn run(self: Arc<Self>, topic: String, conn: Conn, mut next: Vec<i64>) {
         let mut stop = self.stop.clone();
         let mut conn = Some(conn);
-        let mut backoff = Duration::from_millis(100);
+        // Grows with consecutive failures of any kind (a topic deleted upstream fails every
+        // fetch), so a lasting problem is retried, and logged, at most every two seconds.
+        let mut backoff = Duration::ZERO;
         loop {
+            if !backoff.is_zero() {
+                tokio::select! {
+                    () = tokio::time::sleep(backoff) => {}
+                    _ = stop.wait_for(|&s| s) => return,
+                }
+            }
             if *stop.borrow() {
                 return;
             }
+            let failed = (backoff * 2).clamp(Duration::from_millis(100), Duration::from_secs(2));
             let c = match conn.as_mut() {
                 Some(c) => c,
                 None => match Conn::open(&self.settings).await {
@@ -166,16 +175,11 @@ impl Mirror {
                             .upstream_reconnects
                             .fetch_add(1, Ordering::Relaxed);
                         info!(topic, "relay: upstream connection restored");
-                        backoff = Duration::from_millis(100);
                         conn.insert(c)
                     }
                     Err(e) => {
                         warn!(topic, error = %e, "relay: upstream unreachable");
-                        tokio::select! {
-                            () = tokio::time::sleep(backoff) => {}
-                            _ = stop.wait_for(|&s| s) => return,
-                        }
-                        backoff = (backoff * 2).min(Duration::from_secs(2));
+                        backoff = failed;
                         continue;
                     }
                 },
@@ -184,18 +188,17 @@ impl Mirror {
                 r = c.fetch(&topic, &next, &self.settings) => r,
                 _ = stop.wait_for(|&s| s) => return,
             };
-            let resp = match fetched {
-                Ok(resp) => resp,
-                Err(e) => {
-                    warn!(topic, error = %e, "relay: upstream fetch failed; reconnecting");
-                    conn = None;
-                    continue;
-                }
+            let applied = match fetched {
+                Ok(resp) => self.apply(&topic, &mut next, resp, c).await,
+                Err(e) => Err(upstream_error(e)),
             };
-            if let Err(e) = self.apply(&topic, &mut next, resp, c).await {
-                warn!(topic, error = %e, "relay: copying upstream data failed; reconnecting");
-                conn = None;
-                tokio::time::sleep(backoff).await;
+            match applied {
+                Ok(()) => backoff = Duration::ZERO,
+                Err(e) => {
+                    warn!(topic, error = %e, "relay: following the upstream failed; reconnecting");
+                    conn = None;
+                    backoff = failed;
+                }
             }
         }
     }
