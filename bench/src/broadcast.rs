@@ -72,6 +72,12 @@ pub(crate) struct BroadcastArgs {
     /// Mosquitto binary (Debian package mosquitto); the peer is skipped when it is missing.
     #[arg(long, default_value = "/usr/sbin/mosquitto")]
     mosquitto: String,
+    /// How subscribers connect: `mqtt`, or `ws` for Sluice's WebSocket live stream
+    /// (`/topics/mqtt/ws`, one binary frame per record) on the gateway binary's HTTP port (the
+    /// relays' with `sluice-relays`; workers take them in turn). Only Sluice brokers run with
+    /// `ws`.
+    #[arg(long, default_value = "mqtt")]
+    transport: String,
     /// Relays behind the main node for `sluice-relays` (each process may hold at most
     /// 20,000 connections here).
     #[arg(long, default_value_t = 6)]
@@ -124,7 +130,13 @@ pub(crate) struct WorkerArgs {
     /// Clients that never read after subscribing.
     #[arg(long, default_value_t = 0)]
     stalled: usize,
+    /// Subscribe over WebSocket at this path instead of MQTT (`broker` is then an HTTP port).
+    #[arg(long)]
+    ws_path: Option<String>,
 }
+
+/// The ledger topic MQTT publishes to `TOPIC` land in (the gateway's default route).
+const LEDGER_TOPIC: &str = "mqtt";
 
 /// Latency histogram: bucket `i` holds samples of about 1.01^i microseconds.
 const BUCKETS: usize = 2400;
@@ -257,12 +269,29 @@ async fn read_packet(s: &mut TcpStream, body: &mut Vec<u8>) -> std::io::Result<u
     Ok(first)
 }
 
-async fn connect(
-    broker: SocketAddr,
-    source: Ipv4Addr,
-    id: &str,
-    qos: u8,
-) -> anyhow::Result<TcpStream> {
+/// Opens a WebSocket live stream at `path` and returns once the server has answered 101 (its
+/// live subscriber is attached before it answers).
+async fn connect_ws(broker: SocketAddr, source: Ipv4Addr, path: &str) -> anyhow::Result<TcpStream> {
+    let mut s = open(broker, source).await?;
+    let request = format!(
+        "GET {path} HTTP/1.1\r\nHost: {broker}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\
+         Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+    );
+    s.write_all(request.as_bytes()).await?;
+    // Byte by byte up to the blank line, so no frame byte after it is taken from the socket.
+    let mut head = Vec::new();
+    while !head.ends_with(b"\r\n\r\n") {
+        head.push(s.read_u8().await?);
+        anyhow::ensure!(head.len() < 4096, "oversized upgrade response");
+    }
+    if !head.starts_with(b"HTTP/1.1 101") {
+        bail!("upgrade refused: {}", String::from_utf8_lossy(&head));
+    }
+    Ok(s)
+}
+
+/// A TCP connection from `source` (the kernel picks the port at connect time).
+async fn open(broker: SocketAddr, source: Ipv4Addr) -> anyhow::Result<TcpStream> {
     let sock = TcpSocket::new_v4()?;
     // The local port is chosen at connect time, unique per destination, rather than at bind
     // time, unique per source address: otherwise the ports left in TIME_WAIT by earlier cases
@@ -282,8 +311,18 @@ async fn connect(
         return Err(std::io::Error::last_os_error().into());
     }
     sock.bind(SocketAddr::new(IpAddr::V4(source), 0))?;
-    let mut s = sock.connect(broker).await?;
+    let s = sock.connect(broker).await?;
     s.set_nodelay(true)?;
+    Ok(s)
+}
+
+async fn connect(
+    broker: SocketAddr,
+    source: Ipv4Addr,
+    id: &str,
+    qos: u8,
+) -> anyhow::Result<TcpStream> {
+    let mut s = open(broker, source).await?;
     s.write_all(&connect_packet(id)).await?;
     let mut body = Vec::new();
     let first = read_packet(&mut s, &mut body).await?;
@@ -306,8 +345,8 @@ thread_local! {
 
 /// One subscriber: receives until it has every message (or the worker is told to stop). One
 /// `read` per wake-up into the thread's scratch buffer; only a partial packet is kept.
-async fn subscriber(s: TcpStream, seen: Arc<Seen>, messages: usize) {
-    let mut framer = Framer::default();
+async fn subscriber(s: TcpStream, seen: Arc<Seen>, messages: usize, framing: Framing) {
+    let mut framer = Framer::new(framing);
     let mut have = 0usize;
     let mut acks: Vec<u8> = Vec::new();
     loop {
@@ -322,11 +361,15 @@ async fn subscriber(s: TcpStream, seen: Arc<Seen>, messages: usize) {
                 Err(_) => return Err(()),
             };
             framer.feed(&scratch[..n], |first, head| {
-                if first >> 4 == 3 {
-                    have += record(&seen, first, head, &mut acks);
-                    if have == messages {
-                        seen.complete.fetch_add(1, Ordering::Relaxed);
-                    }
+                let counted = match framing {
+                    Framing::Mqtt if first >> 4 == 3 => record(&seen, first, head, &mut acks),
+                    // A binary frame: the record's value, as published.
+                    Framing::WebSocket if first & 0x0F == 2 => record_payload(&seen, head),
+                    _ => 0,
+                };
+                have += counted;
+                if counted > 0 && have == messages {
+                    seen.complete.fetch_add(1, Ordering::Relaxed);
                 }
             });
             Ok(())
@@ -358,8 +401,18 @@ const HEAD_BYTES: usize = 256;
 /// Splits a byte stream into packets keeping only the first [`HEAD_BYTES`] of each body: the
 /// rest of a large payload is skipped as it arrives, never buffered or copied, so a subscriber
 /// of 2 MB images costs the load generator one read per chunk and nothing per byte.
-#[derive(Debug, Default)]
+/// The wire format a subscriber reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Framing {
+    /// MQTT packets.
+    Mqtt,
+    /// WebSocket frames from the server (never masked).
+    WebSocket,
+}
+
+#[derive(Debug)]
 struct Framer {
+    framing: Framing,
     /// The current packet's fixed header and body head, as far as they have arrived.
     head: Vec<u8>,
     /// (first byte, fixed header length, body length) once the fixed header is complete.
@@ -369,6 +422,15 @@ struct Framer {
 }
 
 impl Framer {
+    fn new(framing: Framing) -> Self {
+        Self {
+            framing,
+            head: Vec::new(),
+            packet: None,
+            skip: 0,
+        }
+    }
+
     /// Consumes `data`; calls `done(first byte, body head)` for each packet once its last byte
     /// has arrived (so a delivery counts when it is complete).
     fn feed(&mut self, mut data: &[u8], mut done: impl FnMut(u8, &[u8])) {
@@ -397,7 +459,10 @@ impl Framer {
             }
             self.head.push(data[0]);
             data = &data[1..];
-            self.packet = fixed_header(&self.head);
+            self.packet = match self.framing {
+                Framing::Mqtt => fixed_header(&self.head),
+                Framing::WebSocket => ws_header(&self.head),
+            };
             if let Some((first, header, 0)) = self.packet {
                 debug_assert_eq!(self.head.len(), header);
                 done(first, &[]);
@@ -405,6 +470,24 @@ impl Framer {
                 self.packet = None;
             }
         }
+    }
+}
+
+/// (first byte, header length, payload length) of a complete unmasked WebSocket frame header
+/// at `buf`'s start.
+fn ws_header(buf: &[u8]) -> Option<(u8, usize, usize)> {
+    let first = *buf.first()?;
+    let len7 = *buf.get(1)? & 0x7F;
+    match len7 {
+        126 => {
+            let b = buf.get(2..4)?;
+            Some((first, 4, u16::from_be_bytes([b[0], b[1]]) as usize))
+        }
+        127 => {
+            let b: [u8; 8] = buf.get(2..10)?.try_into().ok()?;
+            Some((first, 10, u64::from_be_bytes(b) as usize))
+        }
+        n => Some((first, 2, n as usize)),
     }
 }
 
@@ -438,7 +521,14 @@ fn record(seen: &Seen, first: u8, body: &[u8], acks: &mut Vec<u8>) -> usize {
         acks.extend_from_slice(&[0x40, 2, id[0], id[1]]);
         at += 2;
     }
-    let Some(head) = body.get(at..at + 12) else {
+    body.get(at..)
+        .map_or(0, |payload| record_payload(seen, payload))
+}
+
+/// Counts one delivered payload by the send time and sequence number it starts with; 1 when
+/// it has them.
+fn record_payload(seen: &Seen, payload: &[u8]) -> usize {
+    let Some(head) = payload.get(..12) else {
         return 0;
     };
     let sent = u64::from_be_bytes(head[..8].try_into().unwrap_or_default());
@@ -472,11 +562,16 @@ pub(crate) fn worker(args: WorkerArgs) -> anyhow::Result<()> {
             let seen = seen.clone();
             let id = format!("b{}", args.first_id + i);
             let (broker, source, qos) = (args.broker, args.source, args.qos);
+            let ws_path = args.ws_path.clone();
             tasks.spawn(async move {
                 let _permit = gate.acquire().await;
                 let mut attempt = 0;
                 loop {
-                    match connect(broker, source, &id, qos).await {
+                    let connected = match &ws_path {
+                        Some(path) => connect_ws(broker, source, path).await,
+                        None => connect(broker, source, &id, qos).await,
+                    };
+                    match connected {
                         Ok(s) => {
                             seen.ready.fetch_add(1, Ordering::Relaxed);
                             return Some(s);
@@ -512,8 +607,13 @@ pub(crate) fn worker(args: WorkerArgs) -> anyhow::Result<()> {
         // Held open and never read: the broker has to cope with them.
         let held: Vec<TcpStream> = streams.drain(..stalled).collect();
         let reading = streams.len();
+        let framing = if args.ws_path.is_some() {
+            Framing::WebSocket
+        } else {
+            Framing::Mqtt
+        };
         for s in streams {
-            tokio::spawn(subscriber(s, seen.clone(), args.messages));
+            tokio::spawn(subscriber(s, seen.clone(), args.messages, framing));
         }
         // Ends when every client has everything, or when the coordinator says so.
         let (stop_tx, mut stop_rx) = tokio::sync::mpsc::channel::<()>(1);
@@ -648,6 +748,8 @@ struct Broker {
     port: u16,
     /// Where the publisher connects (the main node, when subscribers are on relays).
     publish_port: u16,
+    /// HTTP ports serving WebSocket subscribers (gateway binary only).
+    http_ports: Vec<u16>,
     relays: Vec<Child>,
 }
 
@@ -690,10 +792,31 @@ fn spawn_gateway(
     Ok((child, addrs))
 }
 
+/// Creates `topic` through the REST API at `http` (one blocking request; 409 if it exists is
+/// fine).
+fn create_topic(http: SocketAddr, topic: &str) -> anyhow::Result<()> {
+    use std::io::Read;
+    let body = format!(r#"{{"name":"{topic}","partitions":1}}"#);
+    let mut s = std::net::TcpStream::connect(http)?;
+    write!(
+        s,
+        "POST /topics HTTP/1.1\r\nHost: {http}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )?;
+    let mut answer = String::new();
+    s.read_to_string(&mut answer)?;
+    anyhow::ensure!(
+        answer.starts_with("HTTP/1.1 201") || answer.starts_with("HTTP/1.1 409"),
+        "creating topic {topic}: {answer}"
+    );
+    Ok(())
+}
+
 impl Broker {
-    /// A Sluice main node (durability fsync) and `args.relays` relays of it on one shared MQTT
-    /// port.
-    fn start_relays(args: &BroadcastArgs) -> anyhow::Result<Self> {
+    /// A Sluice main node (durability fsync) and `relays` relays of it on one shared MQTT port;
+    /// with none, subscribers use the main node.
+    fn start_relays(args: &BroadcastArgs, relays: usize) -> anyhow::Result<Self> {
         let bin = match &args.sluice_bin {
             Some(b) => b.clone(),
             None => std::env::current_exe()?.with_file_name("sluice"),
@@ -719,15 +842,22 @@ impl Broker {
             ],
         )?;
         let (kafka, mqtt) = (main["kafka"], main["mqtt"]);
+        // A WebSocket stream of an unknown topic is refused (404); MQTT would create it.
+        create_topic(main["http"], LEDGER_TOPIC)?;
         let mut broker = Self {
             child,
             stdin: None,
             stdout: None,
-            port: 0,
+            port: if relays == 0 { mqtt.port() } else { 0 },
             publish_port: mqtt.port(),
+            http_ports: if relays == 0 {
+                vec![main["http"].port()]
+            } else {
+                Vec::new()
+            },
             relays: Vec::new(),
         };
-        for _ in 0..args.relays.max(1) {
+        for _ in 0..relays {
             let port = format!("127.0.0.1:{}", broker.port);
             let (relay, addrs) = spawn_gateway(
                 &bin,
@@ -746,6 +876,7 @@ impl Broker {
                 ],
             )?;
             broker.port = addrs["mqtt"].port();
+            broker.http_ports.push(addrs["http"].port());
             broker.relays.push(relay);
         }
         Ok(broker)
@@ -761,7 +892,9 @@ impl Broker {
     fn start(name: &str, args: &BroadcastArgs, max_connections: usize) -> anyhow::Result<Self> {
         let exe = std::env::current_exe()?;
         match name {
-            "sluice-relays" => Self::start_relays(args),
+            "sluice-relays" => Self::start_relays(args, args.relays.max(1)),
+            // WebSocket subscribers need the gateway binary's HTTP listener.
+            "sluice" if args.transport == "ws" => Self::start_relays(args, 0),
             "mosquitto" => {
                 let port = std::net::TcpListener::bind("127.0.0.1:0")?
                     .local_addr()?
@@ -793,6 +926,7 @@ impl Broker {
                     stdout: None,
                     port,
                     publish_port: port,
+                    http_ports: Vec::new(),
                     relays: Vec::new(),
                 })
             }
@@ -822,6 +956,7 @@ impl Broker {
                     child,
                     port,
                     publish_port: port,
+                    http_ports: Vec::new(),
                     relays: Vec::new(),
                 })
             }
@@ -874,6 +1009,11 @@ impl Worker {
                 &args.connect_concurrency.to_string(),
             ])
             .args(["--stalled", &args.stalled.to_string()])
+            .args(
+                args.ws_path
+                    .iter()
+                    .flat_map(|p| ["--ws-path".to_owned(), p.clone()]),
+            )
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -1025,9 +1165,16 @@ fn run_case(
             .enumerate()
         {
             let stalled = (chunk.len() as f64 * args.stalled_percent / 100.0).round() as usize;
+            let ws = args.transport == "ws";
+            // WebSocket workers take the nodes' HTTP ports in turn.
+            let target = match broker.http_ports.get(w % broker.http_ports.len().max(1)) {
+                Some(&http) if ws => SocketAddr::from(([127, 0, 0, 1], http)),
+                _ => addr,
+            };
             workers.push(Worker::start(&WorkerArgs {
                 stalled,
-                broker: addr,
+                broker: target,
+                ws_path: ws.then(|| format!("/topics/{LEDGER_TOPIC}/ws")),
                 // A fresh address block per case, so no case meets the previous one's TIME_WAITs.
                 source: Ipv4Addr::new(127, 1 + (case % 250) as u8, 0, 2 + (w % 250) as u8),
                 clients: chunk.len(),
@@ -1083,6 +1230,10 @@ fn run_case(
             broker: match broker_name {
                 "sluice-relays" => format!("sluice + {} relays", args.relays.max(1)),
                 other => other.to_owned(),
+            } + if args.transport == "ws" {
+                " (WebSocket)"
+            } else {
+                ""
             },
             qos,
             subscribers: n,
@@ -1232,6 +1383,11 @@ fn loopback_gbps() -> anyhow::Result<f64> {
 }
 
 pub(crate) fn run(args: BroadcastArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        matches!(args.transport.as_str(), "mqtt" | "ws"),
+        "--transport is mqtt or ws, not {}",
+        args.transport
+    );
     // Measured first, on an idle machine, so egress figures have a ceiling to compare with.
     let loopback = loopback_gbps()?;
     let mut results = Vec::new();
@@ -1240,6 +1396,10 @@ pub(crate) fn run(args: BroadcastArgs) -> anyhow::Result<()> {
     for &qos in &args.qos {
         for &n in &args.subscribers {
             for broker in &args.brokers {
+                if args.transport == "ws" && !broker.starts_with("sluice") {
+                    eprintln!("{broker} skipped: WebSocket subscribers read Sluice's live stream");
+                    continue;
+                }
                 if broker == "mosquitto" && !std::path::Path::new(&args.mosquitto).exists() {
                     eprintln!("mosquitto skipped: {} is missing", args.mosquitto);
                     continue;
@@ -1326,7 +1486,7 @@ mod tests {
         stream.extend_from_slice(&[0xD0, 0]);
         stream.extend_from_slice(&publish_packet(0, 0, &large));
         for chunk in [1, 7, 300, 65_536, stream.len()] {
-            let mut f = Framer::default();
+            let mut f = Framer::new(Framing::Mqtt);
             let mut got = Vec::new();
             for (i, piece) in stream.chunks(chunk).enumerate() {
                 f.feed(piece, |first, head| {
@@ -1352,6 +1512,53 @@ mod tests {
                 got[2].3.as_deref().map(|h| &h[8..12]),
                 Some(&2u32.to_be_bytes()[..])
             );
+        }
+    }
+
+    #[test]
+    fn websocket_frames_of_every_length_encoding_are_counted_when_complete() {
+        let frame = |seq: u32, len: usize| {
+            let mut payload = vec![1u8; len];
+            payload[..8].copy_from_slice(&now_ns().to_be_bytes());
+            payload[8..12].copy_from_slice(&seq.to_be_bytes());
+            let mut f = vec![0x82];
+            match len {
+                0..=125 => f.push(len as u8),
+                126..=65_535 => {
+                    f.push(126);
+                    f.extend_from_slice(&(len as u16).to_be_bytes());
+                }
+                _ => {
+                    f.push(127);
+                    f.extend_from_slice(&(len as u64).to_be_bytes());
+                }
+            }
+            f.extend_from_slice(&payload);
+            f
+        };
+        let mut stream = frame(0, 100);
+        stream.extend_from_slice(&[0x89, 0]);
+        stream.extend_from_slice(&frame(1, 300));
+        stream.extend_from_slice(&frame(2, 2 << 20));
+        for chunk in [1, 3, 4096, stream.len()] {
+            let seen = Seen::new(3);
+            let mut f = Framer::new(Framing::WebSocket);
+            let mut kinds = Vec::new();
+            for piece in stream.chunks(chunk) {
+                f.feed(piece, |first, head| {
+                    kinds.push(first);
+                    if first & 0x0F == 2 {
+                        assert_eq!(record_payload(&seen, head), 1);
+                    }
+                });
+            }
+            assert_eq!(kinds, [0x82, 0x89, 0x82, 0x82], "chunks of {chunk}");
+            let counts: Vec<u64> = seen
+                .count
+                .iter()
+                .map(|c| c.load(Ordering::Relaxed))
+                .collect();
+            assert_eq!(counts, [1, 1, 1], "chunks of {chunk}");
         }
     }
 
