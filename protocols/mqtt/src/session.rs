@@ -708,7 +708,13 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
                             return Ok(end);
                         }
                     }
-                    Err(DecodeError::Incomplete(_)) => break,
+                    Err(DecodeError::Incomplete(more)) => {
+                        // Room for the rest of the packet at once (its size is already checked
+                        // against the limit): a 2 MB image is then read with no reallocation,
+                        // where growing the buffer as bytes arrive copied it many times over.
+                        inbuf.reserve(more);
+                        break;
+                    }
                     Err(e) => {
                         self.server
                             .metrics
