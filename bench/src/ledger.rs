@@ -39,7 +39,7 @@ pub(crate) struct LedgerArgs {
 
 /// One row of the report.
 #[derive(Debug)]
-struct Row {
+pub(crate) struct Row {
     case: String,
     durability: &'static str,
     record_bytes: usize,
@@ -51,7 +51,7 @@ struct Row {
 }
 
 impl Row {
-    fn mb_per_s(&self) -> f64 {
+    pub(crate) fn mb_per_s(&self) -> f64 {
         (self.records * self.record_bytes as u64) as f64 / 1e6 / self.wall.as_secs_f64()
     }
 
@@ -99,7 +99,7 @@ pub(crate) fn payload(len: usize) -> Bytes {
 /// Sequential writes of `size` bytes to a new file, each followed by fdatasync; with
 /// `append`, through O_APPEND as Sluice's segments are written (on the ext4 disk measured for
 /// docs/BENCHMARKS.md that is markedly faster than plain writes, so both are reported).
-fn raw_case(dir: &Path, size: usize, count: u64, append: bool) -> anyhow::Result<Row> {
+pub(crate) fn raw_case(dir: &Path, size: usize, count: u64, append: bool) -> anyhow::Result<Row> {
     let path = dir.join(format!("raw-{size}.bin"));
     let mut f = OpenOptions::new()
         .create(true)
