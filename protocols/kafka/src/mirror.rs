@@ -110,13 +110,6 @@ impl Mirror {
             .collect()
     }
 
-    /// Topics followed now.
-    pub async fn followed(&self) -> Vec<String> {
-        let mut v: Vec<String> = self.followed.lock().await.iter().cloned().collect();
-        v.sort();
-        v
-    }
-
     async fn follow(self: &Arc<Self>, topic: &str) -> Result<(), CoreError> {
         let mut followed = self.followed.lock().await;
         if followed.contains(topic) {

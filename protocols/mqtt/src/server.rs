@@ -192,11 +192,6 @@ impl MqttServer {
         }))
     }
 
-    /// The upstream of a relay (`None` on a main node).
-    pub fn upstream(&self) -> Option<&Arc<Upstream>> {
-        self.upstream.as_ref()
-    }
-
     /// Retained messages held.
     pub fn retained_count(&self) -> usize {
         self.retained.len()
