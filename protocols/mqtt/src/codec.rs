@@ -596,21 +596,31 @@ pub(crate) fn disconnect(version: Version, code: u8, out: &mut BytesMut) {
     }
 }
 
+/// The fixed header at the start of `buf`: (first byte, header length, remaining length), or
+/// `None` until all of it has arrived; an error when the remaining length runs past four bytes.
+pub(crate) fn fixed_header(buf: &[u8]) -> Result<Option<(u8, usize, usize)>, DecodeError> {
+    let Some(&first) = buf.first() else {
+        return Ok(None);
+    };
+    let mut len = 0usize;
+    for i in 0..4 {
+        let Some(&b) = buf.get(1 + i) else {
+            return Ok(None);
+        };
+        len |= usize::from(b & 0x7F) << (7 * i);
+        if b & 0x80 == 0 {
+            return Ok(Some((first, 2 + i, len)));
+        }
+    }
+    Err(DecodeError::Malformed("remaining length too long".into()))
+}
+
 /// The first byte of each packet in `buf`, which holds whole packets the server wrote.
 pub(crate) fn first_bytes(buf: &[u8]) -> impl Iterator<Item = u8> + '_ {
     let mut rest = buf;
     std::iter::from_fn(move || {
-        let (&first, tail) = rest.split_first()?;
-        let (mut len, mut shift, mut used) = (0usize, 0, 0);
-        for &b in tail.iter().take(4) {
-            len |= usize::from(b & 0x7F) << shift;
-            shift += 7;
-            used += 1;
-            if b & 0x80 == 0 {
-                break;
-            }
-        }
-        rest = tail.get(used + len..).unwrap_or_default();
+        let (first, header, len) = fixed_header(rest).ok().flatten()?;
+        rest = rest.get(header + len..).unwrap_or_default();
         Some(first)
     })
 }
@@ -715,6 +725,20 @@ mod tests {
         disconnect(Version::V5, reason::MALFORMED, &mut out);
         let kinds: Vec<u8> = first_bytes(&out).map(|b| b >> 4).collect();
         assert_eq!(kinds, [13, 4, 9, 14]);
+    }
+
+    #[test]
+    fn fixed_headers_are_read_only_when_complete() {
+        // PUBACK, and a PUBLISH whose remaining length (321) takes two bytes.
+        assert_eq!(fixed_header(&[0x40, 2, 0, 1]).unwrap(), Some((0x40, 2, 2)));
+        assert_eq!(
+            fixed_header(&[0x30, 0xC1, 0x02]).unwrap(),
+            Some((0x30, 3, 321))
+        );
+        for partial in [&[][..], &[0x30], &[0x30, 0xC1]] {
+            assert_eq!(fixed_header(partial).unwrap(), None, "{partial:?}");
+        }
+        assert!(fixed_header(&[0x30, 0xFF, 0xFF, 0xFF, 0xFF, 0x01]).is_err());
     }
 
     #[test]

@@ -236,7 +236,7 @@ async fn connect(addr: &str, client_id: &str) -> std::io::Result<Conn> {
 /// Reads one packet: its type nibble (shifted into the high bits, as on the wire) and body.
 async fn read_packet(conn: &mut Conn) -> std::io::Result<(u8, Bytes)> {
     loop {
-        if let Some((kind, header, len)) = parse_fixed_header(&conn.inbuf)?
+        if let Some((kind, header, len)) = packet_header(&conn.inbuf)?
             && conn.inbuf.len() >= header + len
         {
             conn.inbuf.advance(header);
@@ -248,23 +248,12 @@ async fn read_packet(conn: &mut Conn) -> std::io::Result<(u8, Bytes)> {
     }
 }
 
-/// Type, header length and remaining length of the packet at the start of `buf`, once its
-/// fixed header is complete.
-fn parse_fixed_header(buf: &[u8]) -> std::io::Result<Option<(u8, usize, usize)>> {
-    if buf.is_empty() {
-        return Ok(None);
-    }
-    let mut len = 0usize;
-    for i in 0..4 {
-        let Some(&b) = buf.get(1 + i) else {
-            return Ok(None);
-        };
-        len |= usize::from(b & 0x7F) << (7 * i);
-        if b & 0x80 == 0 {
-            return Ok(Some((buf[0] & 0xF0, 2 + i, len)));
-        }
-    }
-    Err(std::io::Error::other("malformed remaining length"))
+/// The packet type (high nibble) and the header and body lengths of the packet at `buf`'s
+/// start, once its fixed header is complete.
+fn packet_header(buf: &[u8]) -> std::io::Result<Option<(u8, usize, usize)>> {
+    codec::fixed_header(buf)
+        .map(|h| h.map(|(first, header, len)| (first & 0xF0, header, len)))
+        .map_err(std::io::Error::other)
 }
 
 fn encode(pkid: u16, f: &Forward, dup: bool, out: &mut BytesMut) {
@@ -316,7 +305,7 @@ async fn serve(
                 if r? == 0 {
                     return Err(std::io::ErrorKind::UnexpectedEof.into());
                 }
-                while let Some((kind, header, len)) = parse_fixed_header(&conn.inbuf)? {
+                while let Some((kind, header, len)) = packet_header(&conn.inbuf)? {
                     if conn.inbuf.len() < header + len {
                         break;
                     }
