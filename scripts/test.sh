@@ -52,7 +52,7 @@ cargo run --quiet --locked -p sluice-bench -- http \
   --dir target/bench-smoke --small-requests 200 --large-requests 4 >/dev/null
 cargo run --quiet --locked -p sluice-bench -- broadcast \
   --dir target/bench-smoke --subscribers 100 --messages 3 --rate 20 --drain-s 5 \
-  --brokers sluice,sluice-relays,mosquitto,rumqttd --relays 2 >/dev/null
+  --brokers floor,sluice,sluice-relays,mosquitto,rumqttd --relays 2 >/dev/null
 
 echo "==> all checks passed"
 echo "tests: ${passed} passed, ${failed} failed"

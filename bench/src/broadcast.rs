@@ -36,12 +36,14 @@ pub(crate) struct BroadcastArgs {
     /// QoS levels to run, comma-separated (0, 1).
     #[arg(long, value_delimiter = ',', default_value = "0,1")]
     qos: Vec<u8>,
-    /// Brokers to run, comma-separated: sluice, sluice-relays (a main node and `--relays`
-    /// relays sharing one MQTT port; subscribers on the relays), mosquitto, rumqttd.
+    /// Brokers to run, comma-separated: floor (one thread and one epoll that only forward
+    /// bytes: what the kernel and the load generator cost, QoS 0 only), sluice, sluice-relays
+    /// (a main node and `--relays` relays sharing one MQTT port; subscribers on the relays),
+    /// mosquitto, rumqttd.
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "sluice,mosquitto,rumqttd"
+        default_value = "floor,sluice,mosquitto,rumqttd"
     )]
     brokers: Vec<String>,
     /// Payload bytes per message.
@@ -210,7 +212,7 @@ fn put_str(out: &mut Vec<u8>, s: &str) {
     out.extend_from_slice(s.as_bytes());
 }
 
-fn connect_packet(client_id: &str) -> Vec<u8> {
+pub(crate) fn connect_packet(client_id: &str) -> Vec<u8> {
     let mut body = Vec::new();
     put_str(&mut body, "MQTT");
     body.push(4); // 3.1.1
@@ -225,7 +227,7 @@ fn connect_packet(client_id: &str) -> Vec<u8> {
     p
 }
 
-fn subscribe_packet(qos: u8) -> Vec<u8> {
+pub(crate) fn subscribe_packet(qos: u8) -> Vec<u8> {
     let mut body = vec![0, 1];
     put_str(&mut body, TOPIC);
     body.push(qos);
@@ -235,7 +237,7 @@ fn subscribe_packet(qos: u8) -> Vec<u8> {
     p
 }
 
-fn publish_packet(qos: u8, pkid: u16, payload: &[u8]) -> Vec<u8> {
+pub(crate) fn publish_packet(qos: u8, pkid: u16, payload: &[u8]) -> Vec<u8> {
     let mut body = Vec::with_capacity(payload.len() + TOPIC.len() + 4);
     put_str(&mut body, TOPIC);
     if qos > 0 {
@@ -492,7 +494,7 @@ fn ws_header(buf: &[u8]) -> Option<(u8, usize, usize)> {
 }
 
 /// (first byte, header length, remaining length) of a complete fixed header at `buf`'s start.
-fn fixed_header(buf: &[u8]) -> Option<(u8, usize, usize)> {
+pub(crate) fn fixed_header(buf: &[u8]) -> Option<(u8, usize, usize)> {
     let mut len = 0usize;
     for i in 0..4 {
         let b = *buf.get(1 + i)?;
@@ -656,8 +658,25 @@ pub(crate) fn worker(args: WorkerArgs) -> anyhow::Result<()> {
     })
 }
 
-/// `broadcast-peer`: runs Sluice or rumqttd until stdin closes; prints `ready <port>`.
+/// `broadcast-peer`: runs Sluice, rumqttd or the floor until stdin closes; prints
+/// `ready <port>`.
 pub(crate) fn peer(args: PeerArgs) -> anyhow::Result<()> {
+    if args.broker == "floor" {
+        // The floor is one plain thread; the runtime only binds its listener the way Sluice's
+        // is bound (same backlog), so connect storms meet the same accept queue.
+        let listener = tokio::runtime::Builder::new_current_thread()
+            .enable_io()
+            .build()?
+            .block_on(async {
+                sluice_mqtt::bind_listener("127.0.0.1:0", false)
+                    .await?
+                    .into_std()
+            })?;
+        println!("ready {}", listener.local_addr()?.port());
+        std::io::stdout().flush()?;
+        std::thread::spawn(|| answer_until_stdin_closes(None));
+        return crate::floor::serve(listener);
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
@@ -682,17 +701,20 @@ pub(crate) fn peer(args: PeerArgs) -> anyhow::Result<()> {
         };
         println!("ready {port}");
         std::io::stdout().flush()?;
-        tokio::task::spawn_blocking(move || {
-            for line in std::io::stdin().lines().map_while(Result::ok) {
-                if line.trim() == "stats" {
-                    println!("{}", peer_stats(engine.as_ref()));
-                    let _ = std::io::stdout().flush();
-                }
-            }
-        })
-        .await?;
-        std::process::exit(0);
+        tokio::task::spawn_blocking(move || answer_until_stdin_closes(engine)).await?;
+        anyhow::Ok(())
     })
+}
+
+/// Answers `stats` lines on stdin; ends the process when stdin closes.
+fn answer_until_stdin_closes(engine: Option<sluice_core::Engine>) {
+    for line in std::io::stdin().lines().map_while(Result::ok) {
+        if line.trim() == "stats" {
+            println!("{}", peer_stats(engine.as_ref()));
+            let _ = std::io::stdout().flush();
+        }
+    }
+    std::process::exit(0);
 }
 
 /// Slow-subscriber handling as the broker counted it (Sluice's live-ring counters).
@@ -1086,6 +1108,11 @@ impl CaseResult {
         0.0
     }
 
+    /// The slowest message's time until its last subscriber had it.
+    fn last_max_ms(&self) -> f64 {
+        self.last_ms.iter().copied().fold(f64::NAN, f64::max)
+    }
+
     fn max_ms(&self) -> f64 {
         self.histogram
             .iter()
@@ -1282,7 +1309,6 @@ fn run_case(
     result
 }
 
-/// Publishes `args.messages` payloads at `args.rate` per second.
 /// Publishes `args.messages` payloads at `args.rate` per second (as fast as the broker takes
 /// them when the rate is higher than that); answers the time from the first send until the last
 /// PUBACK (QoS 1: durable in Sluice) or the last write (QoS 0).
@@ -1382,6 +1408,21 @@ fn loopback_gbps() -> anyhow::Result<f64> {
     Ok(total as f64 / 1e9 / started.elapsed().as_secs_f64())
 }
 
+/// Each Sluice case with each peer case of the same QoS and N (a run has one transport): the
+/// pairs whose ratios the report gives.
+fn against_peers(results: &[CaseResult]) -> Vec<(&CaseResult, &CaseResult)> {
+    let ours = results.iter().filter(|r| r.broker.starts_with("sluice"));
+    ours.flat_map(|o| {
+        results
+            .iter()
+            .filter(move |p| {
+                !p.broker.starts_with("sluice") && p.qos == o.qos && p.subscribers == o.subscribers
+            })
+            .map(move |p| (o, p))
+    })
+    .collect()
+}
+
 pub(crate) fn run(args: BroadcastArgs) -> anyhow::Result<()> {
     anyhow::ensure!(
         matches!(args.transport.as_str(), "mqtt" | "ws"),
@@ -1415,6 +1456,10 @@ pub(crate) fn run(args: BroadcastArgs) -> anyhow::Result<()> {
                     eprintln!("{broker} skipped: WebSocket subscribers read Sluice's live stream");
                     continue;
                 }
+                if broker == "floor" && qos > 0 {
+                    eprintln!("floor skipped at QoS {qos}: it forwards QoS 0 only");
+                    continue;
+                }
                 if broker == "mosquitto" && !std::path::Path::new(&args.mosquitto).exists() {
                     eprintln!("mosquitto skipped: {} is missing", args.mosquitto);
                     continue;
@@ -1433,7 +1478,7 @@ pub(crate) fn run(args: BroadcastArgs) -> anyhow::Result<()> {
         }
     }
     println!(
-        "One publisher, topic `{TOPIC}`, {} B payloads at {}/s, {} messages per case; subscribers are MQTT 3.1.1 clean sessions in worker processes of up to {} clients (2 threads each, one loopback source address each). Sluice runs with durability fsync; Mosquitto in memory (persistence off); rumqttd in memory. Latency is publish to receipt over all deliveries (1% buckets); \"last\" is when the last subscriber had a message (median and max over messages). CPU per delivery is the broker process's CPU time during the publishing phase divided by deliveries. \"in msg/s\" is what the broker took per second (until the last PUBACK at QoS 1: durable in Sluice); \"out MB/s\" is payload delivered per second until the last subscriber had the slowest message. \"sluice + R relays\": subscribers on R relay processes sharing one MQTT port (SO_REUSEPORT), the publisher on the main node; CPU and memory are all of them together. Loopback ceiling measured in this run (2 TCP streams of 2 MB writes): {loopback:.2} GB/s.{}\n",
+        "One publisher, topic `{TOPIC}`, {} B payloads at {}/s, {} messages per case; subscribers are MQTT 3.1.1 clean sessions in worker processes of up to {} clients (2 threads each, one loopback source address each). Sluice runs with durability fsync; Mosquitto in memory (persistence off); rumqttd in memory; the floor is one thread and one epoll writing each QoS 0 PUBLISH verbatim to every subscriber, nothing else. Latency is publish to receipt over all deliveries (1% buckets); \"last\" is when the last subscriber had a message (median and max over messages). CPU per delivery is the broker process's CPU time during the publishing phase divided by deliveries. \"in msg/s\" is what the broker took per second (until the last PUBACK at QoS 1: durable in Sluice); \"out MB/s\" is payload delivered per second until the last subscriber had the slowest message. \"sluice + R relays\": subscribers on R relay processes sharing one MQTT port (SO_REUSEPORT), the publisher on the main node; CPU and memory are all of them together. Loopback ceiling measured in this run (2 TCP streams of 2 MB writes): {loopback:.2} GB/s.{}\n",
         args.size,
         args.rate,
         args.messages,
@@ -1486,12 +1531,41 @@ pub(crate) fn run(args: BroadcastArgs) -> anyhow::Result<()> {
             slow,
         );
     }
+    let pairs = against_peers(&results);
+    if !pairs.is_empty() {
+        println!(
+            "\nSluice as a multiple of each peer in this run, at the same QoS and N (below 1: better than the peer; against the floor, the fan-out goal is at most 1.5 for CPU per delivery):\n"
+        );
+        println!("| Sluice | against | QoS | N | p99 × | last max × | CPU per delivery × |");
+        println!("|---|---|---|---|---|---|---|");
+    }
+    let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { f64::NAN };
+    let mut ratio_json = Vec::new();
+    for (ours, peer) in &pairs {
+        let p99 = ratio(ours.quantile_ms(0.99), peer.quantile_ms(0.99));
+        let last = ratio(ours.last_max_ms(), peer.last_max_ms());
+        let cpu = ratio(ours.cpu_per_delivery_us(), peer.cpu_per_delivery_us());
+        println!(
+            "| {} | {} | {} | {} | {p99:.2} | {last:.2} | {cpu:.2} |",
+            ours.broker, peer.broker, ours.qos, ours.subscribers
+        );
+        ratio_json.push(json!({
+            "sluice": ours.broker,
+            "against": peer.broker,
+            "qos": ours.qos,
+            "subscribers": ours.subscribers,
+            "p99": p99,
+            "last_max": last,
+            "cpu_per_delivery": cpu,
+        }));
+    }
     if let Some(path) = &args.json {
         let all: Vec<Value> = results.iter().map(CaseResult::json).collect();
         let doc = json!({
             "loopback_gb_per_s": loopback,
             "raw_disk_mb_per_s": raw_disk_mb_s,
             "cases": all,
+            "against_peers": ratio_json,
         });
         std::fs::write(path, serde_json::to_vec_pretty(&doc)?)?;
     }
@@ -1607,6 +1681,52 @@ mod tests {
         assert_eq!(seen.count[2].load(Ordering::Relaxed), 1);
         let last = seen.last_us[2].load(Ordering::Relaxed);
         assert!((5_000..60_000_000).contains(&last), "{last}");
+    }
+
+    #[test]
+    fn each_sluice_case_is_compared_with_every_peer_at_its_qos_and_n() {
+        let case = |broker: &str, qos: u8, subscribers: usize| CaseResult {
+            broker: broker.to_owned(),
+            qos,
+            subscribers,
+            connected: subscribers as u64,
+            connect_s: 0.0,
+            published: 1,
+            received: 0,
+            histogram: vec![0; BUCKETS],
+            last_ms: Vec::new(),
+            broker_cpu: Duration::ZERO,
+            broker_rss: 0,
+            broker_rss_idle: 0,
+            worker_cpu_us: 0,
+            size: 0,
+            publish_s: 0.0,
+            stalled: 0,
+            broker_stats: Value::Null,
+        };
+        let results = vec![
+            case("floor", 0, 100),
+            case("sluice", 0, 100),
+            case("mosquitto", 0, 100),
+            case("sluice + 2 relays", 0, 100),
+            case("sluice", 1, 100),
+            case("mosquitto", 1, 100),
+            case("mosquitto", 0, 200),
+        ];
+        let pairs: Vec<(&str, &str, u8)> = against_peers(&results)
+            .iter()
+            .map(|(o, p)| (o.broker.as_str(), p.broker.as_str(), o.qos))
+            .collect();
+        assert_eq!(
+            pairs,
+            [
+                ("sluice", "floor", 0),
+                ("sluice", "mosquitto", 0),
+                ("sluice + 2 relays", "floor", 0),
+                ("sluice + 2 relays", "mosquitto", 0),
+                ("sluice", "mosquitto", 1),
+            ]
+        );
     }
 
     #[test]

@@ -4,6 +4,7 @@
 
 mod broadcast;
 mod fanout;
+mod floor;
 mod http;
 mod ledger;
 mod mqtt;

@@ -21,6 +21,11 @@ pub(crate) fn valid_filter(filter: &str) -> bool {
 /// Whether `name` matches `filter`. Wildcards in the first level do not match names that start
 /// with `$` (such as `$SYS/...`).
 pub(crate) fn matches(filter: &str, name: &str) -> bool {
+    // Without wildcards every level must be equal: one comparison instead of walking the
+    // levels, which runs for every live delivery.
+    if !filter.contains(['+', '#']) {
+        return filter == name;
+    }
     if name.starts_with('$') && (filter.starts_with('+') || filter.starts_with('#')) {
         return false;
     }
@@ -79,6 +84,11 @@ mod tests {
             ("#", "anything/at/all", true),
             ("+", "a/b", false),
             ("a/b", "a/b", true),
+            ("a/b", "a/bc", false),
+            ("a/b", "a/b/", false),
+            ("a", "a/b", false),
+            ("", "", true),
+            ("$SYS/load", "$SYS/load", true),
             ("+/x", "/x", true),
             ("#", "$SYS/load", false),
             ("$SYS/#", "$SYS/load", true),
