@@ -2,10 +2,13 @@
 //! subscribers (QoS 0 or 1), small messages at a steady rate, through Sluice, Mosquitto and
 //! rumqttd in the same run, each broker in its own process so its CPU and memory are its own.
 //!
-//! The subscribers live in worker processes (`broadcast-worker`, this binary again), a few
-//! thousand minimal MQTT 3.1.1 clients each on a tokio runtime of two threads, every worker bound
-//! to its own loopback source address (127.0.0.2, .3, ...) so no address runs out of ephemeral
-//! ports. Each payload starts with its send time (wall clock, nanoseconds) and sequence number;
+//! The subscribers live in worker processes (`broadcast-worker`, this binary again), up to
+//! 19,000 minimal MQTT 3.1.1 clients each, connected on a tokio runtime and then read by two
+//! plain threads with one epoll each (the load generator shares the cores with the broker, so it
+//! is kept as cheap per delivery as the kernel allows). Every worker has its own block of
+//! loopback source addresses, a new one every [`CLIENTS_PER_ADDRESS`] clients, so no address
+//! runs short of ephemeral ports (the kernel's search for a free port slows down long before
+//! the range is used up). Each payload starts with its send time (wall clock, nanoseconds) and sequence number;
 //! workers measure latency on receipt into a log-bucketed histogram (1% resolution) and keep, per
 //! message, how many subscribers had it and when the last one did. The coordinator publishes,
 //! reads each process's CPU time and resident memory from /proc, merges, and prints a Markdown
@@ -16,7 +19,7 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, bail};
@@ -56,7 +59,7 @@ pub(crate) struct BroadcastArgs {
     #[arg(long, default_value_t = 10)]
     messages: usize,
     /// Subscribers per worker process (each process may hold at most 20,000 open files here).
-    #[arg(long, default_value_t = 5000)]
+    #[arg(long, default_value_t = 19_000)]
     per_worker: usize,
     /// Connections a worker opens at the same time while connecting.
     #[arg(long, default_value_t = 256)]
@@ -114,7 +117,7 @@ pub(crate) struct PeerArgs {
 pub(crate) struct WorkerArgs {
     #[arg(long)]
     broker: SocketAddr,
-    /// Local address to connect from.
+    /// The first local address to connect from; see [`source_for`].
     #[arg(long)]
     source: Ipv4Addr,
     #[arg(long)]
@@ -135,6 +138,16 @@ pub(crate) struct WorkerArgs {
     /// Subscribe over WebSocket at this path instead of MQTT (`broker` is then an HTTP port).
     #[arg(long)]
     ws_path: Option<String>,
+}
+
+/// Clients that connect from one loopback source address.
+const CLIENTS_PER_ADDRESS: usize = 4_000;
+
+/// The source address of a worker's client `i`: the worker's `127.c.0.w` with the third octet
+/// counting blocks of [`CLIENTS_PER_ADDRESS`].
+fn source_for(first: Ipv4Addr, i: usize) -> Ipv4Addr {
+    let [a, b, _, d] = first.octets();
+    Ipv4Addr::new(a, b, (i / CLIENTS_PER_ADDRESS).min(255) as u8, d)
 }
 
 /// The ledger topic MQTT publishes to `TOPIC` land in (the gateway's default route).
@@ -339,61 +352,126 @@ async fn connect(
     Ok(s)
 }
 
-thread_local! {
-    /// Each worker thread reads every socket into this one buffer, so an idle subscriber holds
-    /// no read buffer of its own (20,000 × 10 KB would be 200 MB per worker).
-    static SCRATCH: std::cell::RefCell<Vec<u8>> = std::cell::RefCell::new(vec![0; 256 * 1024]);
+/// One subscriber as a receiver thread holds it.
+struct Receiving {
+    stream: std::net::TcpStream,
+    framer: Framer,
+    /// Messages counted so far.
+    have: usize,
+    /// PUBACKs the socket has not taken yet.
+    acks: Vec<u8>,
 }
 
-/// One subscriber: receives until it has every message (or the worker is told to stop). One
-/// `read` per wake-up into the thread's scratch buffer; only a partial packet is kept.
-async fn subscriber(s: TcpStream, seen: Arc<Seen>, messages: usize, framing: Framing) {
-    let mut framer = Framer::new(framing);
-    let mut have = 0usize;
-    let mut acks: Vec<u8> = Vec::new();
-    loop {
-        if s.readable().await.is_err() {
-            return;
-        }
-        let outcome = SCRATCH.with_borrow_mut(|scratch| {
-            let n = match s.try_read(scratch) {
-                Ok(0) => return Err(()),
-                Ok(n) => n,
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(()),
-                Err(_) => return Err(()),
+/// Receives for `streams` on this thread until `stop` is set: one level-triggered epoll, one
+/// `read` per readiness into one scratch buffer (an idle subscriber holds no read buffer of its
+/// own; 20,000 × 10 KB would be 200 MB), PUBACKs written back at once. No tasks or wakers: the
+/// load generator shares the machine's two cores with the broker, so every microsecond it
+/// spends per delivery is taken from the broker under test.
+fn receive(
+    streams: Vec<std::net::TcpStream>,
+    seen: &Seen,
+    messages: usize,
+    framing: Framing,
+    stop: &AtomicBool,
+) -> std::io::Result<()> {
+    use std::io::Read;
+    use std::os::fd::AsRawFd;
+    let epoll = crate::epoll::Epoll::new()?;
+    let mut subs: Vec<Option<Receiving>> = Vec::with_capacity(streams.len());
+    for (token, stream) in streams.into_iter().enumerate() {
+        epoll.ctl(
+            libc::EPOLL_CTL_ADD,
+            stream.as_raw_fd(),
+            libc::EPOLLIN as u32,
+            token as u64,
+        )?;
+        subs.push(Some(Receiving {
+            stream,
+            framer: Framer::new(framing),
+            have: 0,
+            acks: Vec::new(),
+        }));
+    }
+    let mut events = crate::epoll::events(1024);
+    let mut scratch = vec![0u8; 256 * 1024];
+    while !stop.load(Ordering::Relaxed) {
+        let n = epoll.wait(&mut events, 20)?;
+        for ev in &events[..n] {
+            let slot = &mut subs[ev.u64 as usize];
+            let Some(sub) = slot.as_mut() else {
+                continue;
             };
-            framer.feed(&scratch[..n], |first, head| {
-                let counted = match framing {
-                    Framing::Mqtt if first >> 4 == 3 => record(&seen, first, head, &mut acks),
-                    // A binary frame: the record's value, as published.
-                    Framing::WebSocket if first & 0x0F == 2 => record_payload(&seen, head),
-                    _ => 0,
-                };
-                have += counted;
-                if counted > 0 && have == messages {
-                    seen.complete.fetch_add(1, Ordering::Relaxed);
+            let open = if ev.events & libc::EPOLLOUT as u32 != 0 {
+                flush_acks(&epoll, sub, ev.u64)
+            } else {
+                match sub.stream.read(&mut scratch) {
+                    Ok(0) => false,
+                    Ok(n) => {
+                        let Receiving {
+                            framer, have, acks, ..
+                        } = sub;
+                        framer.feed(&scratch[..n], |first, head| {
+                            let counted = match framing {
+                                Framing::Mqtt if first >> 4 == 3 => record(seen, first, head, acks),
+                                // A binary frame: the record's value, as published.
+                                Framing::WebSocket if first & 0x0F == 2 => {
+                                    record_payload(seen, head)
+                                }
+                                _ => 0,
+                            };
+                            *have += counted;
+                            if counted > 0 && *have == messages {
+                                seen.complete.fetch_add(1, Ordering::Relaxed);
+                            }
+                        });
+                        flush_acks(&epoll, sub, ev.u64)
+                    }
+                    Err(e) => matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
+                    ),
                 }
-            });
-            Ok(())
-        });
-        if outcome.is_err() {
-            return;
-        }
-        if !acks.is_empty() {
-            let mut written = 0;
-            while written < acks.len() {
-                if s.writable().await.is_err() {
-                    return;
-                }
-                match s.try_write(&acks[written..]) {
-                    Ok(n) => written += n,
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                    Err(_) => return,
-                }
+            };
+            if !open {
+                // Closing the socket removes it from the epoll set.
+                *slot = None;
             }
-            acks.clear();
         }
     }
+    Ok(())
+}
+
+/// Writes a subscriber's pending PUBACKs; what the socket does not take waits for it to be
+/// writable. False when the connection failed.
+fn flush_acks(epoll: &crate::epoll::Epoll, sub: &mut Receiving, token: u64) -> bool {
+    use std::os::fd::AsRawFd;
+    let had = !sub.acks.is_empty();
+    while !sub.acks.is_empty() {
+        match sub.stream.write(&sub.acks) {
+            Ok(n) => {
+                sub.acks.drain(..n);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(_) => return false,
+        }
+    }
+    if !had {
+        return true;
+    }
+    let events = if sub.acks.is_empty() {
+        libc::EPOLLIN
+    } else {
+        libc::EPOLLIN | libc::EPOLLOUT
+    };
+    epoll
+        .ctl(
+            libc::EPOLL_CTL_MOD,
+            sub.stream.as_raw_fd(),
+            events as u32,
+            token,
+        )
+        .is_ok()
 }
 
 /// Body bytes of a packet kept for counting it: topic, packet id and the payload's time stamp
@@ -563,7 +641,7 @@ pub(crate) fn worker(args: WorkerArgs) -> anyhow::Result<()> {
             let gate = gate.clone();
             let seen = seen.clone();
             let id = format!("b{}", args.first_id + i);
-            let (broker, source, qos) = (args.broker, args.source, args.qos);
+            let (broker, source, qos) = (args.broker, source_for(args.source, i), args.qos);
             let ws_path = args.ws_path.clone();
             tasks.spawn(async move {
                 let _permit = gate.acquire().await;
@@ -614,8 +692,21 @@ pub(crate) fn worker(args: WorkerArgs) -> anyhow::Result<()> {
         } else {
             Framing::Mqtt
         };
+        // Two receiver threads, each with half of the subscribers.
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut plain = Vec::with_capacity(streams.len());
         for s in streams {
-            tokio::spawn(subscriber(s, seen.clone(), args.messages, framing));
+            plain.push(s.into_std()?);
+        }
+        let half = plain.len().div_ceil(2);
+        for part in [plain.split_off(half), plain] {
+            let (seen, stop) = (seen.clone(), stop.clone());
+            let messages = args.messages;
+            std::thread::spawn(move || {
+                if let Err(e) = receive(part, &seen, messages, framing, &stop) {
+                    eprintln!("broadcast-worker: receiving stopped: {e}");
+                }
+            });
         }
         // Ends when every client has everything, or when the coordinator says so.
         let (stop_tx, mut stop_rx) = tokio::sync::mpsc::channel::<()>(1);
@@ -633,6 +724,7 @@ pub(crate) fn worker(args: WorkerArgs) -> anyhow::Result<()> {
                 () = tokio::time::sleep(Duration::from_millis(20)) => {}
             }
         }
+        stop.store(true, Ordering::Relaxed);
         let histogram: Vec<(usize, u64)> = seen
             .histogram
             .iter()
@@ -1478,7 +1570,7 @@ pub(crate) fn run(args: BroadcastArgs) -> anyhow::Result<()> {
         }
     }
     println!(
-        "One publisher, topic `{TOPIC}`, {} B payloads at {}/s, {} messages per case; subscribers are MQTT 3.1.1 clean sessions in worker processes of up to {} clients (2 threads each, one loopback source address each). Sluice runs with durability fsync; Mosquitto in memory (persistence off); rumqttd in memory; the floor is one thread and one epoll writing each QoS 0 PUBLISH verbatim to every subscriber, nothing else. Latency is publish to receipt over all deliveries (1% buckets); \"last\" is when the last subscriber had a message (median and max over messages). CPU per delivery is the broker process's CPU time during the publishing phase divided by deliveries. \"in msg/s\" is what the broker took per second (until the last PUBACK at QoS 1: durable in Sluice); \"out MB/s\" is payload delivered per second until the last subscriber had the slowest message. \"sluice + R relays\": subscribers on R relay processes sharing one MQTT port (SO_REUSEPORT), the publisher on the main node; CPU and memory are all of them together. Loopback ceiling measured in this run (2 TCP streams of 2 MB writes): {loopback:.2} GB/s.{}\n",
+        "One publisher, topic `{TOPIC}`, {} B payloads at {}/s, {} messages per case; subscribers are MQTT 3.1.1 clean sessions in worker processes of up to {} clients (read by two threads with one epoll each; one loopback source address per {CLIENTS_PER_ADDRESS} clients). Sluice runs with durability fsync; Mosquitto in memory (persistence off); rumqttd in memory; the floor is one thread and one epoll writing each QoS 0 PUBLISH verbatim to every subscriber, nothing else. Latency is publish to receipt over all deliveries (1% buckets); \"last\" is when the last subscriber had a message (median and max over messages). CPU per delivery is the broker process's CPU time during the publishing phase divided by deliveries. \"in msg/s\" is what the broker took per second (until the last PUBACK at QoS 1: durable in Sluice); \"out MB/s\" is payload delivered per second until the last subscriber had the slowest message. \"sluice + R relays\": subscribers on R relay processes sharing one MQTT port (SO_REUSEPORT), the publisher on the main node; CPU and memory are all of them together. Loopback ceiling measured in this run (2 TCP streams of 2 MB writes): {loopback:.2} GB/s.{}\n",
         args.size,
         args.rate,
         args.messages,
@@ -1727,6 +1819,18 @@ mod tests {
                 ("sluice", "mosquitto", 1),
             ]
         );
+    }
+
+    #[test]
+    fn each_block_of_clients_connects_from_its_own_address() {
+        let first = Ipv4Addr::new(127, 3, 0, 7);
+        assert_eq!(source_for(first, 0), first);
+        assert_eq!(source_for(first, CLIENTS_PER_ADDRESS - 1), first);
+        assert_eq!(
+            source_for(first, CLIENTS_PER_ADDRESS),
+            Ipv4Addr::new(127, 3, 1, 7)
+        );
+        assert_eq!(source_for(first, 18_999), Ipv4Addr::new(127, 3, 4, 7));
     }
 
     #[test]

@@ -13,6 +13,8 @@ use std::io::{ErrorKind, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
 
+use crate::epoll::{Epoll, events};
+
 /// One connection.
 struct Conn {
     stream: TcpStream,
@@ -21,55 +23,6 @@ struct Conn {
     pending: Vec<u8>,
     /// Its place in the subscriber list, once it subscribed.
     subscriber: Option<usize>,
-}
-
-/// The epoll instance, closed on drop.
-struct Epoll(RawFd);
-
-impl Epoll {
-    fn new() -> std::io::Result<Self> {
-        // SAFETY: epoll_create1 has no preconditions.
-        let fd = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        Ok(Self(fd))
-    }
-
-    fn ctl(&self, op: i32, fd: RawFd, events: u32) -> std::io::Result<()> {
-        let mut ev = libc::epoll_event {
-            events,
-            u64: fd as u64,
-        };
-        // SAFETY: `ev` is a valid epoll_event for the duration of the call (the kernel copies it).
-        if unsafe { libc::epoll_ctl(self.0, op, fd, &mut ev) } < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        Ok(())
-    }
-
-    /// Waits for events; answers how many of `events` were filled.
-    fn wait(&self, events: &mut [libc::epoll_event]) -> std::io::Result<usize> {
-        loop {
-            let max = events.len().min(i32::MAX as usize) as i32;
-            // SAFETY: `events` has room for `max` entries.
-            let n = unsafe { libc::epoll_wait(self.0, events.as_mut_ptr(), max, -1) };
-            if n >= 0 {
-                return Ok(n as usize);
-            }
-            let e = std::io::Error::last_os_error();
-            if e.kind() != ErrorKind::Interrupted {
-                return Err(e);
-            }
-        }
-    }
-}
-
-impl Drop for Epoll {
-    fn drop(&mut self) {
-        // SAFETY: the descriptor is owned by this value and closed once.
-        unsafe { libc::close(self.0) };
-    }
 }
 
 /// The connections and the subscriber list.
@@ -103,6 +56,7 @@ impl Floor {
                 libc::EPOLL_CTL_MOD,
                 fd,
                 (libc::EPOLLIN | libc::EPOLLOUT) as u32,
+                fd as u64,
             )
             .is_err()
         {
@@ -126,7 +80,7 @@ impl Floor {
         }
         if self
             .epoll
-            .ctl(libc::EPOLL_CTL_MOD, fd, libc::EPOLLIN as u32)
+            .ctl(libc::EPOLL_CTL_MOD, fd, libc::EPOLLIN as u32, fd as u64)
             .is_err()
         {
             self.close(fd);
@@ -222,13 +176,16 @@ pub(crate) fn serve(listener: TcpListener) -> anyhow::Result<()> {
         subscribers: Vec::new(),
     };
     let listen_fd = listener.as_raw_fd();
-    floor
-        .epoll
-        .ctl(libc::EPOLL_CTL_ADD, listen_fd, libc::EPOLLIN as u32)?;
-    let mut events = vec![libc::epoll_event { events: 0, u64: 0 }; 1024];
+    floor.epoll.ctl(
+        libc::EPOLL_CTL_ADD,
+        listen_fd,
+        libc::EPOLLIN as u32,
+        listen_fd as u64,
+    )?;
+    let mut events = events(1024);
     let mut scratch = vec![0u8; 64 * 1024];
     loop {
-        let n = floor.epoll.wait(&mut events)?;
+        let n = floor.epoll.wait(&mut events, -1)?;
         for ev in &events[..n] {
             let (fd, bits) = (ev.u64 as RawFd, ev.events);
             if fd == listen_fd {
@@ -238,9 +195,12 @@ pub(crate) fn serve(listener: TcpListener) -> anyhow::Result<()> {
                             stream.set_nonblocking(true)?;
                             stream.set_nodelay(true)?;
                             let fd = stream.as_raw_fd();
-                            floor
-                                .epoll
-                                .ctl(libc::EPOLL_CTL_ADD, fd, libc::EPOLLIN as u32)?;
+                            floor.epoll.ctl(
+                                libc::EPOLL_CTL_ADD,
+                                fd,
+                                libc::EPOLLIN as u32,
+                                fd as u64,
+                            )?;
                             floor.conns.insert(
                                 fd,
                                 Conn {
@@ -290,7 +250,7 @@ mod tests {
             conns: HashMap::new(),
             subscribers: Vec::new(),
         };
-        let mut accept = |floor: &mut Floor| {
+        let accept = |floor: &mut Floor| {
             let (stream, _) = listener.accept().expect("accept");
             stream.set_nonblocking(true).expect("non-blocking");
             let fd = stream.as_raw_fd();

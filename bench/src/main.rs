@@ -3,6 +3,7 @@
 //! prints a Markdown table (and JSON on request) for `docs/BENCHMARKS.md`.
 
 mod broadcast;
+mod epoll;
 mod fanout;
 mod floor;
 mod http;
