@@ -243,8 +243,12 @@ pub(crate) async fn attach(
     body: bytes::Bytes,
 ) -> Result<(StatusCode, Json<Attachment>), Problem> {
     let (topic, name) = path(p)?;
-    // An empty body takes every default, so `curl -X POST` alone attaches.
-    let req: AttachRequest = if body.iter().all(u8::is_ascii_whitespace) {
+    // An empty body takes every default, so `curl -X POST` alone attaches. Only JSON's own
+    // whitespace counts as empty: a form feed (ASCII whitespace, not JSON's) is a bad body.
+    let req: AttachRequest = if body
+        .iter()
+        .all(|b| matches!(b, b' ' | b'\t' | b'\n' | b'\r'))
+    {
         AttachRequest::default()
     } else {
         serde_json::from_slice(&body).map_err(|e| Problem::bad_request(format!("body: {e}")))?

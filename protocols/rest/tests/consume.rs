@@ -168,6 +168,20 @@ async fn an_exclusive_subscription_refuses_a_second_consumer_and_bad_input_is_a_
     assert_problem(resp, 400, "bad-request").await;
     let resp = attach(&s, "alerts", "pager2", json!({"idle_timeout_ms": 0})).await;
     assert_problem(resp, 400, "bad-request").await;
+    // A body of JSON whitespace takes the defaults; any other byte must be JSON.
+    let raw = |sub: &str, body: &'static [u8]| {
+        s.http
+            .post(format!(
+                "{}/topics/alerts/subscriptions/{sub}/consumers",
+                s.base
+            ))
+            .body(body)
+            .send()
+    };
+    let resp = raw("blank", b" \r\n\t").await.unwrap();
+    assert_eq!(resp.status(), 201);
+    let resp = raw("formfeed", b"\x0c").await.unwrap();
+    assert_problem(resp, 400, "bad-request").await;
     let resp = post_ids(
         &s,
         format!(
