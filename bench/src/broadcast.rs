@@ -1631,15 +1631,29 @@ pub(crate) fn run(args: BroadcastArgs) -> anyhow::Result<()> {
         println!("| Sluice | against | QoS | N | p99 × | last max × | CPU per delivery × |");
         println!("|---|---|---|---|---|---|---|");
     }
-    let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { f64::NAN };
+    let ratio = |a: f64, b: f64| if a > 0.0 && b > 0.0 { a / b } else { f64::NAN };
     let mut ratio_json = Vec::new();
     for (ours, peer) in &pairs {
         let p99 = ratio(ours.quantile_ms(0.99), peer.quantile_ms(0.99));
         let last = ratio(ours.last_max_ms(), peer.last_max_ms());
         let cpu = ratio(ours.cpu_per_delivery_us(), peer.cpu_per_delivery_us());
+        // A broker whose CPU time stayed under the clock tick (tiny smoke runs) has no ratio.
+        let shown = |r: f64| {
+            if r.is_finite() {
+                format!("{r:.2}")
+            } else {
+                "-".to_owned()
+            }
+        };
         println!(
-            "| {} | {} | {} | {} | {p99:.2} | {last:.2} | {cpu:.2} |",
-            ours.broker, peer.broker, ours.qos, ours.subscribers
+            "| {} | {} | {} | {} | {} | {} | {} |",
+            ours.broker,
+            peer.broker,
+            ours.qos,
+            ours.subscribers,
+            shown(p99),
+            shown(last),
+            shown(cpu)
         );
         ratio_json.push(json!({
             "sluice": ours.broker,
