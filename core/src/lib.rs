@@ -37,8 +37,9 @@ pub use partition::WriterSettings;
 pub use password::{hash_password, is_password_hash, verify_password};
 pub use policy::{Durability, TopicPolicy};
 pub use sluice_storage::{
-    BatchError, BatchHeader, Clock, DecodedRecord, Faults, FaultyStorage, Fetched, FsStorage,
-    ManualClock, Record, Storage, SystemClock, decode_records, split_batches,
+    BatchError, BatchHeader, Clock, DecodedRecord, DirectFsStorage, DirectStats, Faults,
+    FaultyStorage, Fetched, FsStorage, ManualClock, Record, Storage, SystemClock, decode_records,
+    split_batches,
 };
 pub use subscription::{
     Consumer, InitialPosition, Message, MessageId, SubscribeOptions, SubscriptionBacklog,

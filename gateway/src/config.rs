@@ -104,6 +104,7 @@ pub(crate) struct StorageSection {
     pub(crate) live_ring_bytes: usize,
     pub(crate) catchup_readers: usize,
     pub(crate) subscription_flush_interval_ms: u64,
+    pub(crate) direct_write_min_bytes: usize,
 }
 
 /// Values given on the command line; `None` leaves the lower layers' value.
@@ -357,6 +358,12 @@ impl Config {
             return invalid(format!("topics.defaults: {e}"));
         }
         let s = &self.storage;
+        if s.direct_write_min_bytes != 0 && s.direct_write_min_bytes < 4096 {
+            return invalid(format!(
+                "storage.direct_write_min_bytes must be 0 (off) or at least 4096, not {}",
+                s.direct_write_min_bytes
+            ));
+        }
         for (key, v) in [
             ("storage.writer_queue_depth", s.writer_queue_depth as u64),
             (
@@ -457,6 +464,11 @@ mod tests {
         assert!(c.topics.auto_create);
         // The file's policy is the library's default policy, key for key.
         assert_eq!(c.topics.defaults, TopicPolicy::default());
+        // The benchmarks run the in-process engine with the library's constant.
+        assert_eq!(
+            c.storage.direct_write_min_bytes,
+            sluice_core::DirectFsStorage::DEFAULT_MIN_BYTES
+        );
     }
 
     #[test]
@@ -557,6 +569,10 @@ mod tests {
             ("[topics]\ndefault_partitions = 0\n", "default_partitions"),
             ("[log]\nformat = \"xml\"\n", "xml"),
             ("[storage]\nwriter_queue_depth = 0\n", "writer_queue_depth"),
+            (
+                "[storage]\ndirect_write_min_bytes = 512\n",
+                "direct_write_min_bytes",
+            ),
             ("data_dir = 5\n", "data_dir"),
             ("not toml at all", "key"),
         ];

@@ -26,6 +26,8 @@ pub(crate) struct AppState {
     pub(crate) stop: tokio::sync::watch::Receiver<bool>,
     /// Set when this process is a relay.
     pub(crate) relay: Option<Relay>,
+    /// Write counters of the segment files, when large appends go direct.
+    pub(crate) direct_writes: Option<Arc<sluice_core::DirectStats>>,
 }
 
 /// What a relay has beyond a main node: its name and its two links to the upstream.
@@ -68,6 +70,9 @@ async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
     let engine = state.engine.metrics();
     let process = crate::process::stats();
     let mut body = crate::metrics::render(&engine, &process, state.ready.load(Ordering::Acquire));
+    if let Some(direct) = &state.direct_writes {
+        crate::metrics::render_direct_writes(&mut body, direct);
+    }
     if let Some(kafka) = state.kafka.get() {
         crate::metrics::render_kafka(&mut body, &kafka.metrics);
     }

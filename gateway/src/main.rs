@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
-use sluice_core::{Engine, FsStorage, SystemClock};
+use sluice_core::{DirectFsStorage, Engine, FsStorage, Storage, SystemClock};
 use sluice_kafka::{KafkaServer, Mirror, MirrorSettings};
 use sluice_mqtt::{MqttServer, Upstream};
 use tokio::net::TcpListener;
@@ -212,7 +212,15 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         None => config.engine_config(),
     };
     let dir = engine_config.data_dir.clone();
-    let engine = Engine::open(engine_config, Arc::new(FsStorage), Arc::new(SystemClock))
+    // A relay's scratch copy is never fsynced: direct writes would only make it wait for the disk.
+    let direct = (!config.is_relay() && config.storage.direct_write_min_bytes > 0)
+        .then(|| DirectFsStorage::new(config.storage.direct_write_min_bytes));
+    let direct_stats = direct.as_ref().map(DirectFsStorage::stats);
+    let storage: Arc<dyn Storage> = match direct {
+        Some(direct) => Arc::new(direct),
+        None => Arc::new(FsStorage),
+    };
+    let engine = Engine::open(engine_config, storage, Arc::new(SystemClock))
         .await
         .with_context(|| format!("opening data directory {}", dir.display()))?;
     let topics = engine.list_topics();
@@ -284,6 +292,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         ),
         stop: stop_rx.clone(),
         relay: relay.clone(),
+        direct_writes: direct_stats,
     });
     let mut http_stop = stop_rx.clone();
     let http_task = tokio::spawn(async move {

@@ -161,6 +161,31 @@ pub(crate) fn render_relay(body: &mut String, relay: &crate::http::Relay, engine
     *body = o.0;
 }
 
+/// Appends how segment appends reached the disk.
+pub(crate) fn render_direct_writes(body: &mut String, d: &sluice_core::DirectStats) {
+    use std::sync::atomic::Ordering::Relaxed;
+    let mut o = Out(std::mem::take(body));
+    o.single(
+        "sluice_storage_direct_write_bytes_total",
+        "counter",
+        "Bytes of segment appends written with O_DIRECT (storage.direct_write_min_bytes).",
+        d.direct_bytes.load(Relaxed),
+    );
+    o.single(
+        "sluice_storage_buffered_write_bytes_total",
+        "counter",
+        "Bytes of segment appends written through the page cache.",
+        d.buffered_bytes.load(Relaxed),
+    );
+    o.single(
+        "sluice_storage_direct_refused_total",
+        "counter",
+        "Segment files whose file system refused O_DIRECT (written through the page cache).",
+        d.refused.load(Relaxed),
+    );
+    *body = o.0;
+}
+
 /// Appends the Kafka listener's counters.
 pub(crate) fn render_kafka(body: &mut String, k: &sluice_kafka::KafkaMetrics) {
     use std::sync::atomic::Ordering::Relaxed;

@@ -170,6 +170,74 @@ async fn recovers_existing_topics_and_reports_them_in_metrics() {
     assert!(status.success());
 }
 
+/// The number after `name ` in a Prometheus text body.
+fn metric(body: &str, name: &str) -> u64 {
+    body.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in {body}"))
+}
+
+/// With the default `storage.direct_write_min_bytes`, an image goes to the segment with
+/// O_DIRECT (only its unaligned ends through the page cache), a small record does not, and both
+/// read back the same before and after a restart.
+#[tokio::test]
+async fn large_appends_are_written_direct_and_read_back_after_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let image: Vec<u8> = (0..1_500_001u32)
+        .map(|i| (i * 7 + i / 4099) as u8)
+        .collect();
+    let http = reqwest::Client::new();
+    let produce = |g: &Gateway, body: Vec<u8>| {
+        http.post(format!("{}/topics/frames/records?partition=0", g.http))
+            .header("content-type", "application/octet-stream")
+            .body(body)
+            .send()
+    };
+    let read = |g: &Gateway, offset: u32| {
+        reqwest::get(format!(
+            "{}/topics/frames/partitions/0/records/{offset}",
+            g.http
+        ))
+    };
+    let g = Gateway::start(dir.path(), &[]);
+    assert_eq!(produce(&g, b"small".to_vec()).await.unwrap().status(), 200);
+    let (_, metrics) = get(&format!("{}/metrics", g.http)).await;
+    assert_eq!(
+        metric(&metrics, "sluice_storage_direct_write_bytes_total"),
+        0
+    );
+    let small_batch = metric(&metrics, "sluice_storage_buffered_write_bytes_total");
+    assert!(small_batch > 0, "{metrics}");
+
+    assert_eq!(produce(&g, image.clone()).await.unwrap().status(), 200);
+    let (_, metrics) = get(&format!("{}/metrics", g.http)).await;
+    let direct = metric(&metrics, "sluice_storage_direct_write_bytes_total");
+    let buffered = metric(&metrics, "sluice_storage_buffered_write_bytes_total") - small_batch;
+    assert!(direct >= image.len() as u64 - 2 * 4096, "{metrics}");
+    assert_eq!(direct % 4096, 0);
+    assert!(buffered < 2 * 4096, "{metrics}");
+    assert_eq!(metric(&metrics, "sluice_storage_direct_refused_total"), 0);
+    assert_eq!(
+        &read(&g, 1).await.unwrap().bytes().await.unwrap()[..],
+        image
+    );
+    let (status, _) = g.stop_with(libc::SIGTERM);
+    assert!(status.success());
+
+    let g = Gateway::start(dir.path(), &[]);
+    assert_eq!(
+        &read(&g, 0).await.unwrap().bytes().await.unwrap()[..],
+        b"small"
+    );
+    assert_eq!(
+        &read(&g, 1).await.unwrap().bytes().await.unwrap()[..],
+        image
+    );
+    let (status, _) = g.stop_with(libc::SIGTERM);
+    assert!(status.success());
+}
+
 #[tokio::test]
 async fn json_logs_are_one_object_per_line() {
     let dir = tempfile::tempdir().unwrap();

@@ -55,18 +55,7 @@ impl LogFile for FsFile {
     }
 
     fn append(&self, bufs: &[IoSlice<'_>]) -> io::Result<()> {
-        // The file is opened with O_APPEND, so every write lands at the end; loop over short
-        // vectored writes without copying.
-        let mut owned: Vec<IoSlice<'_>> = bufs.to_vec();
-        let mut slices = owned.as_mut_slice();
-        while !slices.is_empty() {
-            let n = (&self.0).write_vectored(slices)?;
-            if n == 0 {
-                return Err(io::ErrorKind::WriteZero.into());
-            }
-            IoSlice::advance_slices(&mut slices, n);
-        }
-        Ok(())
+        append_vectored(&self.0, bufs)
     }
 
     fn sync_data(&self) -> io::Result<()> {
@@ -82,14 +71,33 @@ impl LogFile for FsFile {
     }
 }
 
+/// Opens a log file for positional reads and O_APPEND writes.
+pub(crate) fn open_log_file(path: &Path, create: bool) -> io::Result<File> {
+    OpenOptions::new()
+        .read(true)
+        .append(true)
+        .create(create)
+        .open(path)
+}
+
+/// Writes every slice to a file opened with O_APPEND, so every write lands at the end; loops
+/// over short vectored writes without copying.
+pub(crate) fn append_vectored(file: &File, bufs: &[IoSlice<'_>]) -> io::Result<()> {
+    let mut owned: Vec<IoSlice<'_>> = bufs.to_vec();
+    let mut slices = owned.as_mut_slice();
+    while !slices.is_empty() {
+        let n = (&*file).write_vectored(slices)?;
+        if n == 0 {
+            return Err(io::ErrorKind::WriteZero.into());
+        }
+        IoSlice::advance_slices(&mut slices, n);
+    }
+    Ok(())
+}
+
 impl Storage for FsStorage {
     fn open(&self, path: &Path, create: bool) -> io::Result<Arc<dyn LogFile>> {
-        let file = OpenOptions::new()
-            .read(true)
-            .append(true)
-            .create(create)
-            .open(path)?;
-        Ok(Arc::new(FsFile(file)))
+        Ok(Arc::new(FsFile(open_log_file(path, create)?)))
     }
 
     fn read_file(&self, path: &Path) -> io::Result<Vec<u8>> {
@@ -215,7 +223,7 @@ impl LogFile for FaultyFile {
 
     fn append(&self, bufs: &[IoSlice<'_>]) -> io::Result<()> {
         if self.faults.disk_full.load(Ordering::SeqCst) {
-            return Err(io::Error::from_raw_os_error(ENOSPC));
+            return Err(io::Error::from_raw_os_error(libc::ENOSPC));
         }
         if self.faults.tear_next_write.swap(false, Ordering::SeqCst) {
             let mut left = self.faults.torn_write_at.load(Ordering::SeqCst) as usize;
@@ -250,9 +258,6 @@ impl LogFile for FaultyFile {
         self.inner.truncate(len)
     }
 }
-
-/// ENOSPC on Linux; spelled out to keep this crate free of a libc dependency.
-const ENOSPC: i32 = 28;
 
 impl Storage for FaultyStorage {
     fn open(&self, path: &Path, create: bool) -> io::Result<Arc<dyn LogFile>> {

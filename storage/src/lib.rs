@@ -8,6 +8,7 @@
 
 mod batch;
 mod clock;
+mod direct;
 mod error;
 mod index;
 mod io;
@@ -20,6 +21,7 @@ pub use batch::{
     validate as validate_batch,
 };
 pub use clock::{Clock, ManualClock, SystemClock};
+pub use direct::{DirectFsStorage, DirectStats};
 pub use error::{Result, StorageError};
 pub use index::SegmentMeta;
 pub use io::{Faults, FaultyStorage, FsStorage, LogFile, Storage};

@@ -1,0 +1,274 @@
+//! Segment appends that bypass the page cache for their bulk (`O_DIRECT`).
+//!
+//! A buffered `write` copies every byte into page-cache pages first. On the VM measured for
+//! docs/BENCHMARKS.md that copy is most of the CPU of a 2 MB ingest, and it swings from run to
+//! run: pages the guest frees are reported back to the host (virtio-balloon free-page
+//! reporting), so the first write into each page faults on the host again. With `O_DIRECT` the
+//! device reads the bytes from one staging buffer that is reused for every append, so nothing
+//! faults, and the page cache is left to readers.
+//!
+//! Only appends of at least [`DirectFsStorage::new`]'s `min_bytes` go direct, and of those only
+//! whole aligned blocks: the bytes up to the next block boundary and the last partial block go
+//! through the page cache as before. Files therefore always have exactly their logical length,
+//! direct and buffered writes never touch the same block within one append, and recovery,
+//! reads and truncation work on these files as on any other.
+
+use std::fs::{File, OpenOptions};
+use std::io::{self, IoSlice, Write};
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use parking_lot::Mutex;
+use tracing::warn;
+
+use crate::io::{FsStorage, LogFile, Storage, append_vectored, open_log_file};
+
+/// Alignment of direct writes: file position, length and memory. 4 KiB is the logical block
+/// size of common disks and file systems, and a multiple of the rest.
+const ALIGN: usize = 4096;
+/// Largest single direct write; a bigger append is written in several.
+const STAGING_BYTES: usize = 4 << 20;
+
+/// Bytes written each way, for metrics and tests.
+#[derive(Debug, Default)]
+pub struct DirectStats {
+    /// Bytes written with `O_DIRECT`.
+    pub direct_bytes: AtomicU64,
+    /// Bytes of appends written through the page cache.
+    pub buffered_bytes: AtomicU64,
+    /// Files whose file system refused `O_DIRECT`; they are written through the page cache.
+    pub refused: AtomicU64,
+}
+
+/// [`FsStorage`], except that log files take large appends with `O_DIRECT`.
+#[derive(Debug, Clone)]
+pub struct DirectFsStorage {
+    min_bytes: usize,
+    stats: Arc<DirectStats>,
+}
+
+impl DirectFsStorage {
+    /// The gateway's default `storage.direct_write_min_bytes`.
+    pub const DEFAULT_MIN_BYTES: usize = 256 * 1024;
+
+    /// Appends of at least `min_bytes` (and at least one aligned block) go direct.
+    pub fn new(min_bytes: usize) -> Self {
+        Self {
+            min_bytes: min_bytes.max(ALIGN),
+            stats: Arc::default(),
+        }
+    }
+
+    pub fn stats(&self) -> Arc<DirectStats> {
+        self.stats.clone()
+    }
+}
+
+#[derive(Debug)]
+struct DirectFile {
+    /// Reads, buffered appends, length, truncation and fsync.
+    file: File,
+    /// The same file opened with `O_DIRECT`; positional writes only.
+    direct: File,
+    /// Cleared when the file system rejects a direct write; later appends are buffered.
+    direct_ok: AtomicBool,
+    min_bytes: usize,
+    /// Aligned copy of the bytes of one direct write. Appends are serialized by the log, so the
+    /// lock is never contended; it makes the file `Sync`.
+    staging: Mutex<Staging>,
+    stats: Arc<DirectStats>,
+}
+
+/// A heap buffer with an aligned window of [`STAGING_BYTES`], allocated on first use.
+#[derive(Debug, Default)]
+struct Staging {
+    buf: Vec<u8>,
+    start: usize,
+}
+
+impl Staging {
+    fn window(&mut self) -> &mut [u8] {
+        if self.buf.is_empty() {
+            self.buf = vec![0; STAGING_BYTES + ALIGN];
+            self.start = self.buf.as_ptr().align_offset(ALIGN);
+        }
+        &mut self.buf[self.start..self.start + STAGING_BYTES]
+    }
+}
+
+/// Reads the bytes of a list of slices front to back.
+struct Gather<'a> {
+    bufs: &'a [IoSlice<'a>],
+    at: usize,
+}
+
+impl Gather<'_> {
+    /// Fills `dst` completely; the caller never asks for more than is left.
+    fn fill(&mut self, mut dst: &mut [u8]) {
+        while !dst.is_empty() {
+            let (first, rest) = self.bufs.split_first().expect("asked past the end");
+            let src = &first[self.at..];
+            let n = src.len().min(dst.len());
+            dst[..n].copy_from_slice(&src[..n]);
+            dst = &mut dst[n..];
+            self.at += n;
+            if self.at == first.len() {
+                self.bufs = rest;
+                self.at = 0;
+            }
+        }
+    }
+}
+
+impl DirectFile {
+    /// Appends the next `len` bytes of `src` through the page cache (the file is opened
+    /// `O_APPEND`). Used for the unaligned ends of a large append, under one block each.
+    fn append_buffered(&self, src: &mut Gather<'_>, len: usize) -> io::Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        let mut small = vec![0; len];
+        src.fill(&mut small);
+        (&self.file).write_all(&small)?;
+        self.stats
+            .buffered_bytes
+            .fetch_add(len as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn append_large(&self, bufs: &[IoSlice<'_>], total: usize) -> io::Result<()> {
+        let mut pos = self.file.metadata()?.len();
+        let head = (ALIGN - (pos % ALIGN as u64) as usize) % ALIGN;
+        let mut src = Gather { bufs, at: 0 };
+        self.append_buffered(&mut src, head)?;
+        pos += head as u64;
+        let mut left = total - head;
+        let mut staging = self.staging.lock();
+        while left >= ALIGN && self.direct_ok.load(Ordering::Relaxed) {
+            let n = (left - left % ALIGN).min(STAGING_BYTES);
+            let window = &mut staging.window()[..n];
+            src.fill(window);
+            match self.direct.write_all_at(window, pos) {
+                Ok(()) => {}
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                    // Nothing was written (alignment is checked first): write these bytes,
+                    // and everything after them, through the page cache.
+                    warn!(error = %e, "the file system rejects direct writes; writing through the page cache");
+                    self.direct_ok.store(false, Ordering::Relaxed);
+                    self.stats.refused.fetch_add(1, Ordering::Relaxed);
+                    (&self.file).write_all(window)?;
+                    self.stats
+                        .buffered_bytes
+                        .fetch_add(n as u64, Ordering::Relaxed);
+                    left -= n;
+                    break;
+                }
+                Err(e) => return Err(e),
+            }
+            self.stats
+                .direct_bytes
+                .fetch_add(n as u64, Ordering::Relaxed);
+            pos += n as u64;
+            left -= n;
+        }
+        drop(staging);
+        self.append_buffered(&mut src, left)
+    }
+}
+
+impl LogFile for DirectFile {
+    fn read_exact_at(&self, buf: &mut [u8], pos: u64) -> io::Result<()> {
+        self.file.read_exact_at(buf, pos)
+    }
+
+    fn append(&self, bufs: &[IoSlice<'_>]) -> io::Result<()> {
+        let total: usize = bufs.iter().map(|b| b.len()).sum();
+        if total >= self.min_bytes && self.direct_ok.load(Ordering::Relaxed) {
+            return self.append_large(bufs, total);
+        }
+        append_vectored(&self.file, bufs)?;
+        self.stats
+            .buffered_bytes
+            .fetch_add(total as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn sync_data(&self) -> io::Result<()> {
+        // One fdatasync covers both: the page cache's dirty blocks, and the device cache that
+        // completed direct writes may still sit in (the file's size changed, so ext4 and XFS
+        // commit and flush).
+        self.file.sync_data()
+    }
+
+    fn len(&self) -> io::Result<u64> {
+        Ok(self.file.metadata()?.len())
+    }
+
+    fn truncate(&self, len: u64) -> io::Result<()> {
+        self.file.set_len(len)
+    }
+}
+
+impl Storage for DirectFsStorage {
+    fn open(&self, path: &Path, create: bool) -> io::Result<Arc<dyn LogFile>> {
+        let file = open_log_file(path, create)?;
+        let direct = match OpenOptions::new()
+            .write(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(path)
+        {
+            Ok(direct) => Some(direct),
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                warn!(path = %path.display(), "the file system does not support O_DIRECT; writing through the page cache");
+                self.stats.refused.fetch_add(1, Ordering::Relaxed);
+                None
+            }
+            Err(e) => return Err(e),
+        };
+        let Some(direct) = direct else {
+            return FsStorage.open(path, false);
+        };
+        Ok(Arc::new(DirectFile {
+            file,
+            direct,
+            direct_ok: AtomicBool::new(true),
+            min_bytes: self.min_bytes,
+            staging: Mutex::default(),
+            stats: self.stats.clone(),
+        }))
+    }
+
+    fn read_file(&self, path: &Path) -> io::Result<Vec<u8>> {
+        FsStorage.read_file(path)
+    }
+
+    fn write_file_atomic(&self, path: &Path, contents: &[u8]) -> io::Result<()> {
+        FsStorage.write_file_atomic(path, contents)
+    }
+
+    fn remove_file(&self, path: &Path) -> io::Result<()> {
+        FsStorage.remove_file(path)
+    }
+
+    fn create_dir_all(&self, path: &Path) -> io::Result<()> {
+        FsStorage.create_dir_all(path)
+    }
+
+    fn remove_dir_all(&self, path: &Path) -> io::Result<()> {
+        FsStorage.remove_dir_all(path)
+    }
+
+    fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
+        FsStorage.rename(from, to)
+    }
+
+    fn list_dir(&self, path: &Path) -> io::Result<Vec<String>> {
+        FsStorage.list_dir(path)
+    }
+
+    fn sync_dir(&self, path: &Path) -> io::Result<()> {
+        FsStorage.sync_dir(path)
+    }
+}
