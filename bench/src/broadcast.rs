@@ -27,6 +27,7 @@ use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpSocket, TcpStream};
 
+use crate::ledger::RawWrite;
 use crate::stats::cpu_time;
 
 const TOPIC: &str = "cars/broadcast";
@@ -94,6 +95,10 @@ pub(crate) struct BroadcastArgs {
     /// Data directory for Sluice (emptied first).
     #[arg(long, default_value = "target/bench-broadcast")]
     dir: PathBuf,
+    /// Sluice's `storage.direct_write_min_bytes`: appends of at least this many bytes are
+    /// written with O_DIRECT; 0 writes everything through the page cache.
+    #[arg(long, default_value_t = sluice_core::DirectFsStorage::DEFAULT_MIN_BYTES)]
+    direct_write_min_bytes: usize,
     #[arg(long)]
     json: Option<PathBuf>,
 }
@@ -110,6 +115,9 @@ pub(crate) struct PeerArgs {
     /// Most connections (rumqttd's router limit).
     #[arg(long, default_value_t = 120_000)]
     max_connections: usize,
+    /// Sluice's `storage.direct_write_min_bytes` (0: page cache only).
+    #[arg(long, default_value_t = sluice_core::DirectFsStorage::DEFAULT_MIN_BYTES)]
+    direct_write_min_bytes: usize,
 }
 
 /// One worker process of subscribers, as `broadcast-worker` runs it.
@@ -776,8 +784,12 @@ pub(crate) fn peer(args: PeerArgs) -> anyhow::Result<()> {
         let mut engine = None;
         let port = match args.broker.as_str() {
             "sluice" => {
-                let (port, e, stop) =
-                    crate::mqtt::start_sluice(&args.dir, sluice_core::Durability::Fsync).await?;
+                let (port, e, stop) = crate::mqtt::start_sluice(
+                    &args.dir,
+                    sluice_core::Durability::Fsync,
+                    crate::ledger::segment_storage(args.direct_write_min_bytes),
+                )
+                .await?;
                 // Kept for the process's life: dropping it would stop the server.
                 std::mem::forget(stop);
                 engine = Some(e);
@@ -873,11 +885,16 @@ struct Broker {
 fn spawn_gateway(
     bin: &std::path::Path,
     args: &[String],
+    direct_write_min_bytes: usize,
 ) -> anyhow::Result<(Child, std::collections::HashMap<String, SocketAddr>)> {
     let mut child = Command::new(bin)
         .args(args)
         .args(["--log-format", "text"])
         .env_remove("RUST_LOG")
+        .env(
+            "SLUICE_STORAGE__DIRECT_WRITE_MIN_BYTES",
+            direct_write_min_bytes.to_string(),
+        )
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
@@ -954,6 +971,7 @@ impl Broker {
                 "--log-level".into(),
                 "warn,sluice=info".into(),
             ],
+            args.direct_write_min_bytes,
         )?;
         let (kafka, mqtt) = (main["kafka"], main["mqtt"]);
         // A WebSocket stream of an unknown topic is refused (404); MQTT would create it.
@@ -988,6 +1006,7 @@ impl Broker {
                     "--log-level".into(),
                     "warn,sluice=info".into(),
                 ],
+                args.direct_write_min_bytes,
             )?;
             broker.port = addrs["mqtt"].port();
             broker.http_ports.push(addrs["http"].port());
@@ -1053,6 +1072,10 @@ impl Broker {
                     .args(["broadcast-peer", "--broker", name, "--dir"])
                     .arg(&dir)
                     .args(["--max-connections", &max_connections.to_string()])
+                    .args([
+                        "--direct-write-min-bytes",
+                        &args.direct_write_min_bytes.to_string(),
+                    ])
                     .stdin(Stdio::piped())
                     .stdout(Stdio::piped())
                     .stderr(Stdio::null())
@@ -1523,16 +1546,19 @@ pub(crate) fn run(args: BroadcastArgs) -> anyhow::Result<()> {
     );
     // Measured first, on an idle machine, so egress figures have a ceiling to compare with.
     let loopback = loopback_gbps()?;
-    // For large payloads, the disk's fsync'd sequential speed (O_APPEND writes, as Sluice's
-    // segments are written), the yardstick for ingest: the better of one fdatasync per payload
-    // and one per 16 MB (a broker may group several payloads into one fsync, so the per-payload
-    // loop alone would flatter it).
+    // For large payloads, the disk's fsync'd sequential speed, the yardstick for ingest: the
+    // best of O_APPEND writes through the page cache and O_DIRECT writes (Sluice writes large
+    // appends either way, by its `storage.direct_write_min_bytes`), each with one fdatasync per
+    // payload and one per 16 MB (a broker may group several payloads into one fsync, so the
+    // per-payload loop alone would flatter it).
     let raw_disk_mb_s = if args.size >= 1 << 20 {
         std::fs::create_dir_all(&args.dir)?;
         let mut best = 0.0f64;
-        for size in [args.size, args.size.max(16 << 20)] {
-            let count = ((800 << 20) / size).max(20) as u64;
-            best = best.max(crate::ledger::raw_case(&args.dir, size, count, true)?.mb_per_s());
+        for how in [RawWrite::Append, RawWrite::Direct] {
+            for size in [args.size, args.size.max(16 << 20)] {
+                let count = ((800 << 20) / size).max(20) as u64;
+                best = best.max(crate::ledger::raw_case(&args.dir, size, count, how)?.mb_per_s());
+            }
         }
         Some(best)
     } else {
@@ -1576,7 +1602,7 @@ pub(crate) fn run(args: BroadcastArgs) -> anyhow::Result<()> {
         args.messages,
         args.per_worker,
         raw_disk_mb_s.map_or(String::new(), |mb| format!(
-            " The disk's fsync'd sequential write speed measured in this run (O_APPEND writes of the payload size and of 16 MB, fdatasync after each, the better of the two, in {}): {mb:.0} MB/s; \"in % of disk\" is in msg/s × payload ÷ that.",
+            " The disk's fsync'd sequential write speed measured in this run (writes of the payload size and of 16 MB, through the page cache with O_APPEND and with O_DIRECT, fdatasync after each, the best of the four, in {}): {mb:.0} MB/s; \"in % of disk\" is in msg/s × payload ÷ that.",
             args.dir.display()
         ))
     );

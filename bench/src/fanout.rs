@@ -14,8 +14,7 @@ use std::time::{Duration, Instant};
 use bytes::{BufMut, Bytes, BytesMut};
 use serde_json::json;
 use sluice_core::{
-    Engine, EngineConfig, FsStorage, LiveOptions, PartitionChoice, Record, SlowPolicy, StartAt,
-    SystemClock,
+    Engine, EngineConfig, LiveOptions, PartitionChoice, Record, SlowPolicy, StartAt, SystemClock,
 };
 
 use crate::stats::{Phase, memory};
@@ -145,7 +144,12 @@ pub(crate) async fn run(args: FanoutArgs) -> anyhow::Result<()> {
     }
     let mut config = EngineConfig::new(&args.dir);
     config.writer.live_ring_bytes = 64 * 1024 * 1024;
-    let engine = Engine::open(config, Arc::new(FsStorage), Arc::new(SystemClock)).await?;
+    let engine = Engine::open(
+        config,
+        crate::ledger::gateway_storage(),
+        Arc::new(SystemClock),
+    )
+    .await?;
     engine.create_topic("fanout", 1, None).await?;
     let total_records = args.steady_records + args.bursts * args.burst_records;
     let shared = Arc::new(Shared {

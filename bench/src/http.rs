@@ -22,7 +22,7 @@ use bytes::Bytes;
 use serde::Deserialize;
 use serde::de::IgnoredAny;
 use serde_json::{Value, json};
-use sluice_core::{Durability, Engine, EngineConfig, FsStorage, SystemClock, TopicPolicy};
+use sluice_core::{Durability, Engine, EngineConfig, SystemClock, TopicPolicy};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
@@ -414,7 +414,12 @@ async fn start_sluice(dir: &std::path::Path) -> anyhow::Result<(Engine, Running)
         durability: Durability::Fsync,
         ..TopicPolicy::default()
     };
-    let engine = Engine::open(config, Arc::new(FsStorage), Arc::new(SystemClock)).await?;
+    let engine = Engine::open(
+        config,
+        crate::ledger::gateway_storage(),
+        Arc::new(SystemClock),
+    )
+    .await?;
     let app = sluice_rest::router(sluice_rest::RestApi::new(engine.clone()));
     Ok((engine, serve(app).await?))
 }

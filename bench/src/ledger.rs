@@ -7,6 +7,7 @@
 
 use std::fs::OpenOptions;
 use std::io::Write;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -14,7 +15,9 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use bytes::Bytes;
 use serde_json::json;
-use sluice_core::{Engine, EngineConfig, FsStorage, PartitionChoice, Record, SystemClock};
+use sluice_core::{
+    DirectFsStorage, Engine, EngineConfig, FsStorage, PartitionChoice, Record, Storage, SystemClock,
+};
 
 use crate::stats::{Latencies, Phase, memory};
 
@@ -96,23 +99,51 @@ pub(crate) fn payload(len: usize) -> Bytes {
         .into()
 }
 
-/// Sequential writes of `size` bytes to a new file, each followed by fdatasync; with
-/// `append`, through O_APPEND as Sluice's segments are written (on the ext4 disk measured for
-/// docs/BENCHMARKS.md that is markedly faster than plain writes, so both are reported).
-pub(crate) fn raw_case(dir: &Path, size: usize, count: u64, append: bool) -> anyhow::Result<Row> {
+/// How [`raw_case`] writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RawWrite {
+    /// Plain `write`s through the page cache.
+    Plain,
+    /// Through the page cache with O_APPEND, as Sluice writes small appends (on the ext4 disk
+    /// measured for docs/BENCHMARKS.md that is markedly faster than plain writes).
+    Append,
+    /// O_DIRECT from one aligned buffer, as Sluice writes large appends
+    /// (`storage.direct_write_min_bytes`); the size is rounded up to whole 4 KiB blocks.
+    Direct,
+}
+
+/// Sequential writes of `size` bytes to a new file, each followed by fdatasync.
+pub(crate) fn raw_case(dir: &Path, size: usize, count: u64, how: RawWrite) -> anyhow::Result<Row> {
+    const BLOCK: usize = 4096;
     let path = dir.join(format!("raw-{size}.bin"));
-    let mut f = OpenOptions::new()
-        .create(true)
+    let mut open = OpenOptions::new();
+    open.create(true)
         .write(true)
-        .append(append)
+        .append(how == RawWrite::Append);
+    if how == RawWrite::Direct {
+        open.custom_flags(libc::O_DIRECT);
+    }
+    let mut f = open
         .open(&path)
-        .with_context(|| format!("creating {}", path.display()))?;
-    let data = payload(size);
+        .with_context(|| format!("creating {} ({how:?})", path.display()))?;
+    let (size, mut buf) = match how {
+        RawWrite::Direct => (size.div_ceil(BLOCK) * BLOCK, vec![0; size + 2 * BLOCK]),
+        _ => (size, Vec::new()),
+    };
+    let data: &[u8] = if how == RawWrite::Direct {
+        let at = buf.as_ptr().align_offset(BLOCK);
+        let window = &mut buf[at..at + size];
+        window.copy_from_slice(&payload(size));
+        window
+    } else {
+        buf = payload(size).to_vec();
+        &buf
+    };
     let mut samples = Vec::with_capacity(count as usize);
     let phase = Phase::start();
     for _ in 0..count {
         let t = Instant::now();
-        f.write_all(&data)?;
+        f.write_all(data)?;
         f.sync_data()?;
         samples.push(t.elapsed());
     }
@@ -120,10 +151,10 @@ pub(crate) fn raw_case(dir: &Path, size: usize, count: u64, append: bool) -> any
     drop(f);
     std::fs::remove_file(&path)?;
     Ok(Row {
-        case: if append {
-            "raw O_APPEND write + fdatasync"
-        } else {
-            "raw write + fdatasync"
+        case: match how {
+            RawWrite::Plain => "raw write + fdatasync",
+            RawWrite::Append => "raw O_APPEND write + fdatasync",
+            RawWrite::Direct => "raw O_DIRECT write + fdatasync",
         }
         .into(),
         durability: "fdatasync each write",
@@ -136,22 +167,40 @@ pub(crate) fn raw_case(dir: &Path, size: usize, count: u64, append: bool) -> any
     })
 }
 
+/// Segment storage as the gateway opens it with `storage.direct_write_min_bytes` set to
+/// `direct_write_min_bytes`: appends of at least that many bytes go to the disk with O_DIRECT;
+/// 0 sends everything through the page cache.
+pub(crate) fn segment_storage(direct_write_min_bytes: usize) -> Arc<dyn Storage> {
+    match direct_write_min_bytes {
+        0 => Arc::new(FsStorage),
+        n => Arc::new(DirectFsStorage::new(n)),
+    }
+}
+
+/// Segment storage as the gateway opens it by default.
+pub(crate) fn gateway_storage() -> Arc<dyn Storage> {
+    segment_storage(DirectFsStorage::DEFAULT_MIN_BYTES)
+}
+
 /// `producers` tasks each appending records of `size` bytes one at a time, waiting for each
-/// acknowledgement before the next, until `count` records are acknowledged in all.
+/// acknowledgement before the next, until `count` records are acknowledged in all. Segments are
+/// written as the gateway writes them by default (appends of 256 KiB and more with O_DIRECT),
+/// or with `page_cache` through the page cache only.
 async fn sluice_case(
     dir: &Path,
     name: &str,
     size: usize,
     count: u64,
     producers: usize,
+    page_cache: bool,
 ) -> anyhow::Result<Row> {
     let data_dir = dir.join(name);
-    let engine = Engine::open(
-        EngineConfig::new(&data_dir),
-        Arc::new(FsStorage),
-        Arc::new(SystemClock),
-    )
-    .await?;
+    let storage = if page_cache {
+        segment_storage(0)
+    } else {
+        gateway_storage()
+    };
+    let engine = Engine::open(EngineConfig::new(&data_dir), storage, Arc::new(SystemClock)).await?;
     engine.create_topic("bench", 1, None).await?;
     let value = payload(size);
     let per_producer = count / producers as u64;
@@ -190,7 +239,10 @@ async fn sluice_case(
     engine.shutdown().await;
     std::fs::remove_dir_all(&data_dir)?;
     Ok(Row {
-        case: format!("sluice produce ({commits} group commits)"),
+        case: format!(
+            "sluice produce{} ({commits} group commits)",
+            if page_cache { ", page cache only" } else { "" }
+        ),
         durability: "fsync (default)",
         record_bytes: size,
         producers,
@@ -220,18 +272,25 @@ pub(crate) async fn run(args: LedgerArgs) -> anyhow::Result<()> {
 
     let started = Instant::now();
     let mut rows = vec![
-        raw_case(&args.dir, large, large_count, false)?,
-        raw_case(&args.dir, large, large_count, true)?,
+        raw_case(&args.dir, large, large_count, RawWrite::Plain)?,
+        raw_case(&args.dir, large, large_count, RawWrite::Append)?,
+        raw_case(&args.dir, large, large_count, RawWrite::Direct)?,
     ];
-    rows.push(sluice_case(&args.dir, "large-1", large, large_count, 1).await?);
-    rows.push(sluice_case(&args.dir, "large-4", large, large_count, 4).await?);
-    rows.push(raw_case(&args.dir, small, raw_small_count, true)?);
-    rows.push(sluice_case(&args.dir, "small-1", small, raw_small_count, 1).await?);
-    rows.push(sluice_case(&args.dir, "small-many", small, small_count, p).await?);
+    // The best raw 2 MB figure is the disk's fsync'd sequential speed that Sluice is held to.
+    let raw_large = rows.iter().map(Row::mb_per_s).fold(0.0, f64::max);
+    rows.push(sluice_case(&args.dir, "large-1", large, large_count, 1, false).await?);
+    rows.push(sluice_case(&args.dir, "large-1-cache", large, large_count, 1, true).await?);
+    rows.push(sluice_case(&args.dir, "large-4", large, large_count, 4, false).await?);
+    rows.push(raw_case(
+        &args.dir,
+        small,
+        raw_small_count,
+        RawWrite::Append,
+    )?);
+    rows.push(sluice_case(&args.dir, "small-1", small, raw_small_count, 1, false).await?);
+    rows.push(sluice_case(&args.dir, "small-many", small, small_count, p, false).await?);
     let (rss, peak) = memory();
 
-    // The best raw 2 MB figure is the disk's fsync'd sequential speed that Sluice is held to.
-    let raw_large = rows[0].mb_per_s().max(rows[1].mb_per_s());
     println!(
         "| case | durability | record | producers | records | MB/s | records/s | p50 ms | p99 ms | p999 ms | CPU µs/record | vs best raw 2 MB |"
     );

@@ -15,7 +15,7 @@ use anyhow::Context;
 use bytes::{BufMut, BytesMut};
 use rumqttc::{AsyncClient, Event, MqttOptions, Packet, QoS};
 use serde_json::json;
-use sluice_core::{Durability, Engine, EngineConfig, FsStorage, SystemClock, TopicPolicy};
+use sluice_core::{Durability, Engine, EngineConfig, SystemClock, TopicPolicy};
 use sluice_mqtt::{MqttServer, MqttSettings};
 use tokio::net::TcpListener;
 
@@ -69,6 +69,7 @@ pub(crate) async fn free_port() -> anyhow::Result<u16> {
 pub(crate) async fn start_sluice(
     dir: &std::path::Path,
     durability: Durability,
+    storage: Arc<dyn sluice_core::Storage>,
 ) -> anyhow::Result<(u16, Engine, tokio::sync::watch::Sender<bool>)> {
     if dir.exists() {
         std::fs::remove_dir_all(dir)?;
@@ -78,7 +79,7 @@ pub(crate) async fn start_sluice(
         durability,
         ..TopicPolicy::default()
     };
-    let engine = Engine::open(config, Arc::new(FsStorage), Arc::new(SystemClock)).await?;
+    let engine = Engine::open(config, storage, Arc::new(SystemClock)).await?;
     let settings = MqttSettings {
         addr: "127.0.0.1:0".into(),
         max_packet_bytes: 8 * 1024 * 1024,
@@ -260,10 +261,20 @@ async fn idle_memory(port: u16, count: usize) -> anyhow::Result<f64> {
 pub(crate) async fn run(args: MqttArgs) -> anyhow::Result<()> {
     let mut brokers: Vec<(String, u16)> = Vec::new();
     let mut stops = Vec::new();
-    let (p, engine_fsync, stop) = start_sluice(&args.dir.join("fsync"), Durability::Fsync).await?;
+    let (p, engine_fsync, stop) = start_sluice(
+        &args.dir.join("fsync"),
+        Durability::Fsync,
+        crate::ledger::gateway_storage(),
+    )
+    .await?;
     brokers.push(("sluice (fsync)".into(), p));
     stops.push((engine_fsync.clone(), stop));
-    let (p, engine_none, stop) = start_sluice(&args.dir.join("none"), Durability::None).await?;
+    let (p, engine_none, stop) = start_sluice(
+        &args.dir.join("none"),
+        Durability::None,
+        crate::ledger::gateway_storage(),
+    )
+    .await?;
     brokers.push(("sluice (no fsync)".into(), p));
     stops.push((engine_none, stop));
     let mut mosquitto = None;
