@@ -183,6 +183,12 @@ pub(crate) fn render_direct_writes(body: &mut String, d: &sluice_core::DirectSta
         "Segment files whose file system refused O_DIRECT (written through the page cache).",
         d.refused.load(Relaxed),
     );
+    o.single(
+        "sluice_storage_direct_staging_buffers",
+        "gauge",
+        "4 MiB aligned buffers that direct appends copy through (one per concurrent append).",
+        d.staging_buffers.load(Relaxed),
+    );
     *body = o.0;
 }
 

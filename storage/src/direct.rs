@@ -4,7 +4,7 @@
 //! docs/BENCHMARKS.md that copy is most of the CPU of a 2 MB ingest, and it swings from run to
 //! run: pages the guest frees are reported back to the host (virtio-balloon free-page
 //! reporting), so the first write into each page faults on the host again. With `O_DIRECT` the
-//! device reads the bytes from one staging buffer that is reused for every append, so nothing
+//! device reads the bytes from staging buffers that are reused for every append, so nothing
 //! faults, and the page cache is left to readers.
 //!
 //! Only appends of at least [`DirectFsStorage::new`]'s `min_bytes` go direct, and of those only
@@ -40,6 +40,8 @@ pub struct DirectStats {
     pub buffered_bytes: AtomicU64,
     /// Files whose file system refused `O_DIRECT`; they are written through the page cache.
     pub refused: AtomicU64,
+    /// Staging buffers allocated (4 MiB each): as many as direct appends ever ran at once.
+    pub staging_buffers: AtomicU64,
 }
 
 /// [`FsStorage`], except that log files take large appends with `O_DIRECT`.
@@ -47,6 +49,7 @@ pub struct DirectStats {
 pub struct DirectFsStorage {
     min_bytes: usize,
     stats: Arc<DirectStats>,
+    pool: Arc<StagingPool>,
 }
 
 impl DirectFsStorage {
@@ -58,6 +61,7 @@ impl DirectFsStorage {
         Self {
             min_bytes: min_bytes.max(ALIGN),
             stats: Arc::default(),
+            pool: Arc::default(),
         }
     }
 
@@ -75,26 +79,45 @@ struct DirectFile {
     /// Cleared when the file system rejects a direct write; later appends are buffered.
     direct_ok: AtomicBool,
     min_bytes: usize,
-    /// Aligned copy of the bytes of one direct write. Appends are serialized by the log, so the
-    /// lock is never contended; it makes the file `Sync`.
-    staging: Mutex<Staging>,
+    pool: Arc<StagingPool>,
     stats: Arc<DirectStats>,
 }
 
-/// A heap buffer with an aligned window of [`STAGING_BYTES`], allocated on first use.
-#[derive(Debug, Default)]
+/// A heap buffer with an aligned window of [`STAGING_BYTES`].
+#[derive(Debug)]
 struct Staging {
     buf: Vec<u8>,
     start: usize,
 }
 
 impl Staging {
+    fn new() -> Self {
+        let buf = vec![0; STAGING_BYTES + ALIGN];
+        let start = buf.as_ptr().align_offset(ALIGN);
+        Self { buf, start }
+    }
+
     fn window(&mut self) -> &mut [u8] {
-        if self.buf.is_empty() {
-            self.buf = vec![0; STAGING_BYTES + ALIGN];
-            self.start = self.buf.as_ptr().align_offset(ALIGN);
-        }
         &mut self.buf[self.start..self.start + STAGING_BYTES]
+    }
+}
+
+/// Staging buffers shared by every file of one storage: a file borrows one for the length of
+/// an append, so there are only as many as appends ever ran at once (not one per segment, which
+/// stay open for reads long after their last append).
+#[derive(Debug, Default)]
+struct StagingPool(Mutex<Vec<Staging>>);
+
+impl StagingPool {
+    fn take(&self, stats: &DirectStats) -> Staging {
+        self.0.lock().pop().unwrap_or_else(|| {
+            stats.staging_buffers.fetch_add(1, Ordering::Relaxed);
+            Staging::new()
+        })
+    }
+
+    fn put(&self, staging: Staging) {
+        self.0.lock().push(staging);
     }
 }
 
@@ -145,12 +168,27 @@ impl DirectFile {
         self.append_buffered(&mut src, head)?;
         pos += head as u64;
         let mut left = total - head;
-        let mut staging = self.staging.lock();
-        while left >= ALIGN && self.direct_ok.load(Ordering::Relaxed) {
-            let n = (left - left % ALIGN).min(STAGING_BYTES);
+        let mut staging = self.pool.take(&self.stats);
+        let written = self.write_direct(&mut staging, &mut src, &mut pos, &mut left);
+        self.pool.put(staging);
+        written?;
+        self.append_buffered(&mut src, left)
+    }
+
+    /// Writes whole blocks of `src` at `pos` with O_DIRECT while at least one is `left`,
+    /// advancing both; what the file system refuses is written through the page cache.
+    fn write_direct(
+        &self,
+        staging: &mut Staging,
+        src: &mut Gather<'_>,
+        pos: &mut u64,
+        left: &mut usize,
+    ) -> io::Result<()> {
+        while *left >= ALIGN && self.direct_ok.load(Ordering::Relaxed) {
+            let n = (*left - *left % ALIGN).min(STAGING_BYTES);
             let window = &mut staging.window()[..n];
             src.fill(window);
-            match self.direct.write_all_at(window, pos) {
+            match self.direct.write_all_at(window, *pos) {
                 Ok(()) => {}
                 Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
                     // Nothing was written (alignment is checked first): write these bytes,
@@ -162,7 +200,7 @@ impl DirectFile {
                     self.stats
                         .buffered_bytes
                         .fetch_add(n as u64, Ordering::Relaxed);
-                    left -= n;
+                    *left -= n;
                     break;
                 }
                 Err(e) => return Err(e),
@@ -170,11 +208,10 @@ impl DirectFile {
             self.stats
                 .direct_bytes
                 .fetch_add(n as u64, Ordering::Relaxed);
-            pos += n as u64;
-            left -= n;
+            *pos += n as u64;
+            *left -= n;
         }
-        drop(staging);
-        self.append_buffered(&mut src, left)
+        Ok(())
     }
 }
 
@@ -235,7 +272,7 @@ impl Storage for DirectFsStorage {
             direct,
             direct_ok: AtomicBool::new(true),
             min_bytes: self.min_bytes,
-            staging: Mutex::default(),
+            pool: self.pool.clone(),
             stats: self.stats.clone(),
         }))
     }

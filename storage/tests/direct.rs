@@ -133,4 +133,6 @@ fn a_log_of_images_reads_back_and_recovers() {
     // Reopening scans the active segment and loads the sealed ones: nothing is cut.
     let (log, _) = direct_log(dir.path());
     check(&log);
+    // Every segment took its turn with the same staging buffer.
+    assert_eq!(stats.staging_buffers.load(Ordering::Relaxed), 1);
 }
