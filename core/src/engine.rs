@@ -527,15 +527,7 @@ impl Engine {
         partition: PartitionChoice<'_>,
         records: &[Record],
     ) -> Result<ProduceAck> {
-        if records.is_empty() {
-            return Err(CoreError::EmptyProduce);
-        }
-        self.append_validated(
-            topic,
-            partition,
-            ValidatedBatch::from_records(records, ProducerInfo::NONE),
-        )
-        .await
+        self.produce_queued(topic, partition, records).await?.await
     }
 
     /// Appends one ready-made RecordBatch v2 verbatim (its CRC is checked; producer id, epoch
@@ -579,8 +571,16 @@ impl Engine {
         if records.is_empty() {
             return Err(CoreError::EmptyProduce);
         }
-        let batch = ValidatedBatch::from_records(records, ProducerInfo::NONE);
-        self.enqueue_validated(topic, partition, batch).await
+        self.check_open()?;
+        let started = Instant::now();
+        let t = self.topic_for_write(topic).await?;
+        let id = Self::choose_partition(&t, topic, partition)?;
+        // Laid out for where the writer is expected to put it, so a large batch is written to
+        // the disk from its own memory.
+        let len = sluice_storage::encoded_batch_len(records) as u64;
+        let position = t.partitions[id as usize].tail.reserve(len);
+        let batch = ValidatedBatch::from_records_at(records, ProducerInfo::NONE, Some(position));
+        self.enqueue_to(t, topic, id, batch, started, true).await
     }
 
     async fn enqueue_validated(
@@ -592,19 +592,14 @@ impl Engine {
         self.check_open()?;
         let started = Instant::now();
         let t = self.topic_for_write(topic).await?;
-        let max = t.meta.read().policy.max_message_bytes as usize;
-        if batch.len() > max {
-            self.inner
-                .counters
-                .rejected_batches
-                .fetch_add(1, Ordering::Relaxed);
-            return Err(CoreError::MessageTooLarge {
-                size: batch.len(),
-                max,
-            });
-        }
+        let id = Self::choose_partition(&t, topic, partition)?;
+        self.enqueue_to(t, topic, id, batch, started, false).await
+    }
+
+    /// The partition a produce goes to.
+    fn choose_partition(t: &Topic, topic: &str, partition: PartitionChoice<'_>) -> Result<u32> {
         let n = t.partitions.len() as u32;
-        let id = match partition {
+        Ok(match partition {
             PartitionChoice::Id(id) if id < n => id,
             PartitionChoice::Id(id) => {
                 return Err(CoreError::UnknownPartition {
@@ -614,8 +609,41 @@ impl Engine {
             }
             PartitionChoice::Key(key) => partition_for_key(key, n),
             PartitionChoice::Any => t.round_robin.fetch_add(1, Ordering::Relaxed) % n,
-        };
-        let rx = t.partitions[id as usize].enqueue(batch).await?;
+        })
+    }
+
+    /// Checks the batch against the topic's size limit and queues it on partition `id`; with
+    /// `reserved`, its place in the partition's [`crate::partition::TailHint`] is already taken.
+    async fn enqueue_to(
+        &self,
+        t: Arc<Topic>,
+        topic: &str,
+        id: u32,
+        batch: ValidatedBatch,
+        started: Instant,
+        reserved: bool,
+    ) -> Result<PendingAck> {
+        let part = &t.partitions[id as usize];
+        let len = batch.len() as u64;
+        if !reserved {
+            part.tail.reserve(len);
+        }
+        let max = t.meta.read().policy.max_message_bytes as usize;
+        if batch.len() > max {
+            part.tail.cancel(len);
+            self.inner
+                .counters
+                .rejected_batches
+                .fetch_add(1, Ordering::Relaxed);
+            return Err(CoreError::MessageTooLarge {
+                size: batch.len(),
+                max,
+            });
+        }
+        let rx = part
+            .enqueue(batch)
+            .await
+            .inspect_err(|_| part.tail.cancel(len))?;
         Ok(PendingAck {
             rx,
             topic: topic.to_owned(),

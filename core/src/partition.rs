@@ -51,11 +51,73 @@ impl Default for WriterSettings {
     }
 }
 
+/// Where each batch queued for a partition is expected to land in its segment file. A producer
+/// of a large batch lays it out in memory for that position, so the segment's direct write can
+/// take its blocks from the batch itself ([`ValidatedBatch::from_records_at`]).
+///
+/// Every queued batch reserves its bytes in queue order, and the reservation follows the log's
+/// own size-based rolling, so a deep queue of images stays right across segment rolls. Whenever
+/// no reservation is outstanding after a group commit, the log's real end replaces the guess.
+/// A wrong guess (producers racing to the queue, a roll by age, a failed write) costs one copy.
+#[derive(Debug)]
+pub(crate) struct TailHint(parking_lot::Mutex<Tail>);
+
+#[derive(Debug)]
+struct Tail {
+    next: u64,
+    outstanding: u64,
+    segment_bytes: u64,
+}
+
+impl TailHint {
+    fn new(end: u64, segment_bytes: u64) -> Self {
+        Self(parking_lot::Mutex::new(Tail {
+            next: end,
+            outstanding: 0,
+            segment_bytes,
+        }))
+    }
+
+    /// Reserves the position of a batch of `len` bytes that is about to be queued.
+    pub(crate) fn reserve(&self, len: u64) -> u64 {
+        let mut t = self.0.lock();
+        // The log rolls before a batch that would take a non-empty segment past its size.
+        let at = if t.next > 0 && t.next + len > t.segment_bytes {
+            0
+        } else {
+            t.next
+        };
+        t.next = at + len;
+        t.outstanding += len;
+        at
+    }
+
+    /// A reserved batch that was not queued after all.
+    pub(crate) fn cancel(&self, len: u64) {
+        let mut t = self.0.lock();
+        t.outstanding = t.outstanding.saturating_sub(len);
+    }
+
+    /// After a group commit of `bytes` (written or failed), with the log's end now at `end`.
+    fn committed(&self, bytes: u64, end: u64) {
+        let mut t = self.0.lock();
+        t.outstanding = t.outstanding.saturating_sub(bytes);
+        if t.outstanding == 0 {
+            t.next = end;
+        }
+    }
+
+    fn set_segment_bytes(&self, segment_bytes: u64) {
+        self.0.lock().segment_bytes = segment_bytes;
+    }
+}
+
 /// A partition as the engine sees it.
 #[derive(Debug)]
 pub(crate) struct Partition {
     pub(crate) id: u32,
     pub(crate) reader: LogReader,
+    pub(crate) tail: Arc<TailHint>,
     tx: mpsc::Sender<WriterMsg>,
     high_watermark: watch::Receiver<u64>,
     pub(crate) counters: Arc<PartitionCounters>,
@@ -87,6 +149,7 @@ impl Partition {
         let reader = log.reader();
         let (hw_tx, hw_rx) = watch::channel(reader.high_watermark());
         let counters = Arc::new(PartitionCounters::default());
+        let tail = Arc::new(TailHint::new(log.end_position(), policy.segment_bytes));
         let ring = Arc::new(LiveRing::new(
             reader.high_watermark(),
             settings.live_ring_bytes,
@@ -104,11 +167,13 @@ impl Partition {
             engine,
             max_group_bytes: settings.max_group_bytes,
             last_sync: Instant::now(),
+            tail: tail.clone(),
         };
         tokio::spawn(writer.run(settings.maintenance_interval));
         Self {
             id,
             reader,
+            tail,
             tx,
             high_watermark: hw_rx,
             counters,
@@ -185,6 +250,7 @@ struct Writer {
     topic_data: Arc<tokio::sync::Notify>,
     max_group_bytes: usize,
     last_sync: Instant,
+    tail: Arc<TailHint>,
 }
 
 impl Writer {
@@ -262,6 +328,7 @@ impl Writer {
                 if let Some(log) = self.log.as_mut() {
                     log.set_config(policy.log_config());
                 }
+                self.tail.set_segment_bytes(policy.segment_bytes);
                 self.policy = policy;
                 ControlFlow::Continue(())
             }
@@ -317,6 +384,9 @@ impl Writer {
                 Ok::<_, StorageError>((infos, high_watermark, fsync_took, committed))
             })
             .await;
+        if let Some(log) = &self.log {
+            self.tail.committed(bytes, log.end_position());
+        }
         let c = &self.counters;
         match outcome {
             Some(Ok((infos, high_watermark, fsync_took, committed))) => {

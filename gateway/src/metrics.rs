@@ -172,6 +172,12 @@ pub(crate) fn render_direct_writes(body: &mut String, d: &sluice_core::DirectSta
         d.direct_bytes.load(Relaxed),
     );
     o.single(
+        "sluice_storage_direct_in_place_bytes_total",
+        "counter",
+        "Of the O_DIRECT bytes, those written straight from the batch's own memory (laid out for its file position), with no copy into a staging buffer.",
+        d.in_place_bytes.load(Relaxed),
+    );
+    o.single(
         "sluice_storage_buffered_write_bytes_total",
         "counter",
         "Bytes of segment appends written through the page cache.",

@@ -36,6 +36,9 @@ const STAGING_BYTES: usize = 4 << 20;
 pub struct DirectStats {
     /// Bytes written with `O_DIRECT`.
     pub direct_bytes: AtomicU64,
+    /// Of those, bytes written straight from the batch's own memory, which was placed for its
+    /// file position ([`crate::batch::encode_at`]), without the copy into a staging buffer.
+    pub in_place_bytes: AtomicU64,
     /// Bytes of appends written through the page cache.
     pub buffered_bytes: AtomicU64,
     /// Files whose file system refused `O_DIRECT`; they are written through the page cache.
@@ -161,8 +164,64 @@ impl DirectFile {
         Ok(())
     }
 
-    fn append_large(&self, bufs: &[IoSlice<'_>], total: usize) -> io::Result<()> {
-        let mut pos = self.file.metadata()?.len();
+    /// Appends `bufs` (`total` bytes) at `pos`, the end of the file: the whole blocks through
+    /// a staging buffer with O_DIRECT when there are enough bytes, else all through the page
+    /// cache.
+    fn append_run(&self, bufs: &[IoSlice<'_>], total: usize, pos: u64) -> io::Result<()> {
+        if total >= self.min_bytes && self.direct_ok.load(Ordering::Relaxed) {
+            return self.append_large(bufs, total, pos);
+        }
+        if total > 0 {
+            append_vectored(&self.file, bufs)?;
+            self.stats
+                .buffered_bytes
+                .fetch_add(total as u64, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    /// Appends one slice whose memory sits on the file's block grid (its address and `pos`,
+    /// the end of the file, agree modulo 4 KiB): its whole blocks go to the disk straight from
+    /// its own pages, its ends through the page cache.
+    fn append_in_place(&self, slice: &[u8], pos: u64) -> io::Result<()> {
+        let head = (ALIGN - (pos % ALIGN as u64) as usize) % ALIGN;
+        let n = (slice.len() - head) / ALIGN * ALIGN;
+        (&self.file).write_all(&slice[..head])?;
+        let middle = &slice[head..head + n];
+        match self.direct.write_all_at(middle, pos + head as u64) {
+            Ok(()) => {
+                self.stats
+                    .direct_bytes
+                    .fetch_add(n as u64, Ordering::Relaxed);
+                self.stats
+                    .in_place_bytes
+                    .fetch_add(n as u64, Ordering::Relaxed);
+            }
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                self.refuse(&e);
+                (&self.file).write_all(middle)?;
+                self.stats
+                    .buffered_bytes
+                    .fetch_add(n as u64, Ordering::Relaxed);
+            }
+            Err(e) => return Err(e),
+        }
+        (&self.file).write_all(&slice[head + n..])?;
+        self.stats
+            .buffered_bytes
+            .fetch_add((slice.len() - n) as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// The file system rejected a direct write; nothing of it was written (alignment is
+    /// checked first), and this file's later appends go through the page cache.
+    fn refuse(&self, e: &io::Error) {
+        warn!(error = %e, "the file system rejects direct writes; writing through the page cache");
+        self.direct_ok.store(false, Ordering::Relaxed);
+        self.stats.refused.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn append_large(&self, bufs: &[IoSlice<'_>], total: usize, mut pos: u64) -> io::Result<()> {
         let head = (ALIGN - (pos % ALIGN as u64) as usize) % ALIGN;
         let mut src = Gather { bufs, at: 0 };
         self.append_buffered(&mut src, head)?;
@@ -191,11 +250,8 @@ impl DirectFile {
             match self.direct.write_all_at(window, *pos) {
                 Ok(()) => {}
                 Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
-                    // Nothing was written (alignment is checked first): write these bytes,
-                    // and everything after them, through the page cache.
-                    warn!(error = %e, "the file system rejects direct writes; writing through the page cache");
-                    self.direct_ok.store(false, Ordering::Relaxed);
-                    self.stats.refused.fetch_add(1, Ordering::Relaxed);
+                    // These bytes, and everything after them, go through the page cache.
+                    self.refuse(&e);
                     (&self.file).write_all(window)?;
                     self.stats
                         .buffered_bytes
@@ -222,14 +278,25 @@ impl LogFile for DirectFile {
 
     fn append(&self, bufs: &[IoSlice<'_>]) -> io::Result<()> {
         let total: usize = bufs.iter().map(|b| b.len()).sum();
-        if total >= self.min_bytes && self.direct_ok.load(Ordering::Relaxed) {
-            return self.append_large(bufs, total);
+        if total < self.min_bytes || !self.direct_ok.load(Ordering::Relaxed) {
+            return self.append_run(bufs, total, 0);
         }
-        append_vectored(&self.file, bufs)?;
-        self.stats
-            .buffered_bytes
-            .fetch_add(total as u64, Ordering::Relaxed);
-        Ok(())
+        let mut pos = self.file.metadata()?.len();
+        // Large slices placed for their position go straight from their own pages; the runs of
+        // slices before, between and after them go through the staging buffer.
+        let (mut run, mut run_bytes, mut run_pos) = (0, 0, pos);
+        for (i, slice) in bufs.iter().enumerate() {
+            let placed = (slice.as_ptr() as u64).wrapping_sub(pos) % ALIGN as u64 == 0;
+            if placed && slice.len() >= self.min_bytes && self.direct_ok.load(Ordering::Relaxed) {
+                self.append_run(&bufs[run..i], run_bytes, run_pos)?;
+                self.append_in_place(slice, pos)?;
+                (run, run_bytes, run_pos) = (i + 1, 0, pos + slice.len() as u64);
+            } else {
+                run_bytes += slice.len();
+            }
+            pos += slice.len() as u64;
+        }
+        self.append_run(&bufs[run..], run_bytes, run_pos)
     }
 
     fn sync_data(&self) -> io::Result<()> {

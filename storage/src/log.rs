@@ -72,7 +72,20 @@ impl ValidatedBatch {
     /// # Panics
     /// When `records` is empty.
     pub fn from_records(records: &[batch::Record], producer: batch::ProducerInfo) -> Self {
-        let buf = batch::encode(records, producer);
+        Self::from_records_at(records, producer, None)
+    }
+
+    /// As [`Self::from_records`], placed in memory for the segment position it is expected to
+    /// be appended at ([`batch::encode_at`], [`PartitionLog::end_position`]).
+    ///
+    /// # Panics
+    /// When `records` is empty.
+    pub fn from_records_at(
+        records: &[batch::Record],
+        producer: batch::ProducerInfo,
+        position: Option<u64>,
+    ) -> Self {
+        let buf = batch::encode_at(records, producer, position);
         let header = BatchHeader::parse(&buf).expect("the encoder writes a whole header");
         Self { buf, header }
     }
@@ -635,6 +648,11 @@ impl PartitionLog {
             .high_watermark
             .store(self.next_offset, Ordering::Release);
         Ok(self.next_offset)
+    }
+
+    /// Bytes in the active segment: where the next append lands unless it rolls the segment.
+    pub fn end_position(&self) -> u64 {
+        self.active.size()
     }
 
     /// True when appended data has not been fsynced yet.

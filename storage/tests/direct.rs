@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use common::{append, batch, open_with, read_all, value};
-use sluice_storage::{DirectFsStorage, LogConfig, Storage, SystemClock};
+use sluice_storage::{DirectFsStorage, LogConfig, LogFile, Storage, SystemClock};
 
 const BLOCK: u64 = 4096;
 
@@ -25,14 +25,39 @@ fn expected_direct(len: u64, total: u64, min_bytes: u64) -> u64 {
     (total - head) / BLOCK * BLOCK
 }
 
+/// `data` copied into a buffer where its address minus `pos` is `skew` modulo 4 KiB: 0 places
+/// it for a direct write from its own pages at file position `pos`, anything else does not.
+fn placed(data: &[u8], pos: u64, skew: usize) -> (Vec<u8>, usize) {
+    let mut buf = vec![0; data.len() + 2 * BLOCK as usize];
+    let want = (pos as usize + skew) % BLOCK as usize;
+    let at = (want + BLOCK as usize - buf.as_ptr() as usize % BLOCK as usize) % BLOCK as usize;
+    buf[at..at + data.len()].copy_from_slice(data);
+    (buf, at)
+}
+
+/// The minimum direct append of the file-level tests.
+const MIN_BYTES: usize = 64 * 1024;
+
+/// A new segment file of a `DirectFsStorage`, with its counters.
+fn segment_file(
+    dir: &Path,
+    min_bytes: usize,
+) -> (
+    std::path::PathBuf,
+    Arc<sluice_storage::DirectStats>,
+    Arc<dyn LogFile>,
+) {
+    let path = dir.join("00000000000000000000.log");
+    let storage = DirectFsStorage::new(min_bytes);
+    let file = storage.open(&path, true).unwrap();
+    (path, storage.stats(), file)
+}
+
 #[test]
 fn appends_of_every_alignment_land_byte_for_byte() {
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("00000000000000000000.log");
-    let min_bytes = 64 * 1024;
-    let storage = DirectFsStorage::new(min_bytes);
-    let stats = storage.stats();
-    let file = storage.open(&path, true).unwrap();
+    let (path, stats, file) = segment_file(dir.path(), MIN_BYTES);
+    let min_bytes = MIN_BYTES;
 
     // Sizes around the block size and the minimum, and one larger than the staging buffer
     // (4 MiB), so a single append takes several direct writes.
@@ -51,7 +76,11 @@ fn appends_of_every_alignment_land_byte_for_byte() {
     let mut expected = Vec::new();
     let mut direct = 0;
     for (i, &size) in sizes.iter().enumerate() {
-        let data = value(i as u64 + 1, size);
+        let bytes = value(i as u64 + 1, size);
+        // Off the block grid by one byte: no slice qualifies for an in-place write, so every
+        // direct byte goes through the staging buffer.
+        let (buf, at) = placed(&bytes, expected.len() as u64, 1);
+        let data = &buf[at..at + size];
         // Split each append into uneven slices, as a group commit of several batches is.
         let cut = [size / 3, size / 3 + size / 5];
         let slices = [
@@ -61,7 +90,7 @@ fn appends_of_every_alignment_land_byte_for_byte() {
         ];
         direct += expected_direct(expected.len() as u64, size as u64, min_bytes as u64);
         file.append(&slices).unwrap();
-        expected.extend_from_slice(&data);
+        expected.extend_from_slice(data);
         assert_eq!(file.len().unwrap(), expected.len() as u64, "append {i}");
     }
     file.sync_data().unwrap();
@@ -73,6 +102,7 @@ fn appends_of_every_alignment_land_byte_for_byte() {
         expected.len() as u64 - direct
     );
     assert_eq!(stats.refused.load(Ordering::Relaxed), 0);
+    assert_eq!(stats.in_place_bytes.load(Ordering::Relaxed), 0);
     assert_eq!(std::fs::read(&path).unwrap(), expected);
 
     let mut back = vec![0; 5 * 4096 + 3];
@@ -86,6 +116,63 @@ fn appends_of_every_alignment_land_byte_for_byte() {
     file.append(&[IoSlice::new(&data)]).unwrap();
     expected.extend_from_slice(&data);
     file.sync_data().unwrap();
+    assert_eq!(std::fs::read(&path).unwrap(), expected);
+}
+
+#[test]
+fn slices_placed_for_their_position_are_written_from_their_own_pages() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, stats, file) = segment_file(dir.path(), MIN_BYTES);
+    let min_bytes = MIN_BYTES;
+    let mut expected = Vec::new();
+    let (mut in_place, mut staged) = (0, 0);
+
+    // Appends of one placed slice at unaligned file positions, with an unaligned tail each.
+    for (i, size) in [300_001usize, 2_000_003, 65_536, 5 * 1024 * 1024 + 17]
+        .into_iter()
+        .enumerate()
+    {
+        let bytes = value(i as u64 + 50, size);
+        let pos = expected.len() as u64;
+        let (buf, at) = placed(&bytes, pos, 0);
+        file.append(&[IoSlice::new(&buf[at..at + size])]).unwrap();
+        in_place += expected_direct(pos, size as u64, min_bytes as u64);
+        expected.extend_from_slice(&bytes);
+    }
+
+    // A group commit: small and unplaced batches around a placed one. The runs before and after
+    // it go through the staging buffer (the one after is large enough to go direct too).
+    let small = value(60, 1000);
+    let big = value(61, 1_000_000);
+    let after = value(62, 200_000);
+    let pos_big = expected.len() as u64 + small.len() as u64;
+    let (small_buf, small_at) = placed(&small, expected.len() as u64, 1);
+    let (big_buf, big_at) = placed(&big, pos_big, 0);
+    let pos_after = pos_big + big.len() as u64;
+    let (after_buf, after_at) = placed(&after, pos_after, 3);
+    file.append(&[
+        IoSlice::new(&small_buf[small_at..small_at + small.len()]),
+        IoSlice::new(&big_buf[big_at..big_at + big.len()]),
+        IoSlice::new(&after_buf[after_at..after_at + after.len()]),
+    ])
+    .unwrap();
+    in_place += expected_direct(pos_big, big.len() as u64, min_bytes as u64);
+    staged += expected_direct(pos_after, after.len() as u64, min_bytes as u64);
+    for part in [&small, &big, &after] {
+        expected.extend_from_slice(part);
+    }
+    file.sync_data().unwrap();
+
+    assert!(in_place > 0 && staged > 0);
+    assert_eq!(stats.in_place_bytes.load(Ordering::Relaxed), in_place);
+    assert_eq!(
+        stats.direct_bytes.load(Ordering::Relaxed),
+        in_place + staged
+    );
+    assert_eq!(
+        stats.buffered_bytes.load(Ordering::Relaxed),
+        expected.len() as u64 - in_place - staged
+    );
     assert_eq!(std::fs::read(&path).unwrap(), expected);
 }
 
