@@ -288,6 +288,8 @@ struct Session<'a, S> {
     aliases: HashMap<u16, String>,
     /// Publishes queued for the ledger, in arrival order, awaiting durability.
     pending: VecDeque<PendingPublish>,
+    /// Payload bytes of `pending`.
+    pending_bytes: usize,
     /// Live deliveries taken from a feed and not written yet (a batch may hold several, and
     /// QoS 1/2 ones wait for room in the client's receive window).
     live_queue: VecDeque<Delivery>,
@@ -299,18 +301,38 @@ struct Session<'a, S> {
 struct PendingPublish {
     pkid: u16,
     qos: u8,
+    /// Payload bytes, counted against [`MAX_PENDING_BYTES`].
+    bytes: usize,
     done: Pin<Box<dyn Future<Output = Result<(), u8>> + Send>>,
 }
 
 /// The oldest pending publish, once it is durable (or failed).
-async fn first_done(pending: &mut VecDeque<PendingPublish>) -> Option<(u16, u8, Result<(), u8>)> {
+async fn first_done(pending: &mut VecDeque<PendingPublish>) -> Option<PendingDone> {
     let result = pending.front_mut()?.done.as_mut().await;
     let p = pending.pop_front()?;
-    Some((p.pkid, p.qos, result))
+    Some(PendingDone {
+        pkid: p.pkid,
+        qos: p.qos,
+        bytes: p.bytes,
+        result,
+    })
+}
+
+/// A pending publish that is durable (or failed).
+struct PendingDone {
+    pkid: u16,
+    qos: u8,
+    bytes: usize,
+    result: Result<(), u8>,
 }
 
 /// Publishes a connection may have queued before it stops reading more (backpressure).
 const MAX_PENDING_PUBLISHES: usize = 1024;
+/// Payload bytes a connection may have queued before it stops reading more. Without it, a
+/// publisher flooding 2 MB images could pin 2 GB (1,024 of them) in the partition's queue, and
+/// each new image would wait behind all of them; 64 MiB still keeps several group commits
+/// (`storage.max_group_commit_bytes`) in flight.
+const MAX_PENDING_BYTES: usize = 64 << 20;
 
 /// Serves one connection (TCP or WebSocket) to its end.
 pub(crate) async fn run<S>(
@@ -415,6 +437,7 @@ where
         qos2_in: std::collections::HashSet::new(),
         aliases: HashMap::new(),
         pending: VecDeque::new(),
+        pending_bytes: 0,
         live_queue: VecDeque::new(),
         out: BytesMut::with_capacity(256),
     };
@@ -745,10 +768,12 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
             }
             let can_deliver = self.inflight.len() < self.receive_max;
             let can_take_live = can_deliver && self.live_queue.is_empty();
-            let can_read = self.pending.len() < MAX_PENDING_PUBLISHES;
+            let can_read = self.pending.len() < MAX_PENDING_PUBLISHES
+                && self.pending_bytes < MAX_PENDING_BYTES;
             tokio::select! {
-                Some((pkid, qos, result)) = first_done(&mut self.pending), if !self.pending.is_empty() => {
-                    self.acknowledge(pkid, qos, result).await?;
+                Some(done) = first_done(&mut self.pending), if !self.pending.is_empty() => {
+                    self.pending_bytes -= done.bytes;
+                    self.acknowledge(done.pkid, done.qos, done.result).await?;
                 }
                 r = self.stream.read_buf(&mut inbuf), if can_read => {
                     let n = r?;
@@ -913,18 +938,15 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
             self.qos2_in.insert(p.pkid);
         }
         let done = queue(self.server, &p.topic, p.payload.clone(), &origin, &p.props).await;
-        if p.qos > 0 || p.retain {
-            self.pending.push_back(PendingPublish {
-                pkid: p.pkid,
-                qos: p.qos,
-                done,
-            });
-        } else {
-            // QoS 0: nothing to acknowledge; the append is queued in order all the same.
-            tokio::spawn(async move {
-                let _ = done.await;
-            });
-        }
+        // QoS 0 too: nothing is acknowledged, but its bytes count against the connection's
+        // budget until stored, and a failure is counted.
+        self.pending_bytes += p.payload.len();
+        self.pending.push_back(PendingPublish {
+            pkid: p.pkid,
+            qos: p.qos,
+            bytes: p.payload.len(),
+            done,
+        });
         Ok(None)
     }
 
