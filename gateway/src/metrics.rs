@@ -312,6 +312,18 @@ pub(crate) fn render_mqtt(body: &mut String, server: &sluice_mqtt::MqttServer) {
         m.publishes_refused.load(Relaxed),
     );
     o.single(
+        "sluice_mqtt_pending_publish_bytes",
+        "gauge",
+        "Payload bytes of publishes queued for the ledger and not stored yet.",
+        m.pending_publish_bytes.load(Relaxed),
+    );
+    o.single(
+        "sluice_mqtt_reads_paused_total",
+        "counter",
+        "Times a connection stopped reading because 1,024 publishes or 64 MiB of payload were queued.",
+        m.reads_paused.load(Relaxed),
+    );
+    o.single(
         "sluice_mqtt_deliveries_total",
         "counter",
         "PUBLISH packets delivered to subscribers.",

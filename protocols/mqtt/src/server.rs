@@ -32,6 +32,11 @@ pub struct MqttMetrics {
     pub publishes_in: AtomicU64,
     /// Publishes refused: no route for the name, or the ledger refused the append.
     pub publishes_refused: AtomicU64,
+    /// Payload bytes of publishes queued for the ledger and not stored yet, all connections.
+    pub pending_publish_bytes: AtomicU64,
+    /// Times a connection stopped reading because its queued publishes reached the limit
+    /// (1,024 publishes or 64 MiB of payload): backpressure on a publisher.
+    pub reads_paused: AtomicU64,
     pub deliveries: AtomicU64,
     /// Deliveries skipped because they exceed the client's maximum packet size.
     pub deliveries_too_large: AtomicU64,

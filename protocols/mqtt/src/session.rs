@@ -290,10 +290,23 @@ struct Session<'a, S> {
     pending: VecDeque<PendingPublish>,
     /// Payload bytes of `pending`.
     pending_bytes: usize,
+    /// Whether the last loop turn left the socket unread because `pending` was full.
+    paused: bool,
     /// Live deliveries taken from a feed and not written yet (a batch may hold several, and
     /// QoS 1/2 ones wait for room in the client's receive window).
     live_queue: VecDeque<Delivery>,
     out: BytesMut,
+}
+
+impl<S> Drop for Session<'_, S> {
+    fn drop(&mut self) {
+        // Publishes still pending when the connection ends are queued and will be stored; they
+        // no longer hold this connection back.
+        self.server
+            .metrics
+            .pending_publish_bytes
+            .fetch_sub(self.pending_bytes as u64, Ordering::Relaxed);
+    }
 }
 
 /// A publish queued for the ledger: its PUBACK/PUBREC goes out once `done` resolves, in the
@@ -438,6 +451,7 @@ where
         aliases: HashMap::new(),
         pending: VecDeque::new(),
         pending_bytes: 0,
+        paused: false,
         live_queue: VecDeque::new(),
         out: BytesMut::with_capacity(256),
     };
@@ -770,9 +784,20 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
             let can_take_live = can_deliver && self.live_queue.is_empty();
             let can_read = self.pending.len() < MAX_PENDING_PUBLISHES
                 && self.pending_bytes < MAX_PENDING_BYTES;
+            if !can_read && !self.paused {
+                self.server
+                    .metrics
+                    .reads_paused
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+            self.paused = !can_read;
             tokio::select! {
                 Some(done) = first_done(&mut self.pending), if !self.pending.is_empty() => {
                     self.pending_bytes -= done.bytes;
+                    self.server
+                        .metrics
+                        .pending_publish_bytes
+                        .fetch_sub(done.bytes as u64, Ordering::Relaxed);
                     self.acknowledge(done.pkid, done.qos, done.result).await?;
                 }
                 r = self.stream.read_buf(&mut inbuf), if can_read => {
@@ -941,6 +966,10 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
         // QoS 0 too: nothing is acknowledged, but its bytes count against the connection's
         // budget until stored, and a failure is counted.
         self.pending_bytes += p.payload.len();
+        self.server
+            .metrics
+            .pending_publish_bytes
+            .fetch_add(p.payload.len() as u64, Ordering::Relaxed);
         self.pending.push_back(PendingPublish {
             pkid: p.pkid,
             qos: p.qos,
