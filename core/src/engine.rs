@@ -578,9 +578,11 @@ impl Engine {
         // Laid out for where the writer is expected to put it, so a large batch is written to
         // the disk from its own memory.
         let len = sluice_storage::encoded_batch_len(records) as u64;
-        let position = t.partitions[id as usize].tail.reserve(len);
-        let batch = ValidatedBatch::from_records_at(records, ProducerInfo::NONE, Some(position));
-        self.enqueue_to(t, topic, id, batch, started, true).await
+        let reserved = t.partitions[id as usize].tail.reserve(len);
+        let batch =
+            ValidatedBatch::from_records_at(records, ProducerInfo::NONE, Some(reserved.position));
+        self.enqueue_to(&t, topic, id, batch, started, Some(reserved))
+            .await
     }
 
     async fn enqueue_validated(
@@ -593,7 +595,7 @@ impl Engine {
         let started = Instant::now();
         let t = self.topic_for_write(topic).await?;
         let id = Self::choose_partition(&t, topic, partition)?;
-        self.enqueue_to(t, topic, id, batch, started, false).await
+        self.enqueue_to(&t, topic, id, batch, started, None).await
     }
 
     /// The partition a produce goes to.
@@ -612,25 +614,22 @@ impl Engine {
         })
     }
 
-    /// Checks the batch against the topic's size limit and queues it on partition `id`; with
-    /// `reserved`, its place in the partition's [`crate::partition::TailHint`] is already taken.
+    /// Checks the batch against the topic's size limit and queues it on partition `id`,
+    /// taking its place in the partition's [`crate::partition::TailHint`] unless `reserved`
+    /// already holds it.
     async fn enqueue_to(
         &self,
-        t: Arc<Topic>,
+        t: &Topic,
         topic: &str,
         id: u32,
         batch: ValidatedBatch,
         started: Instant,
-        reserved: bool,
+        reserved: Option<crate::partition::Reserved<'_>>,
     ) -> Result<PendingAck> {
         let part = &t.partitions[id as usize];
-        let len = batch.len() as u64;
-        if !reserved {
-            part.tail.reserve(len);
-        }
+        let reserved = reserved.unwrap_or_else(|| part.tail.reserve(batch.len() as u64));
         let max = t.meta.read().policy.max_message_bytes as usize;
         if batch.len() > max {
-            part.tail.cancel(len);
             self.inner
                 .counters
                 .rejected_batches
@@ -640,10 +639,8 @@ impl Engine {
                 max,
             });
         }
-        let rx = part
-            .enqueue(batch)
-            .await
-            .inspect_err(|_| part.tail.cancel(len))?;
+        let rx = part.enqueue(batch).await?;
+        reserved.queued();
         Ok(PendingAck {
             rx,
             topic: topic.to_owned(),

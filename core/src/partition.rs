@@ -78,8 +78,9 @@ impl TailHint {
         }))
     }
 
-    /// Reserves the position of a batch of `len` bytes that is about to be queued.
-    pub(crate) fn reserve(&self, len: u64) -> u64 {
+    /// Reserves the position of a batch of `len` bytes that is about to be queued. The
+    /// reservation is given back when dropped before [`Reserved::queued`].
+    pub(crate) fn reserve(&self, len: u64) -> Reserved<'_> {
         let mut t = self.0.lock();
         // The log rolls before a batch that would take a non-empty segment past its size.
         let at = if t.next > 0 && t.next + len > t.segment_bytes {
@@ -87,15 +88,16 @@ impl TailHint {
         } else {
             t.next
         };
+        let before = t.next;
         t.next = at + len;
         t.outstanding += len;
-        at
-    }
-
-    /// A reserved batch that was not queued after all.
-    pub(crate) fn cancel(&self, len: u64) {
-        let mut t = self.0.lock();
-        t.outstanding = t.outstanding.saturating_sub(len);
+        Reserved {
+            tail: self,
+            position: at,
+            len,
+            before,
+            queued: false,
+        }
     }
 
     /// After a group commit of `bytes` (written or failed), with the log's end now at `end`.
@@ -109,6 +111,39 @@ impl TailHint {
 
     fn set_segment_bytes(&self, segment_bytes: u64) {
         self.0.lock().segment_bytes = segment_bytes;
+    }
+}
+
+/// A batch's reserved place in a partition's [`TailHint`]. Dropped before its batch is queued
+/// (the topic's size limit refused it, the engine is stopping, or the producer went away while
+/// waiting for room in the queue), it gives its bytes back, so they cannot keep the hint from
+/// ever returning to the log's real end.
+#[derive(Debug)]
+pub(crate) struct Reserved<'a> {
+    tail: &'a TailHint,
+    pub(crate) position: u64,
+    len: u64,
+    /// The tail before this reservation, restored if it is still the last one.
+    before: u64,
+    queued: bool,
+}
+
+impl Reserved<'_> {
+    /// The batch is in the writer's queue: the writer accounts for it from now on.
+    pub(crate) fn queued(mut self) {
+        self.queued = true;
+    }
+}
+
+impl Drop for Reserved<'_> {
+    fn drop(&mut self) {
+        if !self.queued {
+            let mut t = self.tail.0.lock();
+            t.outstanding = t.outstanding.saturating_sub(self.len);
+            if t.next == self.position + self.len {
+                t.next = self.before;
+            }
+        }
     }
 }
 

@@ -575,12 +575,21 @@ async fn large_produces_are_written_from_their_own_memory() {
     .await;
     let policy = sluice_core::TopicPolicy {
         segment_bytes: 5_000_000,
+        max_message_bytes: 2_500_000,
         ..sluice_core::TopicPolicy::default()
     };
     engine
         .create_topic("images", 1, Some(policy))
         .await
         .unwrap();
+    // A refused record gives its reserved place back: it must not shift the ones after it.
+    let too_large = record("big", &vec![1u8; 2_600_000], now());
+    assert!(matches!(
+        engine
+            .produce_queued("images", PartitionChoice::Id(0), &[too_large])
+            .await,
+        Err(CoreError::MessageTooLarge { .. })
+    ));
     let values: Vec<Vec<u8>> = (0..12u32)
         .map(|i| (0..2_000_000u32 + i).map(|b| (b ^ i) as u8).collect())
         .collect();
