@@ -577,11 +577,15 @@ impl Engine {
         let id = Self::choose_partition(&t, topic, partition)?;
         // Laid out for where the writer is expected to put it, so a large batch is written to
         // the disk from its own memory.
-        let len = sluice_storage::encoded_batch_len(records) as u64;
-        let reserved = t.partitions[id as usize].tail.reserve(len);
-        let batch =
-            ValidatedBatch::from_records_at(records, ProducerInfo::NONE, Some(reserved.position));
-        self.enqueue_to(&t, topic, id, batch, started, Some(reserved))
+        let tail = &t.partitions[id as usize].tail;
+        let mut reserved = None;
+        let batch = ValidatedBatch::from_records_at(records, ProducerInfo::NONE, |len| {
+            let r = tail.reserve(len as u64);
+            let position = r.position;
+            reserved = Some(r);
+            Some(position)
+        });
+        self.enqueue_to(&t, topic, id, batch, started, reserved)
             .await
     }
 

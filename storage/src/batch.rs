@@ -233,27 +233,6 @@ pub const PLACED_ENCODE_MIN: usize = 64 * 1024;
 /// The block grid that [`encode_at`] places batches on (that of direct writes).
 const BLOCK: usize = 4096;
 
-/// Each record's body length, and the whole batch's length.
-fn layout(records: &[Record]) -> (Vec<usize>, usize) {
-    let base_ts = records.first().map_or(0, |r| r.timestamp);
-    let bodies: Vec<usize> = records
-        .iter()
-        .enumerate()
-        .map(|(i, r)| record_body_len(r, r.timestamp - base_ts, i as i64))
-        .collect();
-    let total = BATCH_HEADER_LEN
-        + bodies
-            .iter()
-            .map(|&b| varint_len(b as i64) + b)
-            .sum::<usize>();
-    (bodies, total)
-}
-
-/// The length of the batch [`encode`] makes of `records`, without encoding it.
-pub fn encoded_len(records: &[Record]) -> usize {
-    layout(records).1
-}
-
 /// Encodes records into one uncompressed RecordBatch v2 with base offset 0 and a valid CRC.
 ///
 /// The buffer is sized exactly up front, so a 2 MB value is copied once, into the batch that is
@@ -262,23 +241,37 @@ pub fn encoded_len(records: &[Record]) -> usize {
 /// # Panics
 /// When `records` is empty: a batch holds at least one record.
 pub fn encode(records: &[Record], producer: ProducerInfo) -> BytesMut {
-    encode_at(records, producer, None)
+    encode_at(records, producer, |_| None)
 }
 
-/// As [`encode`]; when the caller expects the batch to land at byte `position` of its segment
-/// file, a batch of at least [`PLACED_ENCODE_MIN`] bytes is placed in memory so that its
-/// address and `position` agree modulo 4 KiB. The file's block boundaries then fall on the
-/// buffer's page boundaries, and a direct write can take the whole blocks from the batch itself
-/// instead of copying them into an aligned buffer first. A wrong guess costs only that copy.
+/// As [`encode`]; `place` is told the batch's length before anything is allocated and answers
+/// the byte of its segment file where the batch is expected to land, if known. A batch of at
+/// least [`PLACED_ENCODE_MIN`] bytes is then placed in memory so that its address and that
+/// position agree modulo 4 KiB: the file's block boundaries fall on the buffer's page
+/// boundaries, and a direct write can take the whole blocks from the batch itself instead of
+/// copying them into an aligned buffer first. A wrong guess costs only that copy.
 ///
 /// # Panics
 /// When `records` is empty: a batch holds at least one record.
-pub fn encode_at(records: &[Record], producer: ProducerInfo, position: Option<u64>) -> BytesMut {
+pub fn encode_at(
+    records: &[Record],
+    producer: ProducerInfo,
+    place: impl FnOnce(usize) -> Option<u64>,
+) -> BytesMut {
     assert!(!records.is_empty(), "a batch holds at least one record");
     let base_ts = records[0].timestamp;
     let max_ts = records.iter().map(|r| r.timestamp).max().unwrap_or(base_ts);
-    let (bodies, total) = layout(records);
-    let mut buf = match position {
+    let bodies: Vec<usize> = records
+        .iter()
+        .enumerate()
+        .map(|(i, r)| record_body_len(r, r.timestamp - base_ts, i as i64))
+        .collect();
+    let total: usize = BATCH_HEADER_LEN
+        + bodies
+            .iter()
+            .map(|&b| varint_len(b as i64) + b)
+            .sum::<usize>();
+    let mut buf = match place(total) {
         Some(position) if total >= PLACED_ENCODE_MIN => {
             let mut buf = BytesMut::with_capacity(total + BLOCK);
             let want = (position % BLOCK as u64) as usize;
@@ -502,9 +495,8 @@ mod tests {
         let image = vec![7u8; 300_000];
         let records = [rec(5, Some(b"cam"), &image)];
         let plain = encode(&records, ProducerInfo::NONE);
-        assert_eq!(encoded_len(&records), plain.len());
         for position in [0u64, 1, 4095, 4096, 123_457, 268_435_455] {
-            let placed = encode_at(&records, ProducerInfo::NONE, Some(position));
+            let placed = encode_at(&records, ProducerInfo::NONE, |_| Some(position));
             assert_eq!(placed, plain, "the same bytes, wherever they sit");
             assert_eq!(
                 (placed.as_ptr() as u64).wrapping_sub(position) % BLOCK as u64,
@@ -516,7 +508,7 @@ mod tests {
             assert_eq!(placed.freeze().as_ptr(), at);
         }
         // Small batches are not worth a block of spare capacity.
-        let small = encode_at(&[rec(1, None, b"x")], ProducerInfo::NONE, Some(1));
+        let small = encode_at(&[rec(1, None, b"x")], ProducerInfo::NONE, |_| Some(1));
         assert!(small.capacity() < BLOCK);
     }
 
@@ -564,8 +556,14 @@ mod tests {
                 value: Some(Bytes::from(v.clone())),
                 headers: vec![],
             }).collect();
-            let buf = encode(&records, ProducerInfo::NONE).freeze();
-            prop_assert_eq!(encoded_len(&records), buf.len());
+            // The length a producer reserves file space for is the batch's.
+            let mut told = 0;
+            let buf = encode_at(&records, ProducerInfo::NONE, |len| {
+                told = len;
+                None
+            })
+            .freeze();
+            prop_assert_eq!(told, buf.len());
             prop_assert!(validate(&buf).is_ok());
             let decoded = decode_records(&buf).unwrap();
             prop_assert_eq!(decoded.len(), records.len());

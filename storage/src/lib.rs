@@ -18,7 +18,7 @@ mod segment;
 pub use batch::{
     BATCH_HEADER_LEN, BatchError, BatchHeader, Compression, DecodedRecord, PLACED_ENCODE_MIN,
     ProducerInfo, Record, decode_records, encode as encode_batch, encode_at as encode_batch_at,
-    encoded_len as encoded_batch_len, set_base_offset, split_batches, validate as validate_batch,
+    set_base_offset, split_batches, validate as validate_batch,
 };
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use direct::{DirectFsStorage, DirectStats};

@@ -72,20 +72,20 @@ impl ValidatedBatch {
     /// # Panics
     /// When `records` is empty.
     pub fn from_records(records: &[batch::Record], producer: batch::ProducerInfo) -> Self {
-        Self::from_records_at(records, producer, None)
+        Self::from_records_at(records, producer, |_| None)
     }
 
-    /// As [`Self::from_records`], placed in memory for the segment position it is expected to
-    /// be appended at ([`batch::encode_at`], [`PartitionLog::end_position`]).
+    /// As [`Self::from_records`], placed in memory for the segment position `place` answers
+    /// for the batch's length ([`batch::encode_at`], [`PartitionLog::end_position`]).
     ///
     /// # Panics
     /// When `records` is empty.
     pub fn from_records_at(
         records: &[batch::Record],
         producer: batch::ProducerInfo,
-        position: Option<u64>,
+        place: impl FnOnce(usize) -> Option<u64>,
     ) -> Self {
-        let buf = batch::encode_at(records, producer, position);
+        let buf = batch::encode_at(records, producer, place);
         let header = BatchHeader::parse(&buf).expect("the encoder writes a whole header");
         Self { buf, header }
     }
