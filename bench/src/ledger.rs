@@ -116,29 +116,31 @@ pub(crate) enum RawWrite {
 pub(crate) fn raw_case(dir: &Path, size: usize, count: u64, how: RawWrite) -> anyhow::Result<Row> {
     const BLOCK: usize = 4096;
     let path = dir.join(format!("raw-{size}.bin"));
+    let direct = how == RawWrite::Direct;
     let mut open = OpenOptions::new();
     open.create(true)
         .write(true)
         .append(how == RawWrite::Append);
-    if how == RawWrite::Direct {
+    if direct {
         open.custom_flags(libc::O_DIRECT);
     }
     let mut f = open
         .open(&path)
         .with_context(|| format!("creating {} ({how:?})", path.display()))?;
-    let (size, mut buf) = match how {
-        RawWrite::Direct => (size.div_ceil(BLOCK) * BLOCK, vec![0; size + 2 * BLOCK]),
-        _ => (size, Vec::new()),
-    };
-    let data: &[u8] = if how == RawWrite::Direct {
-        let at = buf.as_ptr().align_offset(BLOCK);
-        let window = &mut buf[at..at + size];
-        window.copy_from_slice(&payload(size));
-        window
+    let size = if direct {
+        size.div_ceil(BLOCK) * BLOCK
     } else {
-        buf = payload(size).to_vec();
-        &buf
+        size
     };
+    // A block of room to spare, so the O_DIRECT loop can start on a block boundary.
+    let mut buf = vec![0; size + BLOCK];
+    let at = if direct {
+        buf.as_ptr().align_offset(BLOCK)
+    } else {
+        0
+    };
+    let data = &mut buf[at..at + size];
+    data.copy_from_slice(&payload(size));
     let mut samples = Vec::with_capacity(count as usize);
     let phase = Phase::start();
     for _ in 0..count {

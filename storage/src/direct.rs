@@ -197,13 +197,7 @@ impl DirectFile {
                     .in_place_bytes
                     .fetch_add(n as u64, Ordering::Relaxed);
             }
-            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
-                self.refuse(&e);
-                (&self.file).write_all(middle)?;
-                self.stats
-                    .buffered_bytes
-                    .fetch_add(n as u64, Ordering::Relaxed);
-            }
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => self.refuse(&e, middle)?,
             Err(e) => return Err(e),
         }
         (&self.file).write_all(&slice[head + n..])?;
@@ -213,12 +207,18 @@ impl DirectFile {
         Ok(())
     }
 
-    /// The file system rejected a direct write; nothing of it was written (alignment is
-    /// checked first), and this file's later appends go through the page cache.
-    fn refuse(&self, e: &io::Error) {
+    /// The file system rejected the direct write of `bytes`; nothing of it was written
+    /// (alignment is checked first). They, and this file's later appends, go through the page
+    /// cache.
+    fn refuse(&self, e: &io::Error, bytes: &[u8]) -> io::Result<()> {
         warn!(error = %e, "the file system rejects direct writes; writing through the page cache");
         self.direct_ok.store(false, Ordering::Relaxed);
         self.stats.refused.fetch_add(1, Ordering::Relaxed);
+        (&self.file).write_all(bytes)?;
+        self.stats
+            .buffered_bytes
+            .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        Ok(())
     }
 
     fn append_large(&self, bufs: &[IoSlice<'_>], total: usize, mut pos: u64) -> io::Result<()> {
@@ -250,12 +250,7 @@ impl DirectFile {
             match self.direct.write_all_at(window, *pos) {
                 Ok(()) => {}
                 Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
-                    // These bytes, and everything after them, go through the page cache.
-                    self.refuse(&e);
-                    (&self.file).write_all(window)?;
-                    self.stats
-                        .buffered_bytes
-                        .fetch_add(n as u64, Ordering::Relaxed);
+                    self.refuse(&e, window)?;
                     *left -= n;
                     break;
                 }

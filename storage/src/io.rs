@@ -173,6 +173,9 @@ pub struct Faults {
     pub tear_next_write: AtomicBool,
     /// While set, appends fail with ENOSPC and write nothing.
     pub disk_full: AtomicBool,
+    /// While set, appends of at least this many bytes wait: a disk that has stopped.
+    stall_from: std::sync::Mutex<Option<usize>>,
+    stall_changed: std::sync::Condvar,
 }
 
 impl Faults {
@@ -187,6 +190,27 @@ impl Faults {
 
     pub fn set_disk_full(&self, full: bool) {
         self.disk_full.store(full, Ordering::SeqCst);
+    }
+
+    /// Appends of at least `min_bytes` wait from now on until [`Self::resume_appends`].
+    pub fn stall_appends_from(&self, min_bytes: usize) {
+        *self.stall_from.lock().unwrap_or_else(|e| e.into_inner()) = Some(min_bytes);
+    }
+
+    /// Lets stalled appends, and later ones, through.
+    pub fn resume_appends(&self) {
+        *self.stall_from.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        self.stall_changed.notify_all();
+    }
+
+    fn wait_while_stalled(&self, bytes: usize) {
+        let mut from = self.stall_from.lock().unwrap_or_else(|e| e.into_inner());
+        while from.is_some_and(|min| bytes >= min) {
+            from = self
+                .stall_changed
+                .wait(from)
+                .unwrap_or_else(|e| e.into_inner());
+        }
     }
 }
 
@@ -222,6 +246,8 @@ impl LogFile for FaultyFile {
     }
 
     fn append(&self, bufs: &[IoSlice<'_>]) -> io::Result<()> {
+        self.faults
+            .wait_while_stalled(bufs.iter().map(|b| b.len()).sum());
         if self.faults.disk_full.load(Ordering::SeqCst) {
             return Err(io::Error::from_raw_os_error(libc::ENOSPC));
         }

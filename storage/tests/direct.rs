@@ -41,14 +41,13 @@ const MIN_BYTES: usize = 64 * 1024;
 /// A new segment file of a `DirectFsStorage`, with its counters.
 fn segment_file(
     dir: &Path,
-    min_bytes: usize,
 ) -> (
     std::path::PathBuf,
     Arc<sluice_storage::DirectStats>,
     Arc<dyn LogFile>,
 ) {
     let path = dir.join("00000000000000000000.log");
-    let storage = DirectFsStorage::new(min_bytes);
+    let storage = DirectFsStorage::new(MIN_BYTES);
     let file = storage.open(&path, true).unwrap();
     (path, storage.stats(), file)
 }
@@ -56,8 +55,7 @@ fn segment_file(
 #[test]
 fn appends_of_every_alignment_land_byte_for_byte() {
     let dir = tempfile::tempdir().unwrap();
-    let (path, stats, file) = segment_file(dir.path(), MIN_BYTES);
-    let min_bytes = MIN_BYTES;
+    let (path, stats, file) = segment_file(dir.path());
 
     // Sizes around the block size and the minimum, and one larger than the staging buffer
     // (4 MiB), so a single append takes several direct writes.
@@ -88,7 +86,7 @@ fn appends_of_every_alignment_land_byte_for_byte() {
             IoSlice::new(&data[cut[0]..cut[1]]),
             IoSlice::new(&data[cut[1]..]),
         ];
-        direct += expected_direct(expected.len() as u64, size as u64, min_bytes as u64);
+        direct += expected_direct(expected.len() as u64, size as u64, MIN_BYTES as u64);
         file.append(&slices).unwrap();
         expected.extend_from_slice(data);
         assert_eq!(file.len().unwrap(), expected.len() as u64, "append {i}");
@@ -122,8 +120,7 @@ fn appends_of_every_alignment_land_byte_for_byte() {
 #[test]
 fn slices_placed_for_their_position_are_written_from_their_own_pages() {
     let dir = tempfile::tempdir().unwrap();
-    let (path, stats, file) = segment_file(dir.path(), MIN_BYTES);
-    let min_bytes = MIN_BYTES;
+    let (path, stats, file) = segment_file(dir.path());
     let mut expected = Vec::new();
     let (mut in_place, mut staged) = (0, 0);
 
@@ -136,7 +133,7 @@ fn slices_placed_for_their_position_are_written_from_their_own_pages() {
         let pos = expected.len() as u64;
         let (buf, at) = placed(&bytes, pos, 0);
         file.append(&[IoSlice::new(&buf[at..at + size])]).unwrap();
-        in_place += expected_direct(pos, size as u64, min_bytes as u64);
+        in_place += expected_direct(pos, size as u64, MIN_BYTES as u64);
         expected.extend_from_slice(&bytes);
     }
 
@@ -156,8 +153,8 @@ fn slices_placed_for_their_position_are_written_from_their_own_pages() {
         IoSlice::new(&after_buf[after_at..after_at + after.len()]),
     ])
     .unwrap();
-    in_place += expected_direct(pos_big, big.len() as u64, min_bytes as u64);
-    staged += expected_direct(pos_after, after.len() as u64, min_bytes as u64);
+    in_place += expected_direct(pos_big, big.len() as u64, MIN_BYTES as u64);
+    staged += expected_direct(pos_after, after.len() as u64, MIN_BYTES as u64);
     for part in [&small, &big, &after] {
         expected.extend_from_slice(part);
     }

@@ -2,11 +2,15 @@
 #![allow(clippy::unwrap_used)]
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use rumqttc::{AsyncClient, Event, MqttOptions, Packet, QoS};
-use sluice_core::{Engine, EngineConfig, FsStorage, PartitionChoice, Record, SystemClock};
+use sluice_core::{
+    Engine, EngineConfig, Faults, FaultyStorage, FsStorage, PartitionChoice, Record, Storage,
+    SystemClock,
+};
 use sluice_mqtt::{MqttServer, MqttSettings, Route};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -29,13 +33,17 @@ async fn start_with(
     dir: &std::path::Path,
     users: std::collections::BTreeMap<String, String>,
 ) -> Gateway {
-    let engine = Engine::open(
-        EngineConfig::new(dir),
-        Arc::new(FsStorage),
-        Arc::new(SystemClock),
-    )
-    .await
-    .unwrap();
+    start_on(dir, users, Arc::new(FsStorage)).await
+}
+
+async fn start_on(
+    dir: &std::path::Path,
+    users: std::collections::BTreeMap<String, String>,
+    storage: Arc<dyn Storage>,
+) -> Gateway {
+    let engine = Engine::open(EngineConfig::new(dir), storage, Arc::new(SystemClock))
+        .await
+        .unwrap();
     let settings = MqttSettings {
         addr: "127.0.0.1:0".into(),
         max_packet_bytes: 8 * 1024 * 1024,
@@ -786,5 +794,124 @@ async fn one_connection_follows_several_filters_over_several_partitions() {
         .filter(|&p| gw.engine.offsets("mqtt", p).unwrap().1 > 0)
         .count();
     assert_eq!(spread, 3, "the names landed on every partition");
+    gw.stop().await;
+}
+
+// A publisher flooding large payloads is held back: once 64 MiB of its publishes wait for the
+// ledger, the connection stops reading until they are stored, and nothing is lost.
+
+const IMAGE: usize = 2 * 1024 * 1024;
+const IMAGES: u16 = 64;
+
+/// Resumes stalled appends when dropped, so a failing test still lets the writer finish (the
+/// runtime waits for blocking tasks when it shuts down).
+struct ResumeOnDrop(Arc<Faults>);
+
+impl Drop for ResumeOnDrop {
+    fn drop(&mut self) {
+        self.0.resume_appends();
+    }
+}
+
+/// An MQTT remaining length.
+fn varint(mut n: usize, out: &mut Vec<u8>) {
+    loop {
+        let byte = (n % 128) as u8;
+        n /= 128;
+        if n == 0 {
+            out.push(byte);
+            return;
+        }
+        out.push(byte | 0x80);
+    }
+}
+
+fn connect() -> Vec<u8> {
+    let mut body = vec![0, 4, b'M', b'Q', b'T', b'T', 4, 0x02, 0, 60, 0, 5];
+    body.extend_from_slice(b"flood");
+    let mut p = vec![0x10];
+    varint(body.len(), &mut p);
+    p.extend_from_slice(&body);
+    p
+}
+
+fn publish_qos1(pkid: u16, payload: &[u8]) -> Vec<u8> {
+    let topic = b"cameras/flood";
+    let mut p = vec![0x32];
+    varint(2 + topic.len() + 2 + payload.len(), &mut p);
+    p.extend_from_slice(&(topic.len() as u16).to_be_bytes());
+    p.extend_from_slice(topic);
+    p.extend_from_slice(&pkid.to_be_bytes());
+    p.extend_from_slice(payload);
+    p
+}
+
+/// Waits until `ready` holds; fails the test after [`PATIENCE`].
+async fn until(what: &str, ready: impl Fn() -> bool) {
+    let deadline = Instant::now() + PATIENCE;
+    while !ready() {
+        assert!(Instant::now() < deadline, "timed out waiting: {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flooding_publisher_is_held_at_the_pending_budget_and_loses_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    // The disk stops: appends of a megabyte or more wait until resumed.
+    let (storage, faults) = FaultyStorage::new(Arc::new(FsStorage));
+    faults.stall_appends_from(1 << 20);
+    let _resume_at_the_end = ResumeOnDrop(faults.clone());
+    let gw = start_on(dir.path(), Default::default(), Arc::new(storage)).await;
+    let (port, server, engine) = (gw.port, gw.server.clone(), gw.engine.clone());
+
+    let stream = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+    let (mut rd, mut wr) = stream.into_split();
+    wr.write_all(&connect()).await.unwrap();
+    let mut connack = [0u8; 4];
+    rd.read_exact(&mut connack).await.unwrap();
+    assert_eq!(connack, [0x20, 2, 0, 0]);
+    // 128 MiB of images, written as fast as the socket takes them.
+    let writer = tokio::spawn(async move {
+        let image = vec![0xA5u8; IMAGE];
+        for pkid in 1..=IMAGES {
+            wr.write_all(&publish_qos1(pkid, &image)).await.unwrap();
+        }
+        wr
+    });
+
+    // The disk is stopped, so the connection must stop reading at its budget.
+    let m = &server.metrics;
+    until("the connection stops reading", || {
+        m.reads_paused.load(Ordering::Relaxed) >= 1
+    })
+    .await;
+    let pending = m.pending_publish_bytes.load(Ordering::Relaxed) as usize;
+    // At least the budget; beyond it at most what one read of the socket had already brought.
+    assert!(pending >= 64 << 20, "{pending}");
+    assert!(pending <= (64 << 20) + 4 * IMAGE, "{pending}");
+    assert!(!writer.is_finished(), "all images were taken in");
+
+    // The disk resumes: every image is stored and acknowledged, in order.
+    faults.resume_appends();
+    let _wr = writer.await.unwrap();
+    for pkid in 1..=IMAGES {
+        let mut puback = [0u8; 4];
+        tokio::time::timeout(PATIENCE, rd.read_exact(&mut puback))
+            .await
+            .unwrap()
+            .unwrap();
+        let [hi, lo] = pkid.to_be_bytes();
+        assert_eq!(puback, [0x40, 2, hi, lo]);
+    }
+    assert_eq!(m.pending_publish_bytes.load(Ordering::Relaxed), 0);
+    let stats = engine.metrics();
+    let stored: u64 = stats
+        .partitions
+        .iter()
+        .filter(|p| p.topic == "mqtt")
+        .map(|p| p.high_watermark)
+        .sum();
+    assert_eq!(stored, u64::from(IMAGES));
     gw.stop().await;
 }
