@@ -560,8 +560,8 @@ async fn tailing_fetches_come_from_memory_and_older_ones_from_disk() {
 
 /// Records produced one after another (pipelined, as an MQTT connection queues its publishes)
 /// are each laid out in memory for where the writer puts them, across segment rolls (every two
-/// images here, with all twelve queued at once), so their blocks go to the disk straight from
-/// the batch, and they read back intact.
+/// images here, with all twelve queued at once), so their whole blocks go to the disk straight
+/// from the batch, and they read back intact.
 #[tokio::test]
 async fn large_produces_are_written_from_their_own_memory() {
     let dir = tempfile::tempdir().unwrap();
@@ -612,8 +612,9 @@ async fn large_produces_are_written_from_their_own_memory() {
     let in_place = stats
         .in_place_bytes
         .load(std::sync::atomic::Ordering::Relaxed);
-    assert!(direct >= 12 * (2_000_000 - 8192), "{direct}");
-    assert_eq!(in_place, direct);
+    assert!(in_place >= 12 * (2_000_000 - 8192), "{in_place}");
+    // All else that went direct: blocks where one image ends and the next begins, copied.
+    assert!(direct - in_place <= 12 * 4096, "{direct} {in_place}");
     assert!(engine.metrics().partitions[0].segments >= 6);
     let got = read_all(&engine, "images", 0).await;
     assert_eq!(got.len(), values.len());

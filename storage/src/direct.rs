@@ -4,17 +4,19 @@
 //! docs/BENCHMARKS.md that copy is most of the CPU of a 2 MB ingest, and it swings from run to
 //! run: pages the guest frees are reported back to the host (virtio-balloon free-page
 //! reporting), so the first write into each page faults on the host again. With `O_DIRECT` the
-//! device reads the bytes from staging buffers that are reused for every append, so nothing
-//! faults, and the page cache is left to readers.
+//! device reads the bytes from the batches' own pages where they were placed for their file
+//! position, and from staging buffers that are reused for every append where they were not, so
+//! nothing is copied twice, and the page cache is left to readers.
 //!
 //! Only appends of at least [`DirectFsStorage::new`]'s `min_bytes` go direct, and of those only
 //! whole aligned blocks: the bytes up to the next block boundary and the last partial block go
 //! through the page cache as before. Files therefore always have exactly their logical length,
 //! direct and buffered writes never touch the same block within one append, and recovery,
-//! reads and truncation work on these files as on any other.
+//! reads and truncation work on these files as on any other. The whole blocks of one append (a
+//! group commit) go in one vectored write where they can.
 
 use std::fs::{File, OpenOptions};
-use std::io::{self, IoSlice, Write};
+use std::io::{self, IoSlice, Seek, SeekFrom, Write};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
 use std::sync::Arc;
@@ -45,6 +47,8 @@ pub struct DirectStats {
     pub refused: AtomicU64,
     /// Staging buffers allocated (4 MiB each): as many as direct appends ever ran at once.
     pub staging_buffers: AtomicU64,
+    /// Direct writes made (each one vectored write of whole blocks).
+    pub direct_writes: AtomicU64,
 }
 
 /// [`FsStorage`], except that log files take large appends with `O_DIRECT`.
@@ -124,34 +128,72 @@ impl StagingPool {
     }
 }
 
-/// Reads the bytes of a list of slices front to back.
-struct Gather<'a> {
+/// The bytes of a list of slices, front to back.
+struct Cursor<'a> {
     bufs: &'a [IoSlice<'a>],
+    /// The slice being read, and how far.
+    i: usize,
     at: usize,
 }
 
-impl Gather<'_> {
+impl<'a> Cursor<'a> {
+    /// The rest of the current slice (empty at the end).
+    fn current(&mut self) -> &'a [u8] {
+        while let Some(b) = self.bufs.get(self.i) {
+            if self.at < b.len() {
+                let bufs: &'a [IoSlice<'a>] = self.bufs;
+                return &bufs[self.i][self.at..];
+            }
+            self.i += 1;
+            self.at = 0;
+        }
+        &[]
+    }
+
+    fn advance(&mut self, n: usize) {
+        self.at += n;
+    }
+
     /// Fills `dst` completely; the caller never asks for more than is left.
     fn fill(&mut self, mut dst: &mut [u8]) {
         while !dst.is_empty() {
-            let (first, rest) = self.bufs.split_first().expect("asked past the end");
-            let src = &first[self.at..];
+            let src = self.current();
+            assert!(!src.is_empty(), "asked past the end");
             let n = src.len().min(dst.len());
             dst[..n].copy_from_slice(&src[..n]);
             dst = &mut dst[n..];
-            self.at += n;
-            if self.at == first.len() {
-                self.bufs = rest;
-                self.at = 0;
-            }
+            self.advance(n);
         }
     }
 }
 
+/// Part of one direct write: whole blocks either of a placed slice, or of the staging buffer.
+#[derive(Debug, Clone, Copy)]
+enum Piece {
+    /// `len` bytes of `bufs[slice]` from `at`.
+    InPlace { slice: usize, at: usize, len: usize },
+    /// The staging buffer's window from `from` to `to`.
+    Staged { from: usize, to: usize },
+}
+
+/// Pieces to go to the disk in one vectored direct write from `pos`. Most direct appends are
+/// one such write: a group commit of placed 2 MB images becomes their whole blocks, in place,
+/// with the blocks where one image ends and the next begins copied into the staging buffer.
+struct Pending {
+    pos: u64,
+    pieces: Vec<Piece>,
+    /// Staging bytes in use; those from `staged_from` are not a piece yet.
+    fill: usize,
+    staged_from: usize,
+}
+
+/// Most pieces in one write (the kernel takes at most 1,024 `iovec`s).
+const MAX_PIECES: usize = 512;
+
 impl DirectFile {
     /// Appends the next `len` bytes of `src` through the page cache (the file is opened
     /// `O_APPEND`). Used for the unaligned ends of a large append, under one block each.
-    fn append_buffered(&self, src: &mut Gather<'_>, len: usize) -> io::Result<()> {
+    fn append_buffered(&self, src: &mut Cursor<'_>, len: usize) -> io::Result<()> {
         if len == 0 {
             return Ok(());
         }
@@ -164,105 +206,165 @@ impl DirectFile {
         Ok(())
     }
 
-    /// Appends `bufs` (`total` bytes) at `pos`, the end of the file: the whole blocks through
-    /// a staging buffer with O_DIRECT when there are enough bytes, else all through the page
-    /// cache.
-    fn append_run(&self, bufs: &[IoSlice<'_>], total: usize, pos: u64) -> io::Result<()> {
-        if total >= self.min_bytes && self.direct_ok.load(Ordering::Relaxed) {
-            return self.append_large(bufs, total, pos);
-        }
-        if total > 0 {
-            append_vectored(&self.file, bufs)?;
-            self.stats
-                .buffered_bytes
-                .fetch_add(total as u64, Ordering::Relaxed);
-        }
-        Ok(())
-    }
-
-    /// Appends one slice whose memory sits on the file's block grid (its address and `pos`,
-    /// the end of the file, agree modulo 4 KiB): its whole blocks go to the disk straight from
-    /// its own pages, its ends through the page cache.
-    fn append_in_place(&self, slice: &[u8], pos: u64) -> io::Result<()> {
-        let head = (ALIGN - (pos % ALIGN as u64) as usize) % ALIGN;
-        let n = (slice.len() - head) / ALIGN * ALIGN;
-        (&self.file).write_all(&slice[..head])?;
-        let middle = &slice[head..head + n];
-        match self.direct.write_all_at(middle, pos + head as u64) {
-            Ok(()) => {
-                self.stats
-                    .direct_bytes
-                    .fetch_add(n as u64, Ordering::Relaxed);
-                self.stats
-                    .in_place_bytes
-                    .fetch_add(n as u64, Ordering::Relaxed);
-            }
-            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => self.refuse(&e, middle)?,
-            Err(e) => return Err(e),
-        }
-        (&self.file).write_all(&slice[head + n..])?;
-        self.stats
-            .buffered_bytes
-            .fetch_add((slice.len() - n) as u64, Ordering::Relaxed);
-        Ok(())
-    }
-
-    /// The file system rejected the direct write of `bytes`; nothing of it was written
-    /// (alignment is checked first). They, and this file's later appends, go through the page
-    /// cache.
-    fn refuse(&self, e: &io::Error, bytes: &[u8]) -> io::Result<()> {
-        warn!(error = %e, "the file system rejects direct writes; writing through the page cache");
-        self.direct_ok.store(false, Ordering::Relaxed);
-        self.stats.refused.fetch_add(1, Ordering::Relaxed);
-        (&self.file).write_all(bytes)?;
-        self.stats
-            .buffered_bytes
-            .fetch_add(bytes.len() as u64, Ordering::Relaxed);
-        Ok(())
-    }
-
-    fn append_large(&self, bufs: &[IoSlice<'_>], total: usize, mut pos: u64) -> io::Result<()> {
-        let head = (ALIGN - (pos % ALIGN as u64) as usize) % ALIGN;
-        let mut src = Gather { bufs, at: 0 };
-        self.append_buffered(&mut src, head)?;
-        pos += head as u64;
-        let mut left = total - head;
-        let mut staging = self.pool.take(&self.stats);
-        let written = self.write_direct(&mut staging, &mut src, &mut pos, &mut left);
-        self.pool.put(staging);
-        written?;
-        self.append_buffered(&mut src, left)
-    }
-
-    /// Writes whole blocks of `src` at `pos` with O_DIRECT while at least one is `left`,
-    /// advancing both; what the file system refuses is written through the page cache.
-    fn write_direct(
+    /// Appends `bufs` (`total` bytes) at `pos`, the end of the file. The bytes up to the first
+    /// block boundary and after the last go through the page cache; the whole blocks between
+    /// go with O_DIRECT, in as few writes as the staging buffer allows. Where a slice's memory
+    /// sits on the file's block grid (placed by [`crate::batch::encode_at`]), its blocks are
+    /// written from its own pages; everything else is copied into the staging buffer first.
+    fn append_direct(
         &self,
-        staging: &mut Staging,
-        src: &mut Gather<'_>,
-        pos: &mut u64,
-        left: &mut usize,
+        bufs: &[IoSlice<'_>],
+        total: usize,
+        pos: u64,
+        staging: &mut Option<Staging>,
     ) -> io::Result<()> {
-        while *left >= ALIGN && self.direct_ok.load(Ordering::Relaxed) {
-            let n = (*left - *left % ALIGN).min(STAGING_BYTES);
-            let window = &mut staging.window()[..n];
-            src.fill(window);
-            match self.direct.write_all_at(window, *pos) {
-                Ok(()) => {}
+        let head = ((ALIGN - (pos % ALIGN as u64) as usize) % ALIGN).min(total);
+        let blocks = (total - head) / ALIGN * ALIGN;
+        let mut src = Cursor { bufs, i: 0, at: 0 };
+        self.append_buffered(&mut src, head)?;
+        let mut w = Pending {
+            pos: pos + head as u64,
+            pieces: Vec::new(),
+            fill: 0,
+            staged_from: 0,
+        };
+        let mut left = blocks;
+        while left > 0 {
+            let cur = src.current();
+            let n = cur.len().min(left) / ALIGN * ALIGN;
+            // Whole blocks are due here (the staged bytes so far are whole blocks too), and
+            // the slice's memory is aligned with them.
+            let aligned =
+                w.fill.is_multiple_of(ALIGN) && (cur.as_ptr() as usize).is_multiple_of(ALIGN);
+            if aligned && n > 0 {
+                close_staged(&mut w);
+                w.pieces.push(Piece::InPlace {
+                    slice: src.i,
+                    at: src.at,
+                    len: n,
+                });
+                src.advance(n);
+                left -= n;
+            } else {
+                // Up to the next block boundary first: a placed slice's blocks start there.
+                let room = match w.fill % ALIGN {
+                    0 => STAGING_BYTES - w.fill,
+                    partial => ALIGN - partial,
+                };
+                let n = cur.len().min(left).min(room);
+                // Taken at the first byte to copy: an append of placed batches may need none.
+                let window = staging
+                    .get_or_insert_with(|| self.pool.take(&self.stats))
+                    .window();
+                src.fill(&mut window[w.fill..w.fill + n]);
+                w.fill += n;
+                left -= n;
+            }
+            if w.fill == STAGING_BYTES || w.pieces.len() >= MAX_PIECES {
+                self.write_pieces(bufs, staging, &mut w)?;
+            }
+        }
+        self.write_pieces(bufs, staging, &mut w)?;
+        self.append_buffered(&mut src, total - head - blocks)
+    }
+
+    /// Writes the pending pieces (whole blocks at a block boundary) and starts over after them.
+    /// What the file system refuses goes through the page cache, as do this file's later
+    /// appends.
+    fn write_pieces(
+        &self,
+        bufs: &[IoSlice<'_>],
+        staging: &mut Option<Staging>,
+        w: &mut Pending,
+    ) -> io::Result<()> {
+        debug_assert!(
+            w.fill.is_multiple_of(ALIGN),
+            "pieces end on a block boundary"
+        );
+        close_staged(w);
+        let window: &[u8] = match staging {
+            Some(staging) => staging.window(),
+            None => &[],
+        };
+        let mut slices: Vec<IoSlice<'_>> = w
+            .pieces
+            .iter()
+            .map(|p| match *p {
+                Piece::InPlace { slice, at, len } => IoSlice::new(&bufs[slice][at..at + len]),
+                Piece::Staged { from, to } => IoSlice::new(&window[from..to]),
+            })
+            .collect();
+        let total: usize = slices.iter().map(|s| s.len()).sum();
+        let in_place: usize = w
+            .pieces
+            .iter()
+            .map(|p| match p {
+                Piece::InPlace { len, .. } => *len,
+                Piece::Staged { .. } => 0,
+            })
+            .sum();
+        w.pos += total as u64;
+        w.pieces.clear();
+        w.fill = 0;
+        w.staged_from = 0;
+        if total == 0 {
+            return Ok(());
+        }
+        if !self.direct_ok.load(Ordering::Relaxed) {
+            return self.write_buffered(&slices);
+        }
+        (&self.direct).seek(SeekFrom::Start(w.pos - total as u64))?;
+        let mut rest = slices.as_mut_slice();
+        let mut written = 0;
+        while !rest.is_empty() {
+            match (&self.direct).write_vectored(rest) {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(n) => {
+                    written += n;
+                    IoSlice::advance_slices(&mut rest, n);
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
-                    self.refuse(&e, window)?;
-                    *left -= n;
-                    break;
+                    // Alignment is checked before anything is written: `rest` is all unwritten.
+                    warn!(error = %e, "the file system rejects direct writes; writing through the page cache");
+                    self.direct_ok.store(false, Ordering::Relaxed);
+                    self.stats.refused.fetch_add(1, Ordering::Relaxed);
+                    self.stats
+                        .direct_bytes
+                        .fetch_add(written as u64, Ordering::Relaxed);
+                    return self.write_buffered(rest);
                 }
                 Err(e) => return Err(e),
             }
-            self.stats
-                .direct_bytes
-                .fetch_add(n as u64, Ordering::Relaxed);
-            *pos += n as u64;
-            *left -= n;
         }
+        self.stats
+            .direct_bytes
+            .fetch_add(total as u64, Ordering::Relaxed);
+        self.stats
+            .in_place_bytes
+            .fetch_add(in_place as u64, Ordering::Relaxed);
+        self.stats.direct_writes.fetch_add(1, Ordering::Relaxed);
         Ok(())
+    }
+
+    fn write_buffered(&self, slices: &[IoSlice<'_>]) -> io::Result<()> {
+        append_vectored(&self.file, slices)?;
+        let n: usize = slices.iter().map(|s| s.len()).sum();
+        self.stats
+            .buffered_bytes
+            .fetch_add(n as u64, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+/// Ends the staged run in progress as a piece of its own.
+fn close_staged(w: &mut Pending) {
+    if w.fill > w.staged_from {
+        w.pieces.push(Piece::Staged {
+            from: w.staged_from,
+            to: w.fill,
+        });
+        w.staged_from = w.fill;
     }
 }
 
@@ -274,24 +376,15 @@ impl LogFile for DirectFile {
     fn append(&self, bufs: &[IoSlice<'_>]) -> io::Result<()> {
         let total: usize = bufs.iter().map(|b| b.len()).sum();
         if total < self.min_bytes || !self.direct_ok.load(Ordering::Relaxed) {
-            return self.append_run(bufs, total, 0);
+            return self.write_buffered(bufs);
         }
-        let mut pos = self.file.metadata()?.len();
-        // Large slices placed for their position go straight from their own pages; the runs of
-        // slices before, between and after them go through the staging buffer.
-        let (mut run, mut run_bytes, mut run_pos) = (0, 0, pos);
-        for (i, slice) in bufs.iter().enumerate() {
-            let placed = (slice.as_ptr() as u64).wrapping_sub(pos) % ALIGN as u64 == 0;
-            if placed && slice.len() >= self.min_bytes && self.direct_ok.load(Ordering::Relaxed) {
-                self.append_run(&bufs[run..i], run_bytes, run_pos)?;
-                self.append_in_place(slice, pos)?;
-                (run, run_bytes, run_pos) = (i + 1, 0, pos + slice.len() as u64);
-            } else {
-                run_bytes += slice.len();
-            }
-            pos += slice.len() as u64;
+        let pos = self.file.metadata()?.len();
+        let mut staging = None;
+        let written = self.append_direct(bufs, total, pos, &mut staging);
+        if let Some(staging) = staging {
+            self.pool.put(staging);
         }
-        self.append_run(&bufs[run..], run_bytes, run_pos)
+        written
     }
 
     fn sync_data(&self) -> io::Result<()> {

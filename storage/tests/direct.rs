@@ -137,8 +137,8 @@ fn slices_placed_for_their_position_are_written_from_their_own_pages() {
         expected.extend_from_slice(&bytes);
     }
 
-    // A group commit: small and unplaced batches around a placed one. The runs before and after
-    // it go through the staging buffer (the one after is large enough to go direct too).
+    // A group commit: small and unplaced batches around a placed one, in one direct write. The
+    // bytes around the placed one's blocks go through the staging buffer.
     let small = value(60, 1000);
     let big = value(61, 1_000_000);
     let after = value(62, 200_000);
@@ -153,8 +153,12 @@ fn slices_placed_for_their_position_are_written_from_their_own_pages() {
         IoSlice::new(&after_buf[after_at..after_at + after.len()]),
     ])
     .unwrap();
-    in_place += expected_direct(pos_big, big.len() as u64, MIN_BYTES as u64);
-    staged += expected_direct(pos_after, after.len() as u64, MIN_BYTES as u64);
+    let group_in_place =
+        (pos_big + big.len() as u64) / BLOCK * BLOCK - pos_big.next_multiple_of(BLOCK);
+    in_place += group_in_place;
+    let group = small.len() + big.len() + after.len();
+    staged += expected_direct(pos_big - small.len() as u64, group as u64, MIN_BYTES as u64)
+        - group_in_place;
     for part in [&small, &big, &after] {
         expected.extend_from_slice(part);
     }
@@ -169,6 +173,52 @@ fn slices_placed_for_their_position_are_written_from_their_own_pages() {
     assert_eq!(
         stats.buffered_bytes.load(Ordering::Relaxed),
         expected.len() as u64 - in_place - staged
+    );
+    assert_eq!(std::fs::read(&path).unwrap(), expected);
+}
+
+#[test]
+fn a_group_of_placed_images_is_one_direct_write() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, stats, file) = segment_file(dir.path());
+    let mut expected = value(70, 777).to_vec();
+    file.append(&[IoSlice::new(&expected)]).unwrap();
+
+    // Twelve 2 MB images of odd lengths, each placed for where it lands: only the blocks where
+    // one ends and the next begins are copied, and all of it goes in one write.
+    let images: Vec<bytes::Bytes> = (0..12u64)
+        .map(|i| value(71 + i, 2_000_000 + 1 + i as usize * 13))
+        .collect();
+    let mut pos = expected.len() as u64;
+    let mut bufs = Vec::new();
+    let mut in_place = 0;
+    for image in &images {
+        bufs.push(placed(image, pos, 0));
+        let end = pos + image.len() as u64;
+        in_place += end / BLOCK * BLOCK - pos.next_multiple_of(BLOCK);
+        pos = end;
+    }
+    let slices: Vec<IoSlice<'_>> = bufs
+        .iter()
+        .zip(&images)
+        .map(|((buf, at), image)| IoSlice::new(&buf[*at..*at + image.len()]))
+        .collect();
+    let total: usize = images.iter().map(|i| i.len()).sum();
+    let direct = expected_direct(expected.len() as u64, total as u64, MIN_BYTES as u64);
+    file.append(&slices).unwrap();
+    for image in &images {
+        expected.extend_from_slice(image);
+    }
+    file.sync_data().unwrap();
+
+    assert_eq!(stats.direct_writes.load(Ordering::Relaxed), 1);
+    assert_eq!(stats.direct_bytes.load(Ordering::Relaxed), direct);
+    assert_eq!(stats.in_place_bytes.load(Ordering::Relaxed), in_place);
+    // Staged: one boundary block per image after the first.
+    assert_eq!(direct - in_place, 11 * BLOCK);
+    assert_eq!(
+        stats.buffered_bytes.load(Ordering::Relaxed),
+        expected.len() as u64 - direct
     );
     assert_eq!(std::fs::read(&path).unwrap(), expected);
 }
