@@ -80,6 +80,30 @@ pub struct ProduceAck {
     pub last_offset: u64,
 }
 
+/// A one-record batch being filled with its value, its partition chosen and its place there
+/// reserved ([`Engine::open_record`]).
+#[derive(Debug)]
+pub struct OpenRecord {
+    batch: sluice_storage::OpenBatch,
+    topic: Arc<Topic>,
+    name: String,
+    id: u32,
+    reserved: crate::partition::Reserved,
+    started: Instant,
+}
+
+impl OpenRecord {
+    /// The batch, to read the value into ([`sluice_storage::OpenBatch::value_buf`]).
+    pub fn value(&mut self) -> &mut sluice_storage::OpenBatch {
+        &mut self.batch
+    }
+
+    /// The ledger topic it goes to.
+    pub fn topic(&self) -> &str {
+        &self.name
+    }
+}
+
 /// A queued append; resolves to its [`ProduceAck`] once durable per the topic's policy.
 #[derive(Debug)]
 pub struct PendingAck {
@@ -589,6 +613,54 @@ impl Engine {
             .await
     }
 
+    /// Lays out a batch of one record whose value the caller reads in afterwards
+    /// ([`OpenRecord::value`]): a protocol receives a large payload straight into the batch
+    /// that is then written to the disk, with no copy in between. The record's place in the
+    /// partition is reserved from now until [`Self::produce_open`] queues it (or it is dropped),
+    /// so the batch is placed for its file position as [`Self::produce_queued`] places its own.
+    pub async fn open_record(
+        &self,
+        topic: &str,
+        partition: PartitionChoice<'_>,
+        key: &[u8],
+        value_len: usize,
+        headers: &[(String, bytes::Bytes)],
+    ) -> Result<OpenRecord> {
+        self.check_open()?;
+        let t = self.topic_for_write(topic).await?;
+        let id = Self::choose_partition(&t, topic, partition)?;
+        let layout = sluice_storage::OneRecord::new(key, value_len, headers);
+        let reserved = t.partitions[id as usize].tail.reserve(layout.len() as u64);
+        let batch = layout.open(Some(reserved.position));
+        Ok(OpenRecord {
+            batch,
+            topic: t,
+            name: topic.to_owned(),
+            id,
+            reserved,
+            started: Instant::now(),
+        })
+    }
+
+    /// Queues an [`OpenRecord`] whose value is complete, stamped with the engine's clock now;
+    /// as [`Self::produce_queued`].
+    ///
+    /// # Panics
+    /// While value bytes are missing.
+    pub async fn produce_open(&self, open: OpenRecord) -> Result<PendingAck> {
+        self.check_open()?;
+        let batch = ValidatedBatch::from_open(open.batch, self.now_ms());
+        self.enqueue_to(
+            &open.topic,
+            &open.name,
+            open.id,
+            batch,
+            open.started,
+            Some(open.reserved),
+        )
+        .await
+    }
+
     async fn enqueue_validated(
         &self,
         topic: &str,
@@ -628,7 +700,7 @@ impl Engine {
         id: u32,
         batch: ValidatedBatch,
         started: Instant,
-        reserved: Option<crate::partition::Reserved<'_>>,
+        reserved: Option<crate::partition::Reserved>,
     ) -> Result<PendingAck> {
         let part = &t.partitions[id as usize];
         let reserved = reserved.unwrap_or_else(|| part.tail.reserve(batch.len() as u64));

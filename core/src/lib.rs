@@ -20,9 +20,9 @@ mod subscription;
 
 pub use ackset::AckSet;
 pub use engine::{
-    Engine, EngineConfig, GroupLag, MAX_COMMIT_METADATA, MAX_PARTITIONS, PartitionChoice,
-    PartitionDescription, PendingAck, ProduceAck, TopicDescription, TopicSource, validate_group_id,
-    validate_topic_name,
+    Engine, EngineConfig, GroupLag, MAX_COMMIT_METADATA, MAX_PARTITIONS, OpenRecord,
+    PartitionChoice, PartitionDescription, PendingAck, ProduceAck, TopicDescription, TopicSource,
+    validate_group_id, validate_topic_name,
 };
 pub use error::{CoreError, Result};
 pub use groups::{CommittedOffset, OffsetCommit};
@@ -38,8 +38,8 @@ pub use password::{hash_password, is_password_hash, verify_password};
 pub use policy::{Durability, TopicPolicy};
 pub use sluice_storage::{
     BatchError, BatchHeader, Clock, DecodedRecord, DirectFsStorage, DirectStats, Faults,
-    FaultyStorage, Fetched, FsStorage, ManualClock, Record, Storage, SystemClock, decode_records,
-    split_batches,
+    FaultyStorage, Fetched, FsStorage, ManualClock, OpenBatch, PLACED_ENCODE_MIN, Record, Storage,
+    SystemClock, decode_records, split_batches,
 };
 pub use subscription::{
     Consumer, InitialPosition, Message, MessageId, SubscribeOptions, SubscriptionBacklog,

@@ -80,7 +80,7 @@ impl TailHint {
 
     /// Reserves the position of a batch of `len` bytes that is about to be queued. The
     /// reservation is given back when dropped before [`Reserved::queued`].
-    pub(crate) fn reserve(&self, len: u64) -> Reserved<'_> {
+    pub(crate) fn reserve(self: &Arc<Self>, len: u64) -> Reserved {
         let mut t = self.0.lock();
         // The log rolls before a batch that would take a non-empty segment past its size.
         let at = if t.next > 0 && t.next + len > t.segment_bytes {
@@ -92,7 +92,7 @@ impl TailHint {
         t.next = at + len;
         t.outstanding += len;
         Reserved {
-            tail: self,
+            tail: self.clone(),
             position: at,
             len,
             before,
@@ -119,8 +119,8 @@ impl TailHint {
 /// waiting for room in the queue), it gives its bytes back, so they cannot keep the hint from
 /// ever returning to the log's real end.
 #[derive(Debug)]
-pub(crate) struct Reserved<'a> {
-    tail: &'a TailHint,
+pub(crate) struct Reserved {
+    tail: Arc<TailHint>,
     pub(crate) position: u64,
     len: u64,
     /// The tail before this reservation, restored if it is still the last one.
@@ -128,14 +128,14 @@ pub(crate) struct Reserved<'a> {
     queued: bool,
 }
 
-impl Reserved<'_> {
+impl Reserved {
     /// The batch is in the writer's queue: the writer accounts for it from now on.
     pub(crate) fn queued(mut self) {
         self.queued = true;
     }
 }
 
-impl Drop for Reserved<'_> {
+impl Drop for Reserved {
     fn drop(&mut self) {
         if !self.queued {
             let mut t = self.tail.0.lock();

@@ -195,6 +195,12 @@ pub(crate) fn render_direct_writes(body: &mut String, d: &sluice_core::DirectSta
         "4 MiB aligned buffers that direct appends copy through (one per concurrent append).",
         d.staging_buffers.load(Relaxed),
     );
+    o.single(
+        "sluice_storage_direct_writes_total",
+        "counter",
+        "Direct writes made; direct bytes divided by these is the size of the average one.",
+        d.direct_writes.load(Relaxed),
+    );
     *body = o.0;
 }
 
@@ -322,6 +328,12 @@ pub(crate) fn render_mqtt(body: &mut String, server: &sluice_mqtt::MqttServer) {
         "counter",
         "Times a connection stopped reading because 1,024 publishes or 64 MiB of payload were queued.",
         m.reads_paused.load(Relaxed),
+    );
+    o.single(
+        "sluice_mqtt_publishes_landed_total",
+        "counter",
+        "Publishes of 64 KiB or more read from the socket straight into their ledger batch, with no copy.",
+        m.publishes_landed.load(Relaxed),
     );
     o.single(
         "sluice_mqtt_deliveries_total",

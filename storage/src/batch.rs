@@ -215,13 +215,29 @@ fn opt_len(b: Option<&Bytes>) -> i64 {
 }
 
 fn record_body_len(r: &Record, ts_delta: i64, offset_delta: i64) -> usize {
-    let key_len = opt_len(r.key.as_ref());
+    let key = r.key.as_deref();
     let value_len = opt_len(r.value.as_ref());
+    body_len(key, value_len, &r.headers, ts_delta, offset_delta)
+}
+
+/// A record's length after its own length varint; `value_len` is -1 for a null value.
+fn body_len(
+    key: Option<&[u8]>,
+    value_len: i64,
+    headers: &[(String, Bytes)],
+    ts_delta: i64,
+    offset_delta: i64,
+) -> usize {
+    let key_len = key.map_or(-1, |k| k.len() as i64);
     let mut n = 1 + varint_len(ts_delta) + varint_len(offset_delta);
-    n += varint_len(key_len) + r.key.as_ref().map_or(0, Bytes::len);
-    n += varint_len(value_len) + r.value.as_ref().map_or(0, Bytes::len);
-    n += varint_len(r.headers.len() as i64);
-    for (k, v) in &r.headers {
+    n += varint_len(key_len) + key.map_or(0, <[u8]>::len);
+    n += varint_len(value_len) + value_len.max(0) as usize;
+    n + headers_len(headers)
+}
+
+fn headers_len(headers: &[(String, Bytes)]) -> usize {
+    let mut n = varint_len(headers.len() as i64);
+    for (k, v) in headers {
         n += varint_len(k.len() as i64) + k.len() + varint_len(v.len() as i64) + v.len();
     }
     n
@@ -232,6 +248,81 @@ fn record_body_len(r: &Record, ts_delta: i64, offset_delta: i64) -> usize {
 pub const PLACED_ENCODE_MIN: usize = 64 * 1024;
 /// The block grid that [`encode_at`] places batches on (that of direct writes).
 const BLOCK: usize = 4096;
+
+/// An empty buffer for a batch of `total` bytes, placed for `position` when the batch is large
+/// enough to be written direct.
+fn batch_buffer(total: usize, position: Option<u64>) -> BytesMut {
+    match position {
+        Some(position) if total >= PLACED_ENCODE_MIN => {
+            let mut buf = BytesMut::with_capacity(total + BLOCK);
+            let want = (position % BLOCK as u64) as usize;
+            let skip = (want + BLOCK - buf.as_ptr() as usize % BLOCK) % BLOCK;
+            buf.put_bytes(0, skip);
+            buf.advance(skip);
+            buf
+        }
+        _ => BytesMut::with_capacity(total),
+    }
+}
+
+/// The fixed header of a batch of `total` bytes and `count` records, with a zero CRC
+/// ([`seal`] sets it once the records follow).
+fn put_header(
+    buf: &mut BytesMut,
+    total: usize,
+    count: usize,
+    (base_ts, max_ts): (i64, i64),
+    producer: ProducerInfo,
+) {
+    buf.put_i64(0);
+    buf.put_i32((total - BATCH_LOG_OVERHEAD) as i32);
+    buf.put_i32(-1);
+    buf.put_i8(MAGIC_V2);
+    buf.put_u32(0);
+    buf.put_i16(0);
+    buf.put_i32(count as i32 - 1);
+    buf.put_i64(base_ts);
+    buf.put_i64(max_ts);
+    buf.put_i64(producer.producer_id);
+    buf.put_i16(producer.producer_epoch);
+    buf.put_i32(producer.base_sequence);
+    buf.put_i32(count as i32);
+}
+
+/// A record up to its value's bytes: length, attributes, deltas, key, value length.
+fn put_record_head(
+    buf: &mut BytesMut,
+    body: usize,
+    (ts_delta, offset_delta): (i64, i64),
+    key: Option<&[u8]>,
+    value_len: i64,
+) {
+    put_varint(buf, body as i64);
+    buf.put_i8(0);
+    put_varint(buf, ts_delta);
+    put_varint(buf, offset_delta);
+    put_varint(buf, key.map_or(-1, |k| k.len() as i64));
+    if let Some(k) = key {
+        buf.put_slice(k);
+    }
+    put_varint(buf, value_len);
+}
+
+fn put_headers(buf: &mut BytesMut, headers: &[(String, Bytes)]) {
+    put_varint(buf, headers.len() as i64);
+    for (k, v) in headers {
+        put_varint(buf, k.len() as i64);
+        buf.put_slice(k.as_bytes());
+        put_varint(buf, v.len() as i64);
+        buf.put_slice(v);
+    }
+}
+
+/// Sets the CRC over the finished batch.
+fn seal(buf: &mut BytesMut) {
+    let crc = crc32c::crc32c(&buf[ATTRIBUTES_OFFSET..]);
+    buf[CRC_OFFSET..CRC_OFFSET + 4].copy_from_slice(&crc.to_be_bytes());
+}
 
 /// Encodes records into one uncompressed RecordBatch v2 with base offset 0 and a valid CRC.
 ///
@@ -271,53 +362,130 @@ pub fn encode_at(
             .iter()
             .map(|&b| varint_len(b as i64) + b)
             .sum::<usize>();
-    let mut buf = match place(total) {
-        Some(position) if total >= PLACED_ENCODE_MIN => {
-            let mut buf = BytesMut::with_capacity(total + BLOCK);
-            let want = (position % BLOCK as u64) as usize;
-            let skip = (want + BLOCK - buf.as_ptr() as usize % BLOCK) % BLOCK;
-            buf.put_bytes(0, skip);
-            buf.advance(skip);
-            buf
-        }
-        _ => BytesMut::with_capacity(total),
-    };
-    buf.put_i64(0);
-    buf.put_i32((total - BATCH_LOG_OVERHEAD) as i32);
-    buf.put_i32(-1);
-    buf.put_i8(MAGIC_V2);
-    buf.put_u32(0);
-    buf.put_i16(0);
-    buf.put_i32(records.len() as i32 - 1);
-    buf.put_i64(base_ts);
-    buf.put_i64(max_ts);
-    buf.put_i64(producer.producer_id);
-    buf.put_i16(producer.producer_epoch);
-    buf.put_i32(producer.base_sequence);
-    buf.put_i32(records.len() as i32);
+    let mut buf = batch_buffer(total, place(total));
+    put_header(&mut buf, total, records.len(), (base_ts, max_ts), producer);
     for (i, (r, &body)) in records.iter().zip(&bodies).enumerate() {
-        put_varint(&mut buf, body as i64);
-        buf.put_i8(0);
-        put_varint(&mut buf, r.timestamp - base_ts);
-        put_varint(&mut buf, i as i64);
-        for part in [&r.key, &r.value] {
-            put_varint(&mut buf, opt_len(part.as_ref()));
-            if let Some(b) = part {
-                buf.put_slice(b);
-            }
-        }
-        put_varint(&mut buf, r.headers.len() as i64);
-        for (k, v) in &r.headers {
-            put_varint(&mut buf, k.len() as i64);
-            buf.put_slice(k.as_bytes());
-            put_varint(&mut buf, v.len() as i64);
+        let deltas = (r.timestamp - base_ts, i as i64);
+        put_record_head(
+            &mut buf,
+            body,
+            deltas,
+            r.key.as_deref(),
+            opt_len(r.value.as_ref()),
+        );
+        if let Some(v) = &r.value {
             buf.put_slice(v);
         }
+        put_headers(&mut buf, &r.headers);
     }
     debug_assert_eq!(buf.len(), total);
-    let crc = crc32c::crc32c(&buf[ATTRIBUTES_OFFSET..]);
-    buf[CRC_OFFSET..CRC_OFFSET + 4].copy_from_slice(&crc.to_be_bytes());
+    seal(&mut buf);
     buf
+}
+
+/// The layout of a batch of one record whose value has not arrived yet: a protocol reads the
+/// value from its socket straight into [`OpenBatch::value_buf`], so a 2 MB image is never
+/// copied into a batch after being received. Known first are the key, the value's length and
+/// the headers; the timestamp is set when the batch is finished.
+#[derive(Debug)]
+pub struct OneRecord<'a> {
+    key: &'a [u8],
+    value_len: usize,
+    headers: &'a [(String, Bytes)],
+    body: usize,
+    total: usize,
+}
+
+impl<'a> OneRecord<'a> {
+    pub fn new(key: &'a [u8], value_len: usize, headers: &'a [(String, Bytes)]) -> Self {
+        let body = body_len(Some(key), value_len as i64, headers, 0, 0);
+        Self {
+            key,
+            value_len,
+            headers,
+            body,
+            total: BATCH_HEADER_LEN + varint_len(body as i64) + body,
+        }
+    }
+
+    /// The whole batch's length.
+    pub fn len(&self) -> usize {
+        self.total
+    }
+
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// The batch up to its value, placed for `position` as [`encode_at`] places batches.
+    pub fn open(self, position: Option<u64>) -> OpenBatch {
+        let mut buf = batch_buffer(self.total, position);
+        put_header(&mut buf, self.total, 1, (0, 0), ProducerInfo::NONE);
+        put_record_head(
+            &mut buf,
+            self.body,
+            (0, 0),
+            Some(self.key),
+            self.value_len as i64,
+        );
+        let value_end = buf.len() + self.value_len;
+        let mut tail = BytesMut::with_capacity(headers_len(self.headers));
+        put_headers(&mut tail, self.headers);
+        OpenBatch {
+            buf,
+            value_end,
+            tail,
+        }
+    }
+}
+
+/// A one-record batch being filled with its value ([`OneRecord::open`]).
+#[derive(Debug)]
+pub struct OpenBatch {
+    buf: BytesMut,
+    value_end: usize,
+    /// The record's headers, which follow the value.
+    tail: BytesMut,
+}
+
+/// Where `baseTimestamp` and `maxTimestamp` sit in the header.
+const TIMESTAMPS_OFFSET: usize = 27;
+
+impl OpenBatch {
+    /// Value bytes still to come.
+    pub fn value_missing(&self) -> usize {
+        self.value_end - self.buf.len()
+    }
+
+    /// Takes value bytes that already arrived (at most [`Self::value_missing`]).
+    ///
+    /// # Panics
+    /// When given more than is missing.
+    pub fn put_value(&mut self, bytes: &[u8]) {
+        assert!(bytes.len() <= self.value_missing(), "more than the value");
+        self.buf.put_slice(bytes);
+    }
+
+    /// Room for the rest of the value, for a read (`AsyncReadExt::read_buf`): it takes no more
+    /// than is missing, and never reallocates.
+    pub fn value_buf(&mut self) -> bytes::buf::Limit<&mut BytesMut> {
+        let missing = self.value_missing();
+        (&mut self.buf).limit(missing)
+    }
+
+    /// The finished batch, its records stamped with `timestamp`.
+    ///
+    /// # Panics
+    /// While value bytes are missing.
+    pub fn finish(mut self, timestamp: i64) -> BytesMut {
+        assert_eq!(self.value_missing(), 0, "the value is incomplete");
+        self.buf.put_slice(&self.tail);
+        let stamps = &mut self.buf[TIMESTAMPS_OFFSET..TIMESTAMPS_OFFSET + 16];
+        stamps[..8].copy_from_slice(&timestamp.to_be_bytes());
+        stamps[8..].copy_from_slice(&timestamp.to_be_bytes());
+        seal(&mut self.buf);
+        self.buf
+    }
 }
 
 /// Splits whole consecutive batches (as a log read returns them) without copying.
@@ -510,6 +678,49 @@ mod tests {
         // Small batches are not worth a block of spare capacity.
         let small = encode_at(&[rec(1, None, b"x")], ProducerInfo::NONE, |_| Some(1));
         assert!(small.capacity() < BLOCK);
+    }
+
+    #[test]
+    fn a_value_read_into_an_open_batch_makes_the_encoded_batch() {
+        let image: Vec<u8> = (0..300_000u32).map(|i| (i % 251) as u8).collect();
+        let headers = vec![
+            ("mqtt.qos".to_owned(), Bytes::from_static(b"1")),
+            ("client".to_owned(), Bytes::from_static(b"cam-7")),
+        ];
+        let record = Record {
+            timestamp: 1_700_000_000_123,
+            key: Some(Bytes::from_static(b"cams/7")),
+            value: Some(Bytes::copy_from_slice(&image)),
+            headers: headers.clone(),
+        };
+        let want = encode(std::slice::from_ref(&record), ProducerInfo::NONE);
+        for position in [None, Some(0u64), Some(4095), Some(123_457)] {
+            let layout = OneRecord::new(b"cams/7", image.len(), &headers);
+            assert_eq!(layout.len(), want.len());
+            let mut open = layout.open(position);
+            let at = open.buf.as_ptr();
+            // Some bytes arrive with the packet's head, the rest in reads of any size.
+            open.put_value(&image[..1000]);
+            let mut rest = &image[1000..];
+            while !rest.is_empty() {
+                let mut room = open.value_buf();
+                let n = room.remaining_mut().min(rest.len()).min(65_536);
+                room.put_slice(&rest[..n]);
+                rest = &rest[n..];
+            }
+            assert_eq!(open.value_missing(), 0);
+            assert_eq!(
+                open.value_buf().remaining_mut(),
+                0,
+                "nothing past the value"
+            );
+            let got = open.finish(record.timestamp);
+            assert_eq!(got, want, "position {position:?}");
+            assert_eq!(got.as_ptr(), at, "filled where it was laid out");
+            if let Some(position) = position {
+                assert_eq!((at as u64).wrapping_sub(position) % BLOCK as u64, 0);
+            }
+        }
     }
 
     #[test]

@@ -16,9 +16,9 @@ mod log;
 mod segment;
 
 pub use batch::{
-    BATCH_HEADER_LEN, BatchError, BatchHeader, Compression, DecodedRecord, PLACED_ENCODE_MIN,
-    ProducerInfo, Record, decode_records, encode as encode_batch, encode_at as encode_batch_at,
-    set_base_offset, split_batches, validate as validate_batch,
+    BATCH_HEADER_LEN, BatchError, BatchHeader, Compression, DecodedRecord, OneRecord, OpenBatch,
+    PLACED_ENCODE_MIN, ProducerInfo, Record, decode_records, encode as encode_batch,
+    encode_at as encode_batch_at, set_base_offset, split_batches, validate as validate_batch,
 };
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use direct::{DirectFsStorage, DirectStats};

@@ -90,6 +90,17 @@ impl ValidatedBatch {
         Self { buf, header }
     }
 
+    /// A one-record batch built around a value read straight into it, stamped with
+    /// `timestamp` ([`batch::OneRecord`]).
+    ///
+    /// # Panics
+    /// While value bytes are missing.
+    pub fn from_open(open: batch::OpenBatch, timestamp: i64) -> Self {
+        let buf = open.finish(timestamp);
+        let header = BatchHeader::parse(&buf).expect("the encoder writes a whole header");
+        Self { buf, header }
+    }
+
     pub fn header(&self) -> &BatchHeader {
         &self.header
     }

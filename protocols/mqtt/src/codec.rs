@@ -602,17 +602,57 @@ pub(crate) fn fixed_header(buf: &[u8]) -> Result<Option<(u8, usize, usize)>, Dec
     let Some(&first) = buf.first() else {
         return Ok(None);
     };
-    let mut len = 0usize;
+    Ok(varint(&buf[1..])?.map(|(len, n)| (first, 1 + n, len)))
+}
+
+/// A variable byte integer at the start of `buf`: (value, its length in bytes), or `None` until
+/// all of it has arrived; an error when it runs past four bytes.
+fn varint(buf: &[u8]) -> Result<Option<(usize, usize)>, DecodeError> {
+    let mut v = 0usize;
     for i in 0..4 {
-        let Some(&b) = buf.get(1 + i) else {
+        let Some(&b) = buf.get(i) else {
             return Ok(None);
         };
-        len |= usize::from(b & 0x7F) << (7 * i);
+        v |= usize::from(b & 0x7F) << (7 * i);
         if b & 0x80 == 0 {
-            return Ok(Some((first, 2 + i, len)));
+            return Ok(Some((v, i + 1)));
         }
     }
-    Err(DecodeError::Malformed("remaining length too long".into()))
+    Err(DecodeError::Malformed(
+        "variable byte integer too long".into(),
+    ))
+}
+
+/// A PUBLISH at the start of `buf` whose variable header has arrived though its payload has
+/// not all: the publish without its payload, the bytes up to the payload, and the payload's
+/// length. `None` for anything else (another packet, a header still incomplete, a header the
+/// decoder refuses: the whole packet then goes through [`read`], which reports it).
+///
+/// The variable header is decoded by the same library as whole packets, given as a PUBLISH
+/// with an empty payload, so it is checked the same way.
+pub(crate) fn publish_head(buf: &[u8], version: Version) -> Option<(Publish, usize, usize)> {
+    let (first, header, remaining) = fixed_header(buf).ok()??;
+    if first >> 4 != 3 || check_fixed_header(first).is_err() {
+        return None;
+    }
+    let at = |i: usize| buf.get(header + i).copied();
+    let topic_len = usize::from(u16::from_be_bytes([at(0)?, at(1)?]));
+    let mut vh = 2 + topic_len + if (first >> 1) & 0b11 > 0 { 2 } else { 0 };
+    if version == Version::V5 {
+        let (props, n) = varint(buf.get(header + vh..)?).ok()??;
+        vh += n + props;
+    }
+    if vh > remaining || buf.len() < header + vh {
+        return None;
+    }
+    let mut head = BytesMut::with_capacity(vh + 5);
+    head.put_u8(first);
+    put_varint(&mut head, vh);
+    head.extend_from_slice(&buf[header..header + vh]);
+    match read(&mut head, version, usize::MAX) {
+        Ok(In::Publish(p)) => Some((p, header + vh, remaining - vh)),
+        _ => None,
+    }
 }
 
 /// The first byte of each packet in `buf`, which holds whole packets the server wrote.
@@ -837,6 +877,54 @@ mod tests {
                 other => panic!("{other:?}"),
             }
         }
+    }
+
+    #[test]
+    fn a_publish_head_is_read_before_its_payload() {
+        for (version, qos) in [(Version::V4, 0), (Version::V4, 1), (Version::V5, 1)] {
+            let props = Props {
+                content_type: Some("image/jpeg".into()),
+                user: vec![("camera".into(), "7".into())],
+                ..Default::default()
+            };
+            let payload = vec![9u8; 100_000];
+            let mut packet = BytesMut::new();
+            let size = publish_header(
+                version,
+                "cameras/7/jpeg",
+                qos,
+                false,
+                42,
+                &props,
+                None,
+                payload.len(),
+                &mut packet,
+            );
+            let head = size - payload.len();
+            packet.extend_from_slice(&payload[..10]);
+            // Not before the whole variable header is there.
+            for cut in 0..head {
+                assert!(publish_head(&packet[..cut], version).is_none(), "{cut}");
+            }
+            let (p, at, len) = publish_head(&packet, version).unwrap();
+            assert_eq!((at, len), (head, payload.len()));
+            assert_eq!(
+                (p.topic.as_str(), p.qos, p.pkid),
+                ("cameras/7/jpeg", qos, if qos > 0 { 42 } else { 0 })
+            );
+            assert!(p.payload.is_empty());
+            if version == Version::V5 {
+                assert_eq!(p.props, props);
+            }
+        }
+        // Other packets, and heads the decoder refuses, are left to `read`.
+        let mut sub = BytesMut::new();
+        suback(Version::V4, 1, &[0], &mut sub);
+        assert!(publish_head(&sub, Version::V4).is_none());
+        let bad_utf8 = [0x30, 10, 0, 2, 0xff, 0xfe, 1, 2, 3, 4, 5, 6];
+        assert!(publish_head(&bad_utf8, Version::V4).is_none());
+        let qos3 = [0x36, 10, 0, 1, b'a', 0, 1, 1, 2, 3, 4, 5];
+        assert!(publish_head(&qos3, Version::V4).is_none());
     }
 
     #[test]

@@ -37,6 +37,9 @@ pub struct MqttMetrics {
     /// Times a connection stopped reading because its queued publishes reached the limit
     /// (1,024 publishes or 64 MiB of payload): backpressure on a publisher.
     pub reads_paused: AtomicU64,
+    /// Publishes whose payload was read from the socket straight into its ledger batch (large
+    /// ones; see `session::LAND_MIN`).
+    pub publishes_landed: AtomicU64,
     pub deliveries: AtomicU64,
     /// Deliveries skipped because they exceed the client's maximum packet size.
     pub deliveries_too_large: AtomicU64,

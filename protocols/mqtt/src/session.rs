@@ -21,10 +21,11 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
+use bytes::{Buf, Bytes, BytesMut};
+use futures_util::FutureExt;
 use sluice_core::{
-    Consumer, CoreError, DecodedRecord, InitialPosition, LiveOptions, MessageId, PartitionChoice,
-    Record, SlowPolicy, StartAt, SubscribeOptions, SubscriptionType,
+    Consumer, CoreError, DecodedRecord, InitialPosition, LiveOptions, MessageId, OpenRecord,
+    PartitionChoice, Record, SlowPolicy, StartAt, SubscribeOptions, SubscriptionType,
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{Notify, mpsc, watch};
@@ -296,7 +297,24 @@ struct Session<'a, S> {
     /// QoS 1/2 ones wait for room in the client's receive window).
     live_queue: VecDeque<Delivery>,
     out: BytesMut,
+    /// A large publish whose payload is being read straight into its ledger batch.
+    landing: Option<Landing>,
 }
+
+/// A PUBLISH of at least [`LAND_MIN`] payload bytes whose head has been read and checked: the
+/// rest of the packet is read into `record`, the batch that goes to the ledger, not into the
+/// connection's buffer, which saves copying every image once more.
+struct Landing {
+    first: u8,
+    pkid: u16,
+    qos: u8,
+    payload_len: usize,
+    record: OpenRecord,
+}
+
+/// The payload size from which a publish is read straight into its batch: that of batches
+/// placed for a direct write.
+const LAND_MIN: usize = sluice_core::PLACED_ENCODE_MIN;
 
 impl<S> Drop for Session<'_, S> {
     fn drop(&mut self) {
@@ -316,8 +334,11 @@ struct PendingPublish {
     qos: u8,
     /// Payload bytes, counted against [`MAX_PENDING_BYTES`].
     bytes: usize,
-    done: Pin<Box<dyn Future<Output = Result<(), u8>> + Send>>,
+    done: PendingStore,
 }
+
+/// A queued publish's outcome: `Err` holds the reason code for the client.
+type PendingStore = Pin<Box<dyn Future<Output = Result<(), u8>> + Send>>;
 
 /// The oldest pending publish, once it is durable (or failed).
 async fn first_done(pending: &mut VecDeque<PendingPublish>) -> Option<PendingDone> {
@@ -454,6 +475,7 @@ where
         paused: false,
         live_queue: VecDeque::new(),
         out: BytesMut::with_capacity(256),
+        landing: None,
     };
     let Some(kick) = s.accept(connect).await? else {
         return Ok(());
@@ -751,10 +773,13 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
                         }
                     }
                     Err(DecodeError::Incomplete(more)) => {
-                        // Room for the rest of the packet at once (its size is already checked
-                        // against the limit): a 2 MB image is then read with no reallocation,
-                        // where growing the buffer as bytes arrive copied it many times over.
-                        inbuf.reserve(more);
+                        // A large publish is read into its batch; other packets get room for
+                        // their rest at once (the size is already checked against the limit),
+                        // where growing the buffer as bytes arrive copied them many times over.
+                        self.landing = self.land(&mut inbuf).await;
+                        if self.landing.is_none() {
+                            inbuf.reserve(more);
+                        }
                         break;
                     }
                     Err(e) => {
@@ -793,19 +818,32 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
             self.paused = !can_read;
             tokio::select! {
                 Some(done) = first_done(&mut self.pending), if !self.pending.is_empty() => {
-                    self.pending_bytes -= done.bytes;
-                    self.server
-                        .metrics
-                        .pending_publish_bytes
-                        .fetch_sub(done.bytes as u64, Ordering::Relaxed);
-                    self.acknowledge(done.pkid, done.qos, done.result).await?;
+                    // Every publish stored by now is acknowledged in the same write: one write
+                    // per PUBACK cost a system call per image while the socket went unread.
+                    let mut acked = self.acknowledge(done);
+                    while acked.is_ok() {
+                        let Some(done) = first_done(&mut self.pending).now_or_never().flatten()
+                        else {
+                            break;
+                        };
+                        acked = self.acknowledge(done);
+                    }
+                    self.flush().await?;
+                    acked?;
                 }
-                r = self.stream.read_buf(&mut inbuf), if can_read => {
+                r = read_some(&mut self.stream, &mut inbuf, &mut self.landing), if can_read => {
                     let n = r?;
                     if n == 0 {
                         return Ok(End::Abrupt("connection closed without DISCONNECT".into()));
                     }
                     self.server.metrics.bytes_in.fetch_add(n as u64, Ordering::Relaxed);
+                    if let Some(landed) = self
+                        .landing
+                        .take_if(|l| l.record.value().value_missing() == 0)
+                    {
+                        deadline = self.keep_alive_deadline();
+                        self.publish_landed(landed).await;
+                    }
                 }
                 Some(d) = self.rx.recv(), if can_deliver && self.forwarding => self.deliver(d).await?,
                 d = next_live(&mut self.subs), if can_take_live => self.live_queue.extend(d),
@@ -963,20 +1001,85 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
             self.qos2_in.insert(p.pkid);
         }
         let done = queue(self.server, &p.topic, p.payload.clone(), &origin, &p.props).await;
-        // QoS 0 too: nothing is acknowledged, but its bytes count against the connection's
-        // budget until stored, and a failure is counted.
-        self.pending_bytes += p.payload.len();
+        self.track(p.pkid, p.qos, p.payload.len(), done);
+        Ok(None)
+    }
+
+    /// Keeps a queued publish until it is stored, to acknowledge it then. QoS 0 too: nothing
+    /// is acknowledged, but its bytes count against the connection's budget until stored, and
+    /// a failure is counted.
+    fn track(&mut self, pkid: u16, qos: u8, bytes: usize, done: PendingStore) {
+        self.pending_bytes += bytes;
         self.server
             .metrics
             .pending_publish_bytes
-            .fetch_add(p.payload.len() as u64, Ordering::Relaxed);
+            .fetch_add(bytes as u64, Ordering::Relaxed);
         self.pending.push_back(PendingPublish {
-            pkid: p.pkid,
-            qos: p.qos,
-            bytes: p.payload.len(),
+            pkid,
+            qos,
+            bytes,
             done,
         });
-        Ok(None)
+    }
+
+    /// Starts reading the PUBLISH at the front of `inbuf` into its ledger batch, taking what
+    /// has arrived of it out of `inbuf`. Only a plain case lands: a payload of at least
+    /// [`LAND_MIN`] bytes, QoS 0 or 1, not retained, no topic alias, a valid topic with a
+    /// route, and no upstream. Anything else (and any error) is left to [`Self::publish`]
+    /// once the whole packet is in.
+    async fn land(&mut self, inbuf: &mut BytesMut) -> Option<Landing> {
+        let (p, head, payload_len) = codec::publish_head(inbuf, self.version)?;
+        if payload_len < LAND_MIN
+            || p.qos > 1
+            || p.retain
+            || p.topic_alias.is_some()
+            || self.server.upstream.is_some()
+            || !topic::valid_name(&p.topic)
+        {
+            return None;
+        }
+        let ledger_topic = self.server.routes.topic_for(&p.topic)?;
+        let origin = Origin {
+            client: Some(self.client_id.clone()),
+            qos: Some(p.qos),
+            retain: false,
+        };
+        let headers = message::to_headers(&p.props, &origin);
+        let mut record = self
+            .server
+            .engine
+            .open_record(
+                ledger_topic,
+                PartitionChoice::Key(p.topic.as_bytes()),
+                p.topic.as_bytes(),
+                payload_len,
+                &headers,
+            )
+            .await
+            .ok()?;
+        let first = inbuf[0];
+        inbuf.advance(head);
+        record.value().put_value(inbuf);
+        inbuf.clear();
+        Some(Landing {
+            first,
+            pkid: p.pkid,
+            qos: p.qos,
+            payload_len,
+            record,
+        })
+    }
+
+    /// Queues a landed publish, as [`Self::publish`] queues the others.
+    async fn publish_landed(&mut self, l: Landing) {
+        let metrics = &self.server.metrics;
+        metrics.packets_in.add(l.first);
+        metrics.publishes_in.fetch_add(1, Ordering::Relaxed);
+        metrics.publishes_landed.fetch_add(1, Ordering::Relaxed);
+        let topic = l.record.topic().to_owned();
+        let queued = self.server.engine.produce_open(l.record).await;
+        let done = stored(&topic, queued, None);
+        self.track(l.pkid, l.qos, l.payload_len, done);
     }
 
     /// Ends the connection over a protocol violation: counted, DISCONNECT with `code` (MQTT 5;
@@ -991,44 +1094,33 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
         Ok(End::Abrupt(why))
     }
 
-    /// Sends the PUBACK / PUBREC of a publish once it is durable, or its refusal.
-    async fn acknowledge(
-        &mut self,
-        pkid: u16,
-        qos: u8,
-        result: Result<(), u8>,
-    ) -> std::io::Result<()> {
-        match (result, qos) {
-            (Ok(()), 1) => {
-                codec::ack(
-                    self.version,
-                    Ack::Puback,
-                    pkid,
-                    reason::SUCCESS,
-                    &mut self.out,
-                );
-                self.flush().await
+    /// Writes the PUBACK / PUBREC of a publish once it is durable, or its refusal, into `out`
+    /// (the caller flushes), and gives its bytes back to the connection's budget.
+    fn acknowledge(&mut self, done: PendingDone) -> std::io::Result<()> {
+        self.pending_bytes -= done.bytes;
+        self.server
+            .metrics
+            .pending_publish_bytes
+            .fetch_sub(done.bytes as u64, Ordering::Relaxed);
+        let kind = match (done.result, done.qos) {
+            (Ok(()), 1) => Ack::Puback,
+            (Ok(()), 2) => Ack::Pubrec,
+            (Ok(()), _) => return Ok(()),
+            (Err(code), qos) => {
+                self.qos2_in.remove(&done.pkid);
+                return self.refusal(done.pkid, qos, code);
             }
-            (Ok(()), 2) => {
-                codec::ack(
-                    self.version,
-                    Ack::Pubrec,
-                    pkid,
-                    reason::SUCCESS,
-                    &mut self.out,
-                );
-                self.flush().await
-            }
-            (Ok(()), _) => Ok(()),
-            (Err(code), _) => {
-                self.qos2_in.remove(&pkid);
-                self.refuse_queued(pkid, qos, code).await
-            }
-        }
+        };
+        codec::ack(
+            self.version,
+            kind,
+            done.pkid,
+            reason::SUCCESS,
+            &mut self.out,
+        );
+        Ok(())
     }
 
-    /// A publish that cannot be stored: MQTT 5 answers with a reason code; MQTT 3.1.1 has none
-    /// for QoS 1/2, so the connection closes and the client will resend.
     async fn refuse(&mut self, p: &Publish, code: u8) -> std::io::Result<()> {
         warn!(
             peer = self.peer,
@@ -1037,26 +1129,24 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
             code,
             "mqtt publish refused"
         );
-        self.refuse_queued(p.pkid, p.qos, code).await
+        self.refusal(p.pkid, p.qos, code)?;
+        self.flush().await
     }
 
-    async fn refuse_queued(&mut self, pkid: u16, qos: u8, code: u8) -> std::io::Result<()> {
+    /// Counts a refused publish and writes its refusal into `out`: MQTT 5 says why in the
+    /// PUBACK / PUBREC; 3.1.1 cannot, so the connection ends (`Err`).
+    fn refusal(&mut self, pkid: u16, qos: u8, code: u8) -> std::io::Result<()> {
         self.server
             .metrics
             .publishes_refused
             .fetch_add(1, Ordering::Relaxed);
         match (self.version, qos) {
-            (_, 0) => Ok(()),
-            (Version::V5, 1) => {
-                codec::ack(self.version, Ack::Puback, pkid, code, &mut self.out);
-                self.flush().await
-            }
-            (Version::V5, _) => {
-                codec::ack(self.version, Ack::Pubrec, pkid, code, &mut self.out);
-                self.flush().await
-            }
-            (Version::V4, _) => Err(std::io::Error::other("publish refused")),
+            (_, 0) => {}
+            (Version::V5, 1) => codec::ack(self.version, Ack::Puback, pkid, code, &mut self.out),
+            (Version::V5, _) => codec::ack(self.version, Ack::Pubrec, pkid, code, &mut self.out),
+            (Version::V4, _) => return Err(std::io::Error::other("publish refused")),
         }
+        Ok(())
     }
 
     async fn subscribe(
@@ -1376,7 +1466,7 @@ async fn queue(
     payload: Bytes,
     origin: &Origin,
     props: &Props,
-) -> Pin<Box<dyn Future<Output = Result<(), u8>> + Send>> {
+) -> PendingStore {
     let Some(ledger_topic) = server.routes.topic_for(name) else {
         return Box::pin(std::future::ready(Err(reason::TOPIC_NAME_INVALID)));
     };
@@ -1399,14 +1489,7 @@ async fn queue(
             &[record],
         )
         .await;
-    let ack = match queued {
-        Ok(ack) => ack,
-        Err(e) => {
-            warn!(topic = ledger_topic, error = %e, "mqtt publish not stored");
-            return Box::pin(std::future::ready(Err(reason::IMPLEMENTATION_SPECIFIC)));
-        }
-    };
-    let retained = if origin.retain {
+    let retained = if origin.retain && queued.is_ok() {
         let msg = RetainedMsg {
             payload,
             qos: origin.qos.unwrap_or(0),
@@ -1422,6 +1505,23 @@ async fn queue(
         }
     } else {
         None
+    };
+    stored(ledger_topic, queued, retained)
+}
+
+/// Resolves once a queued publish (and its retained copy, if any) is stored: the reason code
+/// for the client when it is not.
+fn stored(
+    topic: &str,
+    queued: Result<sluice_core::PendingAck, CoreError>,
+    retained: Option<sluice_core::PendingAck>,
+) -> PendingStore {
+    let ack = match queued {
+        Ok(ack) => ack,
+        Err(e) => {
+            warn!(topic, error = %e, "mqtt publish not stored");
+            return Box::pin(std::future::ready(Err(reason::IMPLEMENTATION_SPECIFIC)));
+        }
     };
     Box::pin(async move {
         ack.await.map_err(|e| {
@@ -1548,6 +1648,19 @@ async fn stopped(shutdown: &mut watch::Receiver<bool>) {
 }
 
 /// Writes `head` then `body` completely, with vectored writes and no copy of `body`.
+/// Reads what has arrived: into the landing batch while one is open (never past its payload),
+/// else into the connection's buffer. Cancel-safe, as `read_buf` is.
+async fn read_some<S: AsyncRead + Unpin>(
+    stream: &mut S,
+    inbuf: &mut BytesMut,
+    landing: &mut Option<Landing>,
+) -> std::io::Result<usize> {
+    match landing {
+        Some(l) => stream.read_buf(&mut l.record.value().value_buf()).await,
+        None => stream.read_buf(inbuf).await,
+    }
+}
+
 async fn write_all_vectored<S: AsyncWrite + Unpin>(
     stream: &mut S,
     head: &[u8],

@@ -826,24 +826,69 @@ fn varint(mut n: usize, out: &mut Vec<u8>) {
     }
 }
 
-fn connect() -> Vec<u8> {
-    let mut body = vec![0, 4, b'M', b'Q', b'T', b'T', 4, 0x02, 0, 60, 0, 5];
-    body.extend_from_slice(b"flood");
+/// An MQTT 3.1.1 CONNECT (clean session) for `client`.
+fn connect_as(client: &str) -> Vec<u8> {
+    let mut body = vec![0, 4, b'M', b'Q', b'T', b'T', 4, 0x02, 0, 60];
+    body.extend_from_slice(&(client.len() as u16).to_be_bytes());
+    body.extend_from_slice(client.as_bytes());
     let mut p = vec![0x10];
     varint(body.len(), &mut p);
     p.extend_from_slice(&body);
     p
 }
 
-fn publish_qos1(pkid: u16, payload: &[u8]) -> Vec<u8> {
-    let topic = b"cameras/flood";
-    let mut p = vec![0x32];
-    varint(2 + topic.len() + 2 + payload.len(), &mut p);
+fn connect() -> Vec<u8> {
+    connect_as("flood")
+}
+
+/// An MQTT 3.1.1 PUBLISH (the packet id only at QoS 1 and 2).
+fn publish(qos: u8, pkid: u16, topic: &str, payload: &[u8]) -> Vec<u8> {
+    let mut p = vec![0x30 | (qos << 1)];
+    let id_len = if qos > 0 { 2 } else { 0 };
+    varint(2 + topic.len() + id_len + payload.len(), &mut p);
     p.extend_from_slice(&(topic.len() as u16).to_be_bytes());
-    p.extend_from_slice(topic);
-    p.extend_from_slice(&pkid.to_be_bytes());
+    p.extend_from_slice(topic.as_bytes());
+    if qos > 0 {
+        p.extend_from_slice(&pkid.to_be_bytes());
+    }
     p.extend_from_slice(payload);
     p
+}
+
+fn publish_qos1(pkid: u16, payload: &[u8]) -> Vec<u8> {
+    publish(1, pkid, "cameras/flood", payload)
+}
+
+/// A raw MQTT 3.1.1 connection, past its CONNACK.
+async fn raw_client(port: u16, client: &str) -> TcpStream {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+    s.write_all(&connect_as(client)).await.unwrap();
+    let mut connack = [0u8; 4];
+    s.read_exact(&mut connack).await.unwrap();
+    assert_eq!(connack, [0x20, 2, 0, 0]);
+    s
+}
+
+/// Every record of partition 0 of `topic`, in order.
+async fn stored(engine: &Engine, topic: &str) -> Vec<Record> {
+    let mut out = Vec::new();
+    loop {
+        let fetched = engine
+            .fetch(topic, 0, out.len() as u64, 16 << 20)
+            .await
+            .unwrap();
+        if fetched.data.is_empty() {
+            return out;
+        }
+        for batch in sluice_core::split_batches(fetched.data).unwrap() {
+            out.extend(
+                sluice_core::decode_records(&batch)
+                    .unwrap()
+                    .into_iter()
+                    .map(|r| r.record),
+            );
+        }
+    }
 }
 
 /// Waits until `ready` holds; fails the test after [`PATIENCE`].
@@ -913,5 +958,188 @@ async fn a_flooding_publisher_is_held_at_the_pending_budget_and_loses_nothing() 
         .map(|p| p.high_watermark)
         .sum();
     assert_eq!(stored, u64::from(IMAGES));
+    gw.stop().await;
+}
+
+// Large publishes are read from the socket straight into the batch that goes to the disk; they
+// must be stored exactly as any other publish is.
+
+/// Writes `bytes` in `parts` pieces, each once the server has read everything before it, so
+/// the server sees the packet arrive piece by piece (its head first, then the payload in
+/// several reads).
+async fn trickle(s: &mut TcpStream, server: &MqttServer, bytes: &[u8], parts: usize) {
+    let m = &server.metrics;
+    let step = bytes.len().div_ceil(parts);
+    for piece in bytes.chunks(step) {
+        let before = m.bytes_in.load(Ordering::Relaxed);
+        s.write_all(piece).await.unwrap();
+        let want = before + piece.len() as u64;
+        until("the server read the piece", || {
+            m.bytes_in.load(Ordering::Relaxed) >= want
+        })
+        .await;
+    }
+}
+
+fn image(seed: u8, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31) ^ seed)
+        .collect()
+}
+
+#[tokio::test]
+async fn large_publishes_land_in_their_batch_and_are_stored_like_any_other() {
+    let dir = tempfile::tempdir().unwrap();
+    let storage = sluice_core::DirectFsStorage::new(256 * 1024);
+    let direct = storage.stats();
+    let gw = start_on(dir.path(), Default::default(), Arc::new(storage)).await;
+    let m = &gw.server.metrics;
+    let mut s = raw_client(gw.port, "cam-9").await;
+
+    // A small publish first: the usual path, and the reference for headers.
+    s.write_all(&publish(1, 1, "cams/9", b"tiny"))
+        .await
+        .unwrap();
+    // A QoS 1 image whose head arrives with part of its payload and the rest over several
+    // reads; then a QoS 0 image at once; then another small one behind them.
+    let big = image(1, 300_001);
+    let packet = publish(1, 2, "cams/9", &big);
+    let mut puback = [0u8; 4];
+    s.read_exact(&mut puback).await.unwrap();
+    assert_eq!(puback, [0x40, 2, 0, 1]);
+    trickle(&mut s, &gw.server, &packet[..packet.len() - 1], 5).await;
+    assert_eq!(
+        m.publishes_in.load(Ordering::Relaxed),
+        1,
+        "one byte short, the image is not a publish yet"
+    );
+    let small_then_quick = [
+        &packet[packet.len() - 1..],
+        &publish(0, 0, "cams/9", &image(2, 70_000)),
+        &publish(1, 3, "cams/9", b"after"),
+    ]
+    .concat();
+    s.write_all(&small_then_quick).await.unwrap();
+    for pkid in [2u8, 3] {
+        s.read_exact(&mut puback).await.unwrap();
+        assert_eq!(puback, [0x40, 2, 0, pkid]);
+    }
+
+    assert_eq!(m.publishes_in.load(Ordering::Relaxed), 4);
+    assert_eq!(m.publishes_landed.load(Ordering::Relaxed), 2);
+    let records = stored(&gw.engine, "mqtt").await;
+    let values: Vec<&[u8]> = records
+        .iter()
+        .map(|r| r.value.as_deref().unwrap())
+        .collect();
+    assert_eq!(values, [&b"tiny"[..], &big, &image(2, 70_000), b"after"]);
+    for r in &records {
+        assert_eq!(r.key.as_deref(), Some(&b"cams/9"[..]));
+    }
+    // The same headers as the usual path gives, but for the QoS of the QoS 0 one.
+    assert_eq!(records[1].headers, records[0].headers);
+    assert_eq!(records[3].headers, records[0].headers);
+    assert_ne!(records[2].headers, records[0].headers);
+    assert!(records.windows(2).all(|w| w[0].timestamp <= w[1].timestamp));
+    // The image went to the disk from its own pages: its batch was laid out for its place.
+    assert!(direct.in_place_bytes.load(Ordering::Relaxed) >= 290_000);
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn a_publisher_that_vanishes_mid_image_leaves_nothing_and_no_gap_behind() {
+    let dir = tempfile::tempdir().unwrap();
+    let storage = sluice_core::DirectFsStorage::new(256 * 1024);
+    let direct = storage.stats();
+    let gw = start_on(dir.path(), Default::default(), Arc::new(storage)).await;
+
+    let mut gone = raw_client(gw.port, "gone").await;
+    let packet = publish(1, 1, "cams/1", &image(3, 1_000_000));
+    trickle(&mut gone, &gw.server, &packet[..600_000], 2).await;
+    drop(gone);
+
+    // The next image is placed where the lost one would have gone, and written in place.
+    let mut s = raw_client(gw.port, "next").await;
+    let next = image(4, 1_000_000);
+    s.write_all(&publish(1, 7, "cams/1", &next)).await.unwrap();
+    let mut puback = [0u8; 4];
+    s.read_exact(&mut puback).await.unwrap();
+    assert_eq!(puback, [0x40, 2, 0, 7]);
+    let records = stored(&gw.engine, "mqtt").await;
+    assert_eq!(records.len(), 1);
+    assert_eq!(records[0].value.as_deref(), Some(&next[..]));
+    assert_eq!(
+        gw.server.metrics.publishes_landed.load(Ordering::Relaxed),
+        1
+    );
+    let in_place = direct.in_place_bytes.load(Ordering::Relaxed);
+    assert!(in_place >= 990_000, "{in_place}");
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn large_publishes_that_cannot_land_take_the_usual_path() {
+    use rumqttc::v5::mqttbytes::v5::{Packet as P5, PublishProperties};
+    use rumqttc::v5::{AsyncClient as Client5, Event as Event5, MqttOptions as Options5};
+    let dir = tempfile::tempdir().unwrap();
+    let gw = start(dir.path()).await;
+    let m = &gw.server.metrics;
+
+    // Retained: the retained store keeps its own copy, so it is read whole.
+    let mut s = raw_client(gw.port, "keeper").await;
+    let mut retained = publish(1, 1, "cams/2", &image(5, 100_000));
+    retained[0] |= 1;
+    s.write_all(&retained).await.unwrap();
+    let mut puback = [0u8; 4];
+    s.read_exact(&mut puback).await.unwrap();
+    assert_eq!(puback, [0x40, 2, 0, 1]);
+    assert_eq!(m.publishes_landed.load(Ordering::Relaxed), 0);
+
+    // MQTT 5: a publish with properties lands; one that sets a topic alias is left to the
+    // usual path.
+    let mut opts = Options5::new("v5", "127.0.0.1", gw.port);
+    opts.set_topic_alias_max(Some(10));
+    opts.set_max_packet_size(Some(16 << 20));
+    let (c, mut events) = Client5::new(opts, 10);
+    let (tx, mut acks) = mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        while let Ok(e) = events.poll().await {
+            if let Event5::Incoming(P5::PubAck(a)) = e
+                && tx.send(a.pkid).is_err()
+            {
+                break;
+            }
+        }
+    });
+    let props = |alias| PublishProperties {
+        content_type: Some("image/jpeg".into()),
+        user_properties: vec![("site".into(), "north".into())],
+        topic_alias: alias,
+        ..Default::default()
+    };
+    let qos = rumqttc::v5::mqttbytes::QoS::AtLeastOnce;
+    let five = image(6, 200_000);
+    for alias in [None, Some(3)] {
+        c.publish_with_properties("cams/5", qos, false, five.clone(), props(alias))
+            .await
+            .unwrap();
+        tokio::time::timeout(PATIENCE, acks.recv())
+            .await
+            .unwrap()
+            .unwrap();
+    }
+    assert_eq!(m.publishes_landed.load(Ordering::Relaxed), 1);
+
+    let records = stored(&gw.engine, "mqtt").await;
+    assert_eq!(records.len(), 3);
+    assert_eq!(records[0].value.as_deref(), Some(&image(5, 100_000)[..]));
+    assert_eq!(records[1].value.as_deref(), Some(&five[..]));
+    assert_eq!(records[2].value.as_deref(), Some(&five[..]));
+    assert_eq!(records[1].headers, records[2].headers);
+    assert!(
+        records[2]
+            .headers
+            .contains(&("site".into(), Bytes::from_static(b"north")))
+    );
     gw.stop().await;
 }
