@@ -623,36 +623,61 @@ fn varint(buf: &[u8]) -> Result<Option<(usize, usize)>, DecodeError> {
     ))
 }
 
-/// A PUBLISH at the start of `buf` whose variable header has arrived though its payload has
-/// not all: the publish without its payload, the bytes up to the payload, and the payload's
-/// length. `None` for anything else (another packet, a header still incomplete, a header the
-/// decoder refuses: the whole packet then goes through [`read`], which reports it).
+/// What [`publish_head`] found at the start of a buffer.
+#[derive(Debug)]
+pub(crate) enum Head {
+    /// A PUBLISH whose head has arrived: the publish without its payload, the bytes up to the
+    /// payload, and the payload's length.
+    Publish(Box<Publish>, usize, usize),
+    /// Perhaps a PUBLISH: its head has not all arrived.
+    Incomplete,
+    /// Another packet, or a head the decoder refuses (the whole packet then goes through
+    /// [`read`], which reports it).
+    Other,
+}
+
+/// The head of a PUBLISH at the start of `buf`, before its payload has all arrived.
 ///
 /// The variable header is decoded by the same library as whole packets, given as a PUBLISH
 /// with an empty payload, so it is checked the same way.
-pub(crate) fn publish_head(buf: &[u8], version: Version) -> Option<(Publish, usize, usize)> {
-    let (first, header, remaining) = fixed_header(buf).ok()??;
+pub(crate) fn publish_head(buf: &[u8], version: Version) -> Head {
+    let (first, header, remaining) = match fixed_header(buf) {
+        Ok(Some(h)) => h,
+        Ok(None) => return Head::Incomplete,
+        Err(_) => return Head::Other,
+    };
     if first >> 4 != 3 || check_fixed_header(first).is_err() {
-        return None;
+        return Head::Other;
     }
-    let at = |i: usize| buf.get(header + i).copied();
-    let topic_len = usize::from(u16::from_be_bytes([at(0)?, at(1)?]));
-    let mut vh = 2 + topic_len + if (first >> 1) & 0b11 > 0 { 2 } else { 0 };
-    if version == Version::V5 {
-        let (props, n) = varint(buf.get(header + vh..)?).ok()??;
-        vh += n + props;
+    let Some(vh) = publish_head_len(&buf[header..], first, version) else {
+        return Head::Incomplete;
+    };
+    if vh > remaining {
+        return Head::Other;
     }
-    if vh > remaining || buf.len() < header + vh {
-        return None;
+    if buf.len() < header + vh {
+        return Head::Incomplete;
     }
     let mut head = BytesMut::with_capacity(vh + 5);
     head.put_u8(first);
     put_varint(&mut head, vh);
     head.extend_from_slice(&buf[header..header + vh]);
     match read(&mut head, version, usize::MAX) {
-        Ok(In::Publish(p)) => Some((p, header + vh, remaining - vh)),
-        _ => None,
+        Ok(In::Publish(p)) => Head::Publish(Box::new(p), header + vh, remaining - vh),
+        _ => Head::Other,
     }
+}
+
+/// The length of a PUBLISH's variable header at the start of `vh`, once the lengths it is made
+/// of have arrived.
+fn publish_head_len(vh: &[u8], first: u8, version: Version) -> Option<usize> {
+    let topic_len = usize::from(u16::from_be_bytes([*vh.first()?, *vh.get(1)?]));
+    let mut len = 2 + topic_len + if (first >> 1) & 0b11 > 0 { 2 } else { 0 };
+    if version == Version::V5 {
+        let (props, n) = varint(vh.get(len..)?).ok()??;
+        len += n + props;
+    }
+    Some(len)
 }
 
 /// The first byte of each packet in `buf`, which holds whole packets the server wrote.
@@ -904,9 +929,12 @@ mod tests {
             packet.extend_from_slice(&payload[..10]);
             // Not before the whole variable header is there.
             for cut in 0..head {
-                assert!(publish_head(&packet[..cut], version).is_none(), "{cut}");
+                let h = publish_head(&packet[..cut], version);
+                assert!(matches!(h, Head::Incomplete), "{cut}: {h:?}");
             }
-            let (p, at, len) = publish_head(&packet, version).unwrap();
+            let Head::Publish(p, at, len) = publish_head(&packet, version) else {
+                panic!("no head");
+            };
             assert_eq!((at, len), (head, payload.len()));
             assert_eq!(
                 (p.topic.as_str(), p.qos, p.pkid),
@@ -920,11 +948,16 @@ mod tests {
         // Other packets, and heads the decoder refuses, are left to `read`.
         let mut sub = BytesMut::new();
         suback(Version::V4, 1, &[0], &mut sub);
-        assert!(publish_head(&sub, Version::V4).is_none());
+        assert!(matches!(publish_head(&sub, Version::V4), Head::Other));
         let bad_utf8 = [0x30, 10, 0, 2, 0xff, 0xfe, 1, 2, 3, 4, 5, 6];
-        assert!(publish_head(&bad_utf8, Version::V4).is_none());
+        assert!(matches!(publish_head(&bad_utf8, Version::V4), Head::Other));
         let qos3 = [0x36, 10, 0, 1, b'a', 0, 1, 1, 2, 3, 4, 5];
-        assert!(publish_head(&qos3, Version::V4).is_none());
+        assert!(matches!(publish_head(&qos3, Version::V4), Head::Other));
+        let topic_past_the_packet = [0x30, 3, 0, 9, b'a'];
+        assert!(matches!(
+            publish_head(&topic_past_the_packet, Version::V4),
+            Head::Other
+        ));
     }
 
     #[test]

@@ -34,7 +34,7 @@ use tokio::time::Instant;
 use tracing::{debug, warn};
 
 use crate::codec::{
-    self, Ack, Connect, DecodeError, In, Props, Publish, SubFilter, Version, reason,
+    self, Ack, Connect, DecodeError, Head, In, Props, Publish, SubFilter, Version, reason,
 };
 use crate::message::{self, Origin};
 use crate::retained::RetainedMsg;
@@ -315,6 +315,8 @@ struct Landing {
 /// The payload size from which a publish is read straight into its batch: that of batches
 /// placed for a direct write.
 const LAND_MIN: usize = sluice_core::PLACED_ENCODE_MIN;
+/// A connection's read buffer to begin with, and the room made for a publish's head.
+const INBUF_START: usize = 4096;
 
 impl<S> Drop for Session<'_, S> {
     fn drop(&mut self) {
@@ -379,7 +381,7 @@ where
     S: AsyncRead + AsyncWrite + Unpin + Send,
 {
     let max = server.settings.max_packet_bytes;
-    let mut inbuf = BytesMut::with_capacity(4096);
+    let mut inbuf = BytesMut::with_capacity(INBUF_START);
     let connect_deadline =
         Instant::now() + Duration::from_millis(server.settings.connect_timeout_ms);
     // CONNECT first: its protocol level picks the codec.
@@ -773,13 +775,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
                         }
                     }
                     Err(DecodeError::Incomplete(more)) => {
-                        // A large publish is read into its batch; other packets get room for
-                        // their rest at once (the size is already checked against the limit),
-                        // where growing the buffer as bytes arrive copied them many times over.
-                        self.landing = self.land(&mut inbuf).await;
-                        if self.landing.is_none() {
-                            inbuf.reserve(more);
-                        }
+                        self.landing = self.land(&mut inbuf, more).await;
                         break;
                     }
                     Err(e) => {
@@ -1022,13 +1018,43 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
         });
     }
 
-    /// Starts reading the PUBLISH at the front of `inbuf` into its ledger batch, taking what
-    /// has arrived of it out of `inbuf`. Only a plain case lands: a payload of at least
-    /// [`LAND_MIN`] bytes, QoS 0 or 1, not retained, no topic alias, a valid topic with a
-    /// route, and no upstream. Anything else (and any error) is left to [`Self::publish`]
-    /// once the whole packet is in.
-    async fn land(&mut self, inbuf: &mut BytesMut) -> Option<Landing> {
-        let (p, head, payload_len) = codec::publish_head(inbuf, self.version)?;
+    /// Makes room for the rest of the packet at the front of `inbuf`, `more` bytes. A large
+    /// publish is read into its ledger batch instead: what has arrived of it moves there, and
+    /// `Some` says so. Other packets get room for their rest at once (the size is already
+    /// checked against the limit), where growing the buffer as bytes arrive copied them many
+    /// times over.
+    async fn land(&mut self, inbuf: &mut BytesMut, more: usize) -> Option<Landing> {
+        match codec::publish_head(inbuf, self.version) {
+            Head::Publish(p, head, payload_len) => {
+                let landing = self.open_landing(*p, head, payload_len, inbuf).await;
+                if landing.is_some() {
+                    return landing;
+                }
+            }
+            // Room for the head only: had the whole packet room, the payload would arrive here
+            // and have to be copied into the batch.
+            Head::Incomplete => {
+                inbuf.reserve(more.min(INBUF_START));
+                return None;
+            }
+            Head::Other => {}
+        }
+        inbuf.reserve(more);
+        None
+    }
+
+    /// Starts reading the publish whose head (`head` bytes) is at the front of `inbuf` into its
+    /// ledger batch, taking what has arrived of it out of `inbuf`. Only a plain case lands: a
+    /// payload of at least [`LAND_MIN`] bytes, QoS 0 or 1, not retained, no topic alias, a
+    /// valid topic with a route, and no upstream. Anything else (and any error) is left to
+    /// [`Self::publish`] once the whole packet is in.
+    async fn open_landing(
+        &mut self,
+        p: Publish,
+        head: usize,
+        payload_len: usize,
+        inbuf: &mut BytesMut,
+    ) -> Option<Landing> {
         if payload_len < LAND_MIN
             || p.qos > 1
             || p.retain

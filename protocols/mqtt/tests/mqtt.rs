@@ -996,7 +996,17 @@ async fn large_publishes_land_in_their_batch_and_are_stored_like_any_other() {
     let m = &gw.server.metrics;
     let mut s = raw_client(gw.port, "cam-9").await;
 
-    // A small publish first: the usual path, and the reference for headers.
+    // A retained image first, read whole the usual way: the room it took in the connection's
+    // buffer must not keep the images after it from landing (the buffer is regrown only as
+    // far as each packet needs).
+    let kept = image(9, 100_000);
+    let mut retained = publish(1, 5, "cams/9", &kept);
+    retained[0] |= 1;
+    s.write_all(&retained).await.unwrap();
+    let mut puback = [0u8; 4];
+    s.read_exact(&mut puback).await.unwrap();
+    assert_eq!(puback, [0x40, 2, 0, 5]);
+    // A small publish: the usual path, and the reference for headers.
     s.write_all(&publish(1, 1, "cams/9", b"tiny"))
         .await
         .unwrap();
@@ -1004,13 +1014,12 @@ async fn large_publishes_land_in_their_batch_and_are_stored_like_any_other() {
     // reads; then a QoS 0 image at once; then another small one behind them.
     let big = image(1, 300_001);
     let packet = publish(1, 2, "cams/9", &big);
-    let mut puback = [0u8; 4];
     s.read_exact(&mut puback).await.unwrap();
     assert_eq!(puback, [0x40, 2, 0, 1]);
     trickle(&mut s, &gw.server, &packet[..packet.len() - 1], 5).await;
     assert_eq!(
         m.publishes_in.load(Ordering::Relaxed),
-        1,
+        2,
         "one byte short, the image is not a publish yet"
     );
     let small_then_quick = [
@@ -1025,9 +1034,10 @@ async fn large_publishes_land_in_their_batch_and_are_stored_like_any_other() {
         assert_eq!(puback, [0x40, 2, 0, pkid]);
     }
 
-    assert_eq!(m.publishes_in.load(Ordering::Relaxed), 4);
+    assert_eq!(m.publishes_in.load(Ordering::Relaxed), 5);
     assert_eq!(m.publishes_landed.load(Ordering::Relaxed), 2);
-    let records = stored(&gw.engine, "mqtt").await;
+    let mut records = stored(&gw.engine, "mqtt").await;
+    assert_eq!(records.remove(0).value.as_deref(), Some(&kept[..]));
     let values: Vec<&[u8]> = records
         .iter()
         .map(|r| r.value.as_deref().unwrap())
