@@ -830,7 +830,8 @@ fn answer_until_stdin_closes(engine: Option<sluice_core::Engine>) {
     std::process::exit(0);
 }
 
-/// Slow-subscriber handling as the broker counted it (Sluice's live-ring counters).
+/// Slow-subscriber handling as the broker counted it (Sluice's live-ring counters), and the
+/// reads from the segment files of subscribers behind the ring.
 fn peer_stats(engine: Option<&sluice_core::Engine>) -> Value {
     let Some(engine) = engine else {
         return Value::Null;
@@ -842,6 +843,7 @@ fn peer_stats(engine: Option<&sluice_core::Engine>) -> Value {
         "live_dropped_records": sum(|p| p.live_dropped_records),
         "live_disconnected": sum(|p| p.live_disconnected),
         "live_subscribers": sum(|p| p.live_subscribers),
+        "live_catchup_reads": sum(|p| p.live_catchup_reads),
     })
 }
 
