@@ -622,7 +622,7 @@ impl Engine {
         &self,
         topic: &str,
         partition: PartitionChoice<'_>,
-        key: &[u8],
+        key: Option<&[u8]>,
         value_len: usize,
         headers: &[(String, bytes::Bytes)],
     ) -> Result<OpenRecord> {

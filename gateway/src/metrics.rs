@@ -706,6 +706,12 @@ pub(crate) fn render_rest(body: &mut String, m: &sluice_rest::RestMetrics) {
         m.bytes_produced.load(Relaxed),
     );
     o.single(
+        "sluice_rest_records_landed_total",
+        "counter",
+        "Records of 64 KiB or more with a Content-Length, read from the body straight into their ledger batch.",
+        m.records_landed.load(Relaxed),
+    );
+    o.single(
         "sluice_rest_fetches_total",
         "counter",
         "Fetch requests over REST.",

@@ -389,7 +389,7 @@ pub fn encode_at(
 /// the headers; the timestamp is set when the batch is finished.
 #[derive(Debug)]
 pub struct OneRecord<'a> {
-    key: &'a [u8],
+    key: Option<&'a [u8]>,
     value_len: usize,
     headers: &'a [(String, Bytes)],
     body: usize,
@@ -397,8 +397,8 @@ pub struct OneRecord<'a> {
 }
 
 impl<'a> OneRecord<'a> {
-    pub fn new(key: &'a [u8], value_len: usize, headers: &'a [(String, Bytes)]) -> Self {
-        let body = body_len(Some(key), value_len as i64, headers, 0, 0);
+    pub fn new(key: Option<&'a [u8]>, value_len: usize, headers: &'a [(String, Bytes)]) -> Self {
+        let body = body_len(key, value_len as i64, headers, 0, 0);
         Self {
             key,
             value_len,
@@ -421,13 +421,7 @@ impl<'a> OneRecord<'a> {
     pub fn open(self, position: Option<u64>) -> OpenBatch {
         let mut buf = batch_buffer(self.total, position);
         put_header(&mut buf, self.total, 1, (0, 0), ProducerInfo::NONE);
-        put_record_head(
-            &mut buf,
-            self.body,
-            (0, 0),
-            Some(self.key),
-            self.value_len as i64,
-        );
+        put_record_head(&mut buf, self.body, (0, 0), self.key, self.value_len as i64);
         let value_end = buf.len() + self.value_len;
         let mut tail = BytesMut::with_capacity(headers_len(self.headers));
         put_headers(&mut tail, self.headers);
@@ -695,7 +689,7 @@ mod tests {
         };
         let want = encode(std::slice::from_ref(&record), ProducerInfo::NONE);
         for position in [None, Some(0u64), Some(4095), Some(123_457)] {
-            let layout = OneRecord::new(b"cams/7", image.len(), &headers);
+            let layout = OneRecord::new(Some(b"cams/7"), image.len(), &headers);
             assert_eq!(layout.len(), want.len());
             let mut open = layout.open(position);
             let at = open.buf.as_ptr();

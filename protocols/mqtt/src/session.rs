@@ -1077,7 +1077,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
             .open_record(
                 ledger_topic,
                 PartitionChoice::Key(p.topic.as_bytes()),
-                p.topic.as_bytes(),
+                Some(p.topic.as_bytes()),
                 payload_len,
                 &headers,
             )

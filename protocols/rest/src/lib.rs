@@ -36,6 +36,9 @@ pub use subscriptions::DEFAULT_MAX_CONSUMERS;
 #[derive(Debug, Default)]
 pub struct RestMetrics {
     pub records_produced: AtomicU64,
+    /// Records whose body was read straight into its ledger batch (64 KiB or more, with a
+    /// Content-Length).
+    pub records_landed: AtomicU64,
     pub bytes_produced: AtomicU64,
     pub fetches: AtomicU64,
     /// Fetches parked in a long-poll right now.

@@ -102,7 +102,6 @@ pub(crate) async fn produce(
     if announced.is_some_and(|n| n > max) {
         return Err(Problem::too_large(max));
     }
-    let value = read_body(body, announced, max).await?;
     let mut record_headers = Vec::new();
     if let Some(ct) = headers.get(header::CONTENT_TYPE) {
         record_headers.push((
@@ -116,15 +115,30 @@ pub(crate) async fn produce(
         }
     }
     let key = q.key.map(Bytes::from);
-    let record = Record {
-        timestamp: engine.now_ms(),
-        key: key.clone(),
-        value: Some(value),
-        headers: record_headers,
-    };
     let choice = partition_choice(q.partition, key.as_deref());
-    let size = record.value.as_ref().map_or(0, |v| v.len() as u64);
-    let ack = engine.produce(&topic, choice, &[record]).await?;
+    let landing = announced
+        .and_then(|n| usize::try_from(n).ok())
+        .filter(|&n| n >= sluice_core::PLACED_ENCODE_MIN);
+    let (ack, size) = if let Some(len) = landing {
+        // A large body of known length (a camera image) is read straight into its batch: one
+        // copy of each frame, where collecting it first and encoding it then made two.
+        let mut open = engine
+            .open_record(&topic, choice, key.as_deref(), len, &record_headers)
+            .await?;
+        read_body_into(body, open.value()).await?;
+        api.metrics.records_landed.fetch_add(1, Ordering::Relaxed);
+        (engine.produce_open(open).await?.await?, len as u64)
+    } else {
+        let value = read_body(body, announced, max).await?;
+        let size = value.len() as u64;
+        let record = Record {
+            timestamp: engine.now_ms(),
+            key: key.clone(),
+            value: Some(value),
+            headers: record_headers,
+        };
+        (engine.produce(&topic, choice, &[record]).await?, size)
+    };
     api.metrics.records_produced.fetch_add(1, Ordering::Relaxed);
     api.metrics
         .bytes_produced
@@ -155,6 +169,26 @@ async fn read_body(body: Body, announced: Option<u64>, max: u64) -> Result<Bytes
         buf.extend_from_slice(&chunk);
     }
     Ok(buf.freeze())
+}
+
+/// The whole body, into the value of `open`, whose length is the body's Content-Length.
+async fn read_body_into(body: Body, open: &mut sluice_core::OpenBatch) -> Result<(), Problem> {
+    let mut frames = body.into_data_stream();
+    while let Some(chunk) = frames.next().await {
+        let chunk = chunk.map_err(|e| Problem::bad_request(format!("reading the body: {e}")))?;
+        if chunk.len() > open.value_missing() {
+            return Err(Problem::bad_request(
+                "the body is longer than its Content-Length",
+            ));
+        }
+        open.put_value(&chunk);
+    }
+    if open.value_missing() > 0 {
+        return Err(Problem::bad_request(
+            "the body is shorter than its Content-Length",
+        ));
+    }
+    Ok(())
 }
 
 #[derive(Debug, Deserialize, ToSchema)]

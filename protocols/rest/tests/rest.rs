@@ -421,3 +421,117 @@ async fn a_json_batch_over_two_megabytes_gets_413() {
         .unwrap();
     assert_problem(resp, 413, "payload-too-large").await;
 }
+
+/// A record's value read straight from the body into its batch is stored as any other: the
+/// same key, headers and value as the usual path gives, whether a body takes one path or the
+/// other.
+#[tokio::test]
+async fn a_large_body_of_known_length_is_read_into_its_batch() {
+    let s = start().await;
+    let post = |body: Vec<u8>| {
+        s.http
+            .post(format!(
+                "{}/topics/frames/records?key=cam-2&partition=0",
+                s.base
+            ))
+            .header("content-type", "image/jpeg")
+            .header("record-header-site", "north")
+            .body(body)
+            .send()
+    };
+    let small = b"thumbnail".to_vec();
+    let large = image(300_001);
+    for body in [small.clone(), large.clone()] {
+        assert_eq!(post(body).await.unwrap().status(), 200);
+    }
+    assert_eq!(s.api.metrics.records_landed.load(Ordering::Relaxed), 1);
+    assert_eq!(s.api.metrics.records_produced.load(Ordering::Relaxed), 2);
+    assert_eq!(
+        s.api.metrics.bytes_produced.load(Ordering::Relaxed),
+        (small.len() + large.len()) as u64
+    );
+
+    // Chunked, with no Content-Length: collected first, the usual way.
+    let mut conn = tokio::net::TcpStream::connect(s.base.trim_start_matches("http://"))
+        .await
+        .unwrap();
+    let chunked = image(100_000);
+    let mut request = b"POST /topics/frames/records?key=cam-2&partition=0 HTTP/1.1\r\n\
+Host: sluice\r\ncontent-type: image/jpeg\r\nrecord-header-site: north\r\n\
+Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+        .to_vec();
+    for part in chunked.chunks(30_000) {
+        request.extend_from_slice(format!("{:x}\r\n", part.len()).as_bytes());
+        request.extend_from_slice(part);
+        request.extend_from_slice(b"\r\n");
+    }
+    request.extend_from_slice(b"0\r\n\r\n");
+    conn.write_all(&request).await.unwrap();
+    let mut answer = Vec::new();
+    conn.read_to_end(&mut answer).await.unwrap();
+    assert!(answer.starts_with(b"HTTP/1.1 200"));
+    assert_eq!(s.api.metrics.records_landed.load(Ordering::Relaxed), 1);
+
+    let fetched = s.engine.fetch("frames", 0, 0, 8 << 20).await.unwrap();
+    let mut records = Vec::new();
+    for batch in sluice_core::split_batches(fetched.data).unwrap() {
+        records.extend(
+            sluice_core::decode_records(&batch)
+                .unwrap()
+                .into_iter()
+                .map(|r| r.record),
+        );
+    }
+    let values: Vec<&[u8]> = records
+        .iter()
+        .map(|r| r.value.as_deref().unwrap())
+        .collect();
+    assert_eq!(values, [&small[..], &large[..], &chunked[..]]);
+    for r in &records[1..] {
+        assert_eq!(r.key, records[0].key);
+        assert_eq!(r.headers, records[0].headers);
+    }
+}
+
+/// A body that ends before its Content-Length stores nothing, and the next one is stored in
+/// its place.
+#[tokio::test]
+async fn a_body_cut_short_stores_nothing() {
+    let s = start().await;
+    let mut conn = tokio::net::TcpStream::connect(s.base.trim_start_matches("http://"))
+        .await
+        .unwrap();
+    let mut request = b"POST /topics/frames/records?partition=0 HTTP/1.1\r\nHost: sluice\r\n\
+Content-Length: 200000\r\n\r\n"
+        .to_vec();
+    request.extend_from_slice(&image(120_000));
+    conn.write_all(&request).await.unwrap();
+    conn.shutdown().await.unwrap();
+    // The server gives up on the body (with a 400, or by closing).
+    let mut answer = Vec::new();
+    let _ = conn.read_to_end(&mut answer).await;
+    assert!(
+        answer.is_empty() || answer.starts_with(b"HTTP/1.1 400"),
+        "{}",
+        String::from_utf8_lossy(&answer)
+    );
+    assert_eq!(s.api.metrics.records_landed.load(Ordering::Relaxed), 0);
+
+    let whole = image(200_000);
+    let resp = s
+        .http
+        .post(format!("{}/topics/frames/records?partition=0", s.base))
+        .body(whole.clone())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(json_of(resp).await["offset"], 0);
+    let got = s
+        .get("/topics/frames/partitions/0/records/0")
+        .await
+        .bytes()
+        .await
+        .unwrap();
+    assert!(got == whole, "the value came back changed");
+}
