@@ -618,6 +618,8 @@ impl Engine {
     /// that is then written to the disk, with no copy in between. The record's place in the
     /// partition is reserved from now until [`Self::produce_open`] queues it (or it is dropped),
     /// so the batch is placed for its file position as [`Self::produce_queued`] places its own.
+    /// Batches queued to the partition meanwhile are laid out after it, so one held open long
+    /// (a slow sender) costs them their placement, a copy each, never correctness.
     pub async fn open_record(
         &self,
         topic: &str,

@@ -1147,6 +1147,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
         Ok(())
     }
 
+    /// A publish that cannot be stored: MQTT 5 answers with a reason code; MQTT 3.1.1 has none
+    /// for QoS 1/2, so the connection closes and the client will resend.
     async fn refuse(&mut self, p: &Publish, code: u8) -> std::io::Result<()> {
         warn!(
             peer = self.peer,
