@@ -827,7 +827,7 @@ fn varint(mut n: usize, out: &mut Vec<u8>) {
 }
 
 /// An MQTT 3.1.1 CONNECT (clean session) for `client`.
-fn connect_as(client: &str) -> Vec<u8> {
+fn connect(client: &str) -> Vec<u8> {
     let mut body = vec![0, 4, b'M', b'Q', b'T', b'T', 4, 0x02, 0, 60];
     body.extend_from_slice(&(client.len() as u16).to_be_bytes());
     body.extend_from_slice(client.as_bytes());
@@ -835,10 +835,6 @@ fn connect_as(client: &str) -> Vec<u8> {
     varint(body.len(), &mut p);
     p.extend_from_slice(&body);
     p
-}
-
-fn connect() -> Vec<u8> {
-    connect_as("flood")
 }
 
 /// An MQTT 3.1.1 PUBLISH (the packet id only at QoS 1 and 2).
@@ -862,7 +858,7 @@ fn publish_qos1(pkid: u16, payload: &[u8]) -> Vec<u8> {
 /// A raw MQTT 3.1.1 connection, past its CONNACK.
 async fn raw_client(port: u16, client: &str) -> TcpStream {
     let mut s = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
-    s.write_all(&connect_as(client)).await.unwrap();
+    s.write_all(&connect(client)).await.unwrap();
     let mut connack = [0u8; 4];
     s.read_exact(&mut connack).await.unwrap();
     assert_eq!(connack, [0x20, 2, 0, 0]);
@@ -910,12 +906,7 @@ async fn a_flooding_publisher_is_held_at_the_pending_budget_and_loses_nothing() 
     let gw = start_on(dir.path(), Default::default(), Arc::new(storage)).await;
     let (port, server, engine) = (gw.port, gw.server.clone(), gw.engine.clone());
 
-    let stream = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
-    let (mut rd, mut wr) = stream.into_split();
-    wr.write_all(&connect()).await.unwrap();
-    let mut connack = [0u8; 4];
-    rd.read_exact(&mut connack).await.unwrap();
-    assert_eq!(connack, [0x20, 2, 0, 0]);
+    let (mut rd, mut wr) = raw_client(port, "flood").await.into_split();
     // 128 MiB of images, written as fast as the socket takes them.
     let writer = tokio::spawn(async move {
         let image = vec![0xA5u8; IMAGE];
@@ -987,12 +978,20 @@ fn image(seed: u8, len: usize) -> Vec<u8> {
         .collect()
 }
 
+/// A gateway writing its segments as the gateway binary does, with the counters of how.
+async fn start_direct(dir: &std::path::Path) -> (Gateway, Arc<sluice_core::DirectStats>) {
+    let storage = sluice_core::DirectFsStorage::new(256 * 1024);
+    let direct = storage.stats();
+    (
+        start_on(dir, Default::default(), Arc::new(storage)).await,
+        direct,
+    )
+}
+
 #[tokio::test]
 async fn large_publishes_land_in_their_batch_and_are_stored_like_any_other() {
     let dir = tempfile::tempdir().unwrap();
-    let storage = sluice_core::DirectFsStorage::new(256 * 1024);
-    let direct = storage.stats();
-    let gw = start_on(dir.path(), Default::default(), Arc::new(storage)).await;
+    let (gw, direct) = start_direct(dir.path()).await;
     let m = &gw.server.metrics;
     let mut s = raw_client(gw.port, "cam-9").await;
 
@@ -1059,9 +1058,7 @@ async fn large_publishes_land_in_their_batch_and_are_stored_like_any_other() {
 #[tokio::test]
 async fn a_publisher_that_vanishes_mid_image_leaves_nothing_and_no_gap_behind() {
     let dir = tempfile::tempdir().unwrap();
-    let storage = sluice_core::DirectFsStorage::new(256 * 1024);
-    let direct = storage.stats();
-    let gw = start_on(dir.path(), Default::default(), Arc::new(storage)).await;
+    let (gw, direct) = start_direct(dir.path()).await;
 
     let mut gone = raw_client(gw.port, "gone").await;
     let packet = publish(1, 1, "cams/1", &image(3, 1_000_000));
