@@ -38,8 +38,8 @@ pub use password::{hash_password, is_password_hash, verify_password};
 pub use policy::{Durability, TopicPolicy};
 pub use sluice_storage::{
     BatchError, BatchHeader, Clock, DecodedRecord, DirectFsStorage, DirectStats, Faults,
-    FaultyStorage, Fetched, FsStorage, ManualClock, OpenBatch, PLACED_ENCODE_MIN, Record, Storage,
-    SystemClock, decode_records, split_batches,
+    FaultyStorage, Fetched, FsStorage, ManualClock, MappedBuf, OpenBatch, PLACED_ENCODE_MIN,
+    Record, Storage, SystemClock, decode_records, split_batches,
 };
 pub use subscription::{
     Consumer, InitialPosition, Message, MessageId, SubscribeOptions, SubscriptionBacklog,

@@ -9,7 +9,10 @@
 //! 53 baseSequence i32 | 57 recordCount i32 | 61 records...
 //! ```
 
+use bytes::buf::UninitSlice;
 use bytes::{Buf, BufMut, Bytes, BytesMut};
+
+use crate::mapped::{HUGE_PAGE, MappedBuf};
 
 /// Size of the fixed RecordBatch v2 header.
 pub const BATCH_HEADER_LEN: usize = 61;
@@ -196,7 +199,7 @@ fn zigzag(v: i64) -> u64 {
     ((v << 1) ^ (v >> 63)) as u64
 }
 
-fn put_varint(buf: &mut BytesMut, v: i64) {
+fn put_varint(buf: &mut impl BufMut, v: i64) {
     let mut z = zigzag(v);
     while z >= 0x80 {
         buf.put_u8((z as u8) | 0x80);
@@ -255,8 +258,7 @@ fn batch_buffer(total: usize, position: Option<u64>) -> BytesMut {
     match position {
         Some(position) if total >= PLACED_ENCODE_MIN => {
             let mut buf = BytesMut::with_capacity(total + BLOCK);
-            let want = (position % BLOCK as u64) as usize;
-            let skip = (want + BLOCK - buf.as_ptr() as usize % BLOCK) % BLOCK;
+            let skip = (block_offset(position) + BLOCK - buf.as_ptr() as usize % BLOCK) % BLOCK;
             buf.put_bytes(0, skip);
             buf.advance(skip);
             buf
@@ -265,10 +267,106 @@ fn batch_buffer(total: usize, position: Option<u64>) -> BytesMut {
     }
 }
 
+/// Where `position` falls within its block: where a batch placed for it starts within a page.
+fn block_offset(position: u64) -> usize {
+    (position % BLOCK as u64) as usize
+}
+
+/// A batch's bytes: from the heap, or, for a batch of a huge page or more that is placed for a
+/// direct write, in a mapping of its own that starts on a huge page ([`MappedBuf`]).
+#[derive(Debug)]
+pub struct BatchBuf(Memory);
+
+#[derive(Debug)]
+enum Memory {
+    Heap(BytesMut),
+    Mapped(MappedBuf),
+}
+
+impl BatchBuf {
+    pub(crate) fn heap(buf: BytesMut) -> Self {
+        Self(Memory::Heap(buf))
+    }
+
+    /// An empty buffer for a batch of `total` bytes, placed for `position` as
+    /// [`batch_buffer`] places it.
+    fn new(total: usize, position: Option<u64>) -> Self {
+        match position {
+            Some(position) if total >= HUGE_PAGE => {
+                Self(MappedBuf::new(block_offset(position), total).map_or_else(
+                    || Memory::Heap(batch_buffer(total, Some(position))),
+                    Memory::Mapped,
+                ))
+            }
+            _ => Self::heap(batch_buffer(total, position)),
+        }
+    }
+
+    /// Whether the bytes are in a mapping of their own.
+    pub fn is_mapped(&self) -> bool {
+        matches!(self.0, Memory::Mapped(_))
+    }
+
+    pub fn freeze(self) -> Bytes {
+        match self.0 {
+            Memory::Heap(b) => b.freeze(),
+            Memory::Mapped(b) => b.freeze(),
+        }
+    }
+}
+
+impl std::ops::Deref for BatchBuf {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        match &self.0 {
+            Memory::Heap(b) => b,
+            Memory::Mapped(b) => b,
+        }
+    }
+}
+
+impl std::ops::DerefMut for BatchBuf {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        match &mut self.0 {
+            Memory::Heap(b) => b,
+            Memory::Mapped(b) => b,
+        }
+    }
+}
+
+// SAFETY: each call goes to the one buffer inside, whose own implementation upholds the
+// contract.
+unsafe impl BufMut for BatchBuf {
+    fn remaining_mut(&self) -> usize {
+        match &self.0 {
+            Memory::Heap(b) => b.remaining_mut(),
+            Memory::Mapped(b) => b.remaining_mut(),
+        }
+    }
+
+    unsafe fn advance_mut(&mut self, cnt: usize) {
+        // SAFETY: the caller's promise is passed on unchanged.
+        unsafe {
+            match &mut self.0 {
+                Memory::Heap(b) => b.advance_mut(cnt),
+                Memory::Mapped(b) => b.advance_mut(cnt),
+            }
+        }
+    }
+
+    fn chunk_mut(&mut self) -> &mut UninitSlice {
+        match &mut self.0 {
+            Memory::Heap(b) => b.chunk_mut(),
+            Memory::Mapped(b) => b.chunk_mut(),
+        }
+    }
+}
+
 /// The fixed header of a batch of `total` bytes and `count` records, with a zero CRC
 /// ([`seal`] sets it once the records follow).
 fn put_header(
-    buf: &mut BytesMut,
+    buf: &mut impl BufMut,
     total: usize,
     count: usize,
     (base_ts, max_ts): (i64, i64),
@@ -291,7 +389,7 @@ fn put_header(
 
 /// A record up to its value's bytes: length, attributes, deltas, key, value length.
 fn put_record_head(
-    buf: &mut BytesMut,
+    buf: &mut impl BufMut,
     body: usize,
     (ts_delta, offset_delta): (i64, i64),
     key: Option<&[u8]>,
@@ -308,7 +406,7 @@ fn put_record_head(
     put_varint(buf, value_len);
 }
 
-fn put_headers(buf: &mut BytesMut, headers: &[(String, Bytes)]) {
+fn put_headers(buf: &mut impl BufMut, headers: &[(String, Bytes)]) {
     put_varint(buf, headers.len() as i64);
     for (k, v) in headers {
         put_varint(buf, k.len() as i64);
@@ -319,7 +417,7 @@ fn put_headers(buf: &mut BytesMut, headers: &[(String, Bytes)]) {
 }
 
 /// Sets the CRC over the finished batch.
-fn seal(buf: &mut BytesMut) {
+fn seal(buf: &mut [u8]) {
     let crc = crc32c::crc32c(&buf[ATTRIBUTES_OFFSET..]);
     buf[CRC_OFFSET..CRC_OFFSET + 4].copy_from_slice(&crc.to_be_bytes());
 }
@@ -419,7 +517,7 @@ impl<'a> OneRecord<'a> {
 
     /// The batch up to its value, placed for `position` as [`encode_at`] places batches.
     pub fn open(self, position: Option<u64>) -> OpenBatch {
-        let mut buf = batch_buffer(self.total, position);
+        let mut buf = BatchBuf::new(self.total, position);
         put_header(&mut buf, self.total, 1, (0, 0), ProducerInfo::NONE);
         put_record_head(&mut buf, self.body, (0, 0), self.key, self.value_len as i64);
         let value_end = buf.len() + self.value_len;
@@ -436,7 +534,7 @@ impl<'a> OneRecord<'a> {
 /// A one-record batch being filled with its value ([`OneRecord::open`]).
 #[derive(Debug)]
 pub struct OpenBatch {
-    buf: BytesMut,
+    buf: BatchBuf,
     value_end: usize,
     /// The record's headers, which follow the value.
     tail: BytesMut,
@@ -462,7 +560,7 @@ impl OpenBatch {
 
     /// Room for the rest of the value, for a read (`AsyncReadExt::read_buf`): it takes no more
     /// than is missing, and never reallocates.
-    pub fn value_buf(&mut self) -> bytes::buf::Limit<&mut BytesMut> {
+    pub fn value_buf(&mut self) -> bytes::buf::Limit<&mut BatchBuf> {
         let missing = self.value_missing();
         (&mut self.buf).limit(missing)
     }
@@ -471,7 +569,7 @@ impl OpenBatch {
     ///
     /// # Panics
     /// While value bytes are missing.
-    pub fn finish(mut self, timestamp: i64) -> BytesMut {
+    pub fn finish(mut self, timestamp: i64) -> BatchBuf {
         assert_eq!(self.value_missing(), 0, "the value is incomplete");
         self.buf.put_slice(&self.tail);
         let stamps = &mut self.buf[TIMESTAMPS_OFFSET..TIMESTAMPS_OFFSET + 16];
@@ -676,43 +774,51 @@ mod tests {
 
     #[test]
     fn a_value_read_into_an_open_batch_makes_the_encoded_batch() {
-        let image: Vec<u8> = (0..300_000u32).map(|i| (i % 251) as u8).collect();
-        let headers = vec![
-            ("mqtt.qos".to_owned(), Bytes::from_static(b"1")),
-            ("client".to_owned(), Bytes::from_static(b"cam-7")),
-        ];
-        let record = Record {
-            timestamp: 1_700_000_000_123,
-            key: Some(Bytes::from_static(b"cams/7")),
-            value: Some(Bytes::copy_from_slice(&image)),
-            headers: headers.clone(),
-        };
-        let want = encode(std::slice::from_ref(&record), ProducerInfo::NONE);
-        for position in [None, Some(0u64), Some(4095), Some(123_457)] {
-            let layout = OneRecord::new(Some(b"cams/7"), image.len(), &headers);
-            assert_eq!(layout.len(), want.len());
-            let mut open = layout.open(position);
-            let at = open.buf.as_ptr();
-            // Some bytes arrive with the packet's head, the rest in reads of any size.
-            open.put_value(&image[..1000]);
-            let mut rest = &image[1000..];
-            while !rest.is_empty() {
-                let mut room = open.value_buf();
-                let n = room.remaining_mut().min(rest.len()).min(65_536);
-                room.put_slice(&rest[..n]);
-                rest = &rest[n..];
-            }
-            assert_eq!(open.value_missing(), 0);
-            assert_eq!(
-                open.value_buf().remaining_mut(),
-                0,
-                "nothing past the value"
-            );
-            let got = open.finish(record.timestamp);
-            assert_eq!(got, want, "position {position:?}");
-            assert_eq!(got.as_ptr(), at, "filled where it was laid out");
-            if let Some(position) = position {
-                assert_eq!((at as u64).wrapping_sub(position) % BLOCK as u64, 0);
+        // A batch under a huge page is built on the heap; one over it, once placed, in a
+        // mapping of its own.
+        for (size, placed_mapped) in [(300_000u32, false), (HUGE_PAGE as u32 + 70_000, true)] {
+            let image: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
+            let headers = vec![
+                ("mqtt.qos".to_owned(), Bytes::from_static(b"1")),
+                ("client".to_owned(), Bytes::from_static(b"cam-7")),
+            ];
+            let record = Record {
+                timestamp: 1_700_000_000_123,
+                key: Some(Bytes::from_static(b"cams/7")),
+                value: Some(Bytes::copy_from_slice(&image)),
+                headers: headers.clone(),
+            };
+            let want = encode(std::slice::from_ref(&record), ProducerInfo::NONE);
+            for position in [None, Some(0u64), Some(4095), Some(123_457)] {
+                let layout = OneRecord::new(Some(b"cams/7"), image.len(), &headers);
+                assert_eq!(layout.len(), want.len());
+                let mut open = layout.open(position);
+                assert_eq!(open.buf.is_mapped(), placed_mapped && position.is_some());
+                let at = open.buf.as_ptr();
+                // Some bytes arrive with the packet's head, the rest in reads of any size.
+                open.put_value(&image[..1000]);
+                let mut rest = &image[1000..];
+                while !rest.is_empty() {
+                    let mut room = open.value_buf();
+                    let n = room.remaining_mut().min(rest.len()).min(65_536);
+                    room.put_slice(&rest[..n]);
+                    rest = &rest[n..];
+                }
+                assert_eq!(open.value_missing(), 0);
+                assert_eq!(
+                    open.value_buf().remaining_mut(),
+                    0,
+                    "nothing past the value"
+                );
+                let got = open.finish(record.timestamp);
+                assert_eq!(&got[..], &want[..], "{size} B at {position:?}");
+                assert_eq!(got.as_ptr(), at, "filled where it was laid out");
+                if let Some(position) = position {
+                    assert_eq!((at as u64).wrapping_sub(position) % BLOCK as u64, 0);
+                }
+                let frozen = got.freeze();
+                assert_eq!(frozen.as_ptr(), at, "frozen in place");
+                assert_eq!(frozen, want);
             }
         }
     }

@@ -13,11 +13,12 @@ mod error;
 mod index;
 mod io;
 mod log;
+mod mapped;
 mod segment;
 
 pub use batch::{
-    BATCH_HEADER_LEN, BatchError, BatchHeader, Compression, DecodedRecord, OneRecord, OpenBatch,
-    PLACED_ENCODE_MIN, ProducerInfo, Record, decode_records, encode as encode_batch,
+    BATCH_HEADER_LEN, BatchBuf, BatchError, BatchHeader, Compression, DecodedRecord, OneRecord,
+    OpenBatch, PLACED_ENCODE_MIN, ProducerInfo, Record, decode_records, encode as encode_batch,
     encode_at as encode_batch_at, set_base_offset, split_batches, validate as validate_batch,
 };
 pub use clock::{Clock, ManualClock, SystemClock};
@@ -29,3 +30,4 @@ pub use log::{
     AppendInfo, Fetched, LogConfig, LogReader, LogStats, MAX_SEGMENT_BYTES, PartitionLog,
     RecoveryReport, RetentionOutcome, ValidatedBatch,
 };
+pub use mapped::MappedBuf;

@@ -15,7 +15,7 @@ use bytes::{Bytes, BytesMut};
 use parking_lot::RwLock;
 use tracing::{error, info, warn};
 
-use crate::batch::{self, BatchError, BatchHeader};
+use crate::batch::{self, BatchBuf, BatchError, BatchHeader};
 use crate::clock::Clock;
 use crate::error::{Result, StorageError};
 use crate::index::{SegmentIndex, SegmentMeta};
@@ -55,7 +55,7 @@ impl Default for LogConfig {
 /// A batch that passed [`batch::validate`]; only these can be appended.
 #[derive(Debug)]
 pub struct ValidatedBatch {
-    buf: BytesMut,
+    buf: BatchBuf,
     header: BatchHeader,
 }
 
@@ -63,7 +63,10 @@ impl ValidatedBatch {
     /// Validates length, magic, record count and CRC32C.
     pub fn new(buf: BytesMut) -> Result<Self, BatchError> {
         let header = batch::validate(&buf)?;
-        Ok(Self { buf, header })
+        Ok(Self {
+            buf: BatchBuf::heap(buf),
+            header,
+        })
     }
 
     /// Encodes records into a new batch. The encoder computes the CRC itself, so the batch is
@@ -85,7 +88,7 @@ impl ValidatedBatch {
         producer: batch::ProducerInfo,
         place: impl FnOnce(usize) -> Option<u64>,
     ) -> Self {
-        let buf = batch::encode_at(records, producer, place);
+        let buf = BatchBuf::heap(batch::encode_at(records, producer, place));
         let header = BatchHeader::parse(&buf).expect("the encoder writes a whole header");
         Self { buf, header }
     }
