@@ -100,6 +100,11 @@ pub(crate) struct BroadcastArgs {
     /// written with O_DIRECT; 0 writes everything through the page cache.
     #[arg(long, default_value_t = sluice_core::DirectFsStorage::DEFAULT_MIN_BYTES)]
     direct_write_min_bytes: usize,
+    /// Sluice's `storage.live_ring_bytes`: recent bytes each partition keeps in memory for live
+    /// subscribers (and each relay for its topics). Image topics want more than the default: a
+    /// QoS 1 subscriber more than this far behind reads from the segment files.
+    #[arg(long, default_value_t = sluice_core::WriterSettings::default().live_ring_bytes)]
+    live_ring_bytes: usize,
     #[arg(long)]
     json: Option<PathBuf>,
 }
@@ -119,6 +124,9 @@ pub(crate) struct PeerArgs {
     /// Sluice's `storage.direct_write_min_bytes` (0: page cache only).
     #[arg(long, default_value_t = sluice_core::DirectFsStorage::DEFAULT_MIN_BYTES)]
     direct_write_min_bytes: usize,
+    /// Sluice's `storage.live_ring_bytes`.
+    #[arg(long, default_value_t = sluice_core::WriterSettings::default().live_ring_bytes)]
+    live_ring_bytes: usize,
 }
 
 /// One worker process of subscribers, as `broadcast-worker` runs it.
@@ -797,6 +805,7 @@ pub(crate) fn peer(args: PeerArgs) -> anyhow::Result<()> {
                     &args.dir,
                     sluice_core::Durability::Fsync,
                     crate::ledger::segment_storage(args.direct_write_min_bytes),
+                    args.live_ring_bytes,
                 )
                 .await?;
                 // Kept for the process's life: dropping it would stop the server.
@@ -896,7 +905,7 @@ struct Broker {
 fn spawn_gateway(
     bin: &std::path::Path,
     args: &[String],
-    direct_write_min_bytes: usize,
+    storage: &BroadcastArgs,
 ) -> anyhow::Result<(Child, std::collections::HashMap<String, SocketAddr>)> {
     let mut child = Command::new(bin)
         .args(args)
@@ -904,7 +913,11 @@ fn spawn_gateway(
         .env_remove("RUST_LOG")
         .env(
             "SLUICE_STORAGE__DIRECT_WRITE_MIN_BYTES",
-            direct_write_min_bytes.to_string(),
+            storage.direct_write_min_bytes.to_string(),
+        )
+        .env(
+            "SLUICE_STORAGE__LIVE_RING_BYTES",
+            storage.live_ring_bytes.to_string(),
         )
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
@@ -982,7 +995,7 @@ impl Broker {
                 "--log-level".into(),
                 "warn,sluice=info".into(),
             ],
-            args.direct_write_min_bytes,
+            args,
         )?;
         let (kafka, mqtt) = (main["kafka"], main["mqtt"]);
         // A WebSocket stream of an unknown topic is refused (404); MQTT would create it.
@@ -1017,7 +1030,7 @@ impl Broker {
                     "--log-level".into(),
                     "warn,sluice=info".into(),
                 ],
-                args.direct_write_min_bytes,
+                args,
             )?;
             broker.port = addrs["mqtt"].port();
             broker.http_ports.push(addrs["http"].port());
@@ -1086,6 +1099,8 @@ impl Broker {
                     .args([
                         "--direct-write-min-bytes",
                         &args.direct_write_min_bytes.to_string(),
+                        "--live-ring-bytes",
+                        &args.live_ring_bytes.to_string(),
                     ])
                     .stdin(Stdio::piped())
                     .stdout(Stdio::piped())

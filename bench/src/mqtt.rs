@@ -15,7 +15,7 @@ use anyhow::Context;
 use bytes::{BufMut, BytesMut};
 use rumqttc::{AsyncClient, Event, MqttOptions, Packet, QoS};
 use serde_json::json;
-use sluice_core::{Durability, Engine, EngineConfig, SystemClock, TopicPolicy};
+use sluice_core::{Durability, Engine, EngineConfig, SystemClock, TopicPolicy, WriterSettings};
 use sluice_mqtt::{MqttServer, MqttSettings};
 use tokio::net::TcpListener;
 
@@ -70,6 +70,7 @@ pub(crate) async fn start_sluice(
     dir: &std::path::Path,
     durability: Durability,
     storage: Arc<dyn sluice_core::Storage>,
+    live_ring_bytes: usize,
 ) -> anyhow::Result<(u16, Engine, tokio::sync::watch::Sender<bool>)> {
     if dir.exists() {
         std::fs::remove_dir_all(dir)?;
@@ -79,6 +80,7 @@ pub(crate) async fn start_sluice(
         durability,
         ..TopicPolicy::default()
     };
+    config.writer.live_ring_bytes = live_ring_bytes;
     let engine = Engine::open(config, storage, Arc::new(SystemClock)).await?;
     let settings = MqttSettings {
         addr: "127.0.0.1:0".into(),
@@ -265,6 +267,7 @@ pub(crate) async fn run(args: MqttArgs) -> anyhow::Result<()> {
         &args.dir.join("fsync"),
         Durability::Fsync,
         crate::ledger::gateway_storage(),
+        WriterSettings::default().live_ring_bytes,
     )
     .await?;
     brokers.push(("sluice (fsync)".into(), p));
@@ -273,6 +276,7 @@ pub(crate) async fn run(args: MqttArgs) -> anyhow::Result<()> {
         &args.dir.join("none"),
         Durability::None,
         crate::ledger::gateway_storage(),
+        WriterSettings::default().live_ring_bytes,
     )
     .await?;
     brokers.push(("sluice (no fsync)".into(), p));
