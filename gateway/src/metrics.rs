@@ -201,6 +201,18 @@ pub(crate) fn render_direct_writes(body: &mut String, d: &sluice_core::DirectSta
         "Direct writes made; direct bytes divided by these is the size of the average one.",
         d.direct_writes.load(Relaxed),
     );
+    o.single(
+        "sluice_storage_direct_reads_total",
+        "counter",
+        "Segment reads of at least storage.direct_write_min_bytes made with O_DIRECT into huge pages (subscribers catching up on images, fetches of them).",
+        d.direct_reads.load(Relaxed),
+    );
+    o.single(
+        "sluice_storage_direct_read_bytes_total",
+        "counter",
+        "Bytes those direct reads brought.",
+        d.direct_read_bytes.load(Relaxed),
+    );
     *body = o.0;
 }
 

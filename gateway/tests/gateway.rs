@@ -240,6 +240,11 @@ async fn large_appends_are_written_direct_and_read_back_after_a_restart() {
         &read(&g, 1).await.unwrap().bytes().await.unwrap()[..],
         image
     );
+    // After the restart nothing is in memory: the image came from the segment file, read
+    // around the page cache as it was written; the small record through it.
+    let (_, metrics) = get(&format!("{}/metrics", g.http)).await;
+    assert_eq!(metric(&metrics, "sluice_storage_direct_reads_total"), 1);
+    assert!(metric(&metrics, "sluice_storage_direct_read_bytes_total") >= image.len() as u64);
     let (status, _) = g.stop_with(libc::SIGTERM);
     assert!(status.success());
 }

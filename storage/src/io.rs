@@ -10,6 +10,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
+use bytes::Bytes;
+
 /// File-system operations the log needs.
 pub trait Storage: Send + Sync + fmt::Debug + 'static {
     /// Opens (creating when asked) a file for positional reads and appends at its end.
@@ -31,6 +33,12 @@ pub trait Storage: Send + Sync + fmt::Debug + 'static {
 pub trait LogFile: Send + Sync + fmt::Debug {
     /// Reads exactly `buf.len()` bytes at `pos`.
     fn read_exact_at(&self, buf: &mut [u8], pos: u64) -> io::Result<()>;
+    /// Reads exactly `len` bytes at `pos` into a buffer of the file's choosing.
+    fn read_bytes_at(&self, pos: u64, len: usize) -> io::Result<Bytes> {
+        let mut buf = vec![0u8; len];
+        self.read_exact_at(&mut buf, pos)?;
+        Ok(buf.into())
+    }
     /// Appends every slice, in order, at the end of the file.
     fn append(&self, bufs: &[IoSlice<'_>]) -> io::Result<()>;
     /// fdatasync.

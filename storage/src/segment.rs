@@ -202,7 +202,10 @@ impl Segment {
         };
         let first_len = first.total_len().unwrap_or(BATCH_HEADER_LEN);
         let want = first_len.max(max_bytes.min((end - pos) as usize));
-        let data = Bytes::from(self.read(pos, want)?);
+        let data = self
+            .file
+            .read_bytes_at(pos, want)
+            .map_err(StorageError::io("read", &self.paths.log))?;
         // Cut at the last whole batch below the high watermark within the budget.
         let mut cut = 0usize;
         let mut next_offset = offset;

@@ -118,6 +118,51 @@ fn appends_of_every_alignment_land_byte_for_byte() {
 }
 
 #[test]
+fn large_reads_go_around_the_page_cache_from_any_position() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_, stats, file) = segment_file(dir.path());
+    // A large append (mostly direct) after a small one (buffered): the reads below cross
+    // blocks written both ways, including the last partial block, unsynced.
+    let mut expected = value(1, 5000).to_vec();
+    file.append(&[IoSlice::new(&expected)]).unwrap();
+    let image = value(2, 3 * 1024 * 1024 + 77);
+    file.append(&[IoSlice::new(&image)]).unwrap();
+    expected.extend_from_slice(&image);
+    let end = expected.len();
+
+    let large = [
+        (0, MIN_BYTES),
+        (1, MIN_BYTES),
+        (4095, 100_000),
+        (5000, image.len()),
+        (end - MIN_BYTES, MIN_BYTES),
+        (end - MIN_BYTES - 4097, MIN_BYTES + 4097),
+    ];
+    for (n, &(pos, len)) in large.iter().enumerate() {
+        let got = file.read_bytes_at(pos as u64, len).unwrap();
+        assert_eq!(got, expected[pos..pos + len], "{len} at {pos}");
+        assert_eq!(stats.direct_reads.load(Ordering::Relaxed), n as u64 + 1);
+    }
+    let bytes: usize = large.iter().map(|&(_, len)| len).sum();
+    assert_eq!(
+        stats.direct_read_bytes.load(Ordering::Relaxed),
+        bytes as u64
+    );
+
+    // A small read goes through the page cache.
+    assert_eq!(file.read_bytes_at(10, 300).unwrap(), expected[10..310]);
+    assert_eq!(
+        stats.direct_reads.load(Ordering::Relaxed),
+        large.len() as u64
+    );
+    // Past the end is an error, whichever way it is read.
+    for len in [300, MIN_BYTES] {
+        let err = file.read_bytes_at((end - len + 1) as u64, len).unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::UnexpectedEof, "{len}");
+    }
+}
+
+#[test]
 fn slices_placed_for_their_position_are_written_from_their_own_pages() {
     let dir = tempfile::tempdir().unwrap();
     let (path, stats, file) = segment_file(dir.path());
@@ -262,6 +307,9 @@ fn a_log_of_images_reads_back_and_recovers() {
         }
     };
     check(&log);
+    // The images were read back around the page cache too.
+    assert!(stats.direct_reads.load(Ordering::Relaxed) >= 8);
+    assert!(stats.direct_read_bytes.load(Ordering::Relaxed) >= 8 * 2_000_000);
     log.close().unwrap();
 
     // Reopening scans the active segment and loads the sealed ones: nothing is cut.
