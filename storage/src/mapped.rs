@@ -3,7 +3,7 @@
 //! A direct write hands the disk the batch's own memory page by page. Memory from the heap is
 //! made of 4 KiB pages scattered over physical memory, and a virtio disk takes at most 254 of
 //! them per request (`/sys/block/*/queue/max_segments`): 1 MiB. On this project's VM, 16 MB
-//! written with O_DIRECT from scattered pages went at 1.5–2.2 GB/s, and from transparent huge
+//! written with O_DIRECT from scattered pages went at 1.5–2.5 GB/s, and from transparent huge
 //! pages (2 MiB physically contiguous) at 2.5–3.5 GB/s, measured alternately in the same minute.
 //! So a batch of 2 MiB or more is built in an anonymous mapping aligned to 2 MiB and advised
 //! `MADV_HUGEPAGE`: with transparent huge pages at `madvise` or `always` (Debian's default is
