@@ -204,7 +204,7 @@ pub(crate) fn render_direct_writes(body: &mut String, d: &sluice_core::DirectSta
     o.single(
         "sluice_storage_direct_reads_total",
         "counter",
-        "Segment reads of at least storage.direct_write_min_bytes made with O_DIRECT into huge pages (subscribers catching up on images, fetches of them).",
+        "Segment reads made with O_DIRECT into huge pages: those that start with a batch of at least storage.direct_write_min_bytes (subscribers catching up on images, fetches of them).",
         d.direct_reads.load(Relaxed),
     );
     o.single(

@@ -51,8 +51,8 @@ pub struct DirectStats {
     pub staging_buffers: AtomicU64,
     /// Direct writes made (each one vectored write of whole blocks).
     pub direct_writes: AtomicU64,
-    /// Reads of at least `min_bytes` made with `O_DIRECT` (a subscriber catching up on images,
-    /// a Kafka fetch of them), and the bytes they brought.
+    /// Reads made with `O_DIRECT`, those that start with a batch of at least `min_bytes` (a
+    /// subscriber catching up on images, a Kafka fetch of them), and the bytes they brought.
     pub direct_reads: AtomicU64,
     pub direct_read_bytes: AtomicU64,
 }
@@ -379,14 +379,17 @@ impl LogFile for DirectFile {
         self.file.read_exact_at(buf, pos)
     }
 
-    /// A large read goes around the page cache too: the device writes the blocks straight into
-    /// huge pages ([`MappedBuf`]), and the bytes wanted are a slice of them. Images written
-    /// direct are not in the page cache anyway, and a read through it would copy each one from
-    /// the cache into the reader's buffer (half of the broker's CPU with a subscriber catching
-    /// up on 2 MB images). The kernel writes back any dirty page of the range before a direct
-    /// read, so the bytes are the same either way.
-    fn read_bytes_at(&self, pos: u64, len: usize) -> io::Result<Bytes> {
-        if len >= self.min_bytes
+    /// A range that starts with a batch of a direct write's size (an image) was written around
+    /// the page cache, so it is read around it too: the device writes the blocks straight into
+    /// huge pages ([`MappedBuf`]), and the bytes wanted are a slice of them. Through the page
+    /// cache each image would be read from the disk into the cache and copied out again (half
+    /// of the broker's CPU with a subscriber catching up on 2 MB images). A range of small
+    /// batches is left to the page cache, which has them unless their group commit was large.
+    /// The kernel writes back any dirty page of the range before a direct read, so the bytes
+    /// are the same either way.
+    fn read_bytes_at(&self, pos: u64, len: usize, first: usize) -> io::Result<Bytes> {
+        if first >= self.min_bytes
+            && len >= first
             && let Some(bytes) = self.read_direct(pos, len)?
         {
             self.stats.direct_reads.fetch_add(1, Ordering::Relaxed);

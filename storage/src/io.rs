@@ -33,8 +33,10 @@ pub trait Storage: Send + Sync + fmt::Debug + 'static {
 pub trait LogFile: Send + Sync + fmt::Debug {
     /// Reads exactly `buf.len()` bytes at `pos`.
     fn read_exact_at(&self, buf: &mut [u8], pos: u64) -> io::Result<()>;
-    /// Reads exactly `len` bytes at `pos` into a buffer of the file's choosing.
-    fn read_bytes_at(&self, pos: u64, len: usize) -> io::Result<Bytes> {
+    /// Reads exactly `len` bytes at `pos` into a buffer of the file's choosing. The third
+    /// argument is the length of the range's first batch, which tells a file that writes large
+    /// appends around the page cache whether the range was written that way.
+    fn read_bytes_at(&self, pos: u64, len: usize, _first: usize) -> io::Result<Bytes> {
         let mut buf = vec![0u8; len];
         self.read_exact_at(&mut buf, pos)?;
         Ok(buf.into())

@@ -204,7 +204,7 @@ impl Segment {
         let want = first_len.max(max_bytes.min((end - pos) as usize));
         let data = self
             .file
-            .read_bytes_at(pos, want)
+            .read_bytes_at(pos, want, first_len)
             .map_err(StorageError::io("read", &self.paths.log))?;
         // Cut at the last whole batch below the high watermark within the budget.
         let mut cut = 0usize;

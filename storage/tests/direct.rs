@@ -118,7 +118,7 @@ fn appends_of_every_alignment_land_byte_for_byte() {
 }
 
 #[test]
-fn large_reads_go_around_the_page_cache_from_any_position() {
+fn reads_of_large_batches_go_around_the_page_cache_from_any_position() {
     let dir = tempfile::tempdir().unwrap();
     let (_, stats, file) = segment_file(dir.path());
     // A large append (mostly direct) after a small one (buffered): the reads below cross
@@ -138,8 +138,9 @@ fn large_reads_go_around_the_page_cache_from_any_position() {
         (end - MIN_BYTES, MIN_BYTES),
         (end - MIN_BYTES - 4097, MIN_BYTES + 4097),
     ];
+    // Each range read as one batch of its length: one a direct write would take.
     for (n, &(pos, len)) in large.iter().enumerate() {
-        let got = file.read_bytes_at(pos as u64, len).unwrap();
+        let got = file.read_bytes_at(pos as u64, len, len).unwrap();
         assert_eq!(got, expected[pos..pos + len], "{len} at {pos}");
         assert_eq!(stats.direct_reads.load(Ordering::Relaxed), n as u64 + 1);
     }
@@ -149,15 +150,20 @@ fn large_reads_go_around_the_page_cache_from_any_position() {
         bytes as u64
     );
 
-    // A small read goes through the page cache.
-    assert_eq!(file.read_bytes_at(10, 300).unwrap(), expected[10..310]);
+    // A small read, and a large one that starts with a small batch (small batches are written
+    // through the page cache unless their group is large), go through the page cache.
+    assert_eq!(file.read_bytes_at(10, 300, 300).unwrap(), expected[10..310]);
+    let mixed = file.read_bytes_at(0, 2 * MIN_BYTES, 5000).unwrap();
+    assert_eq!(mixed, expected[..2 * MIN_BYTES]);
     assert_eq!(
         stats.direct_reads.load(Ordering::Relaxed),
         large.len() as u64
     );
     // Past the end is an error, whichever way it is read.
     for len in [300, MIN_BYTES] {
-        let err = file.read_bytes_at((end - len + 1) as u64, len).unwrap_err();
+        let err = file
+            .read_bytes_at((end - len + 1) as u64, len, len)
+            .unwrap_err();
         assert_eq!(err.kind(), std::io::ErrorKind::UnexpectedEof, "{len}");
     }
 }
