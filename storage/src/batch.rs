@@ -430,7 +430,10 @@ fn seal(buf: &mut [u8]) {
 /// # Panics
 /// When `records` is empty: a batch holds at least one record.
 pub fn encode(records: &[Record], producer: ProducerInfo) -> BytesMut {
-    encode_at(records, producer, |_| None)
+    let layout = Layout::of(records);
+    let mut buf = BytesMut::with_capacity(layout.total);
+    layout.write(records, producer, &mut buf);
+    buf
 }
 
 /// As [`encode`]; `place` is told the batch's length before anything is allocated and answers
@@ -438,7 +441,8 @@ pub fn encode(records: &[Record], producer: ProducerInfo) -> BytesMut {
 /// least [`PLACED_ENCODE_MIN`] bytes is then placed in memory so that its address and that
 /// position agree modulo 4 KiB: the file's block boundaries fall on the buffer's page
 /// boundaries, and a direct write can take the whole blocks from the batch itself instead of
-/// copying them into an aligned buffer first. A wrong guess costs only that copy.
+/// copying them into an aligned buffer first. A wrong guess costs only that copy. A placed
+/// batch of 2 MiB or more is built on huge pages ([`BatchBuf`]).
 ///
 /// # Panics
 /// When `records` is empty: a batch holds at least one record.
@@ -446,39 +450,61 @@ pub fn encode_at(
     records: &[Record],
     producer: ProducerInfo,
     place: impl FnOnce(usize) -> Option<u64>,
-) -> BytesMut {
-    assert!(!records.is_empty(), "a batch holds at least one record");
-    let base_ts = records[0].timestamp;
-    let max_ts = records.iter().map(|r| r.timestamp).max().unwrap_or(base_ts);
-    let bodies: Vec<usize> = records
-        .iter()
-        .enumerate()
-        .map(|(i, r)| record_body_len(r, r.timestamp - base_ts, i as i64))
-        .collect();
-    let total: usize = BATCH_HEADER_LEN
-        + bodies
-            .iter()
-            .map(|&b| varint_len(b as i64) + b)
-            .sum::<usize>();
-    let mut buf = batch_buffer(total, place(total));
-    put_header(&mut buf, total, records.len(), (base_ts, max_ts), producer);
-    for (i, (r, &body)) in records.iter().zip(&bodies).enumerate() {
-        let deltas = (r.timestamp - base_ts, i as i64);
-        put_record_head(
-            &mut buf,
-            body,
-            deltas,
-            r.key.as_deref(),
-            opt_len(r.value.as_ref()),
-        );
-        if let Some(v) = &r.value {
-            buf.put_slice(v);
-        }
-        put_headers(&mut buf, &r.headers);
-    }
-    debug_assert_eq!(buf.len(), total);
-    seal(&mut buf);
+) -> BatchBuf {
+    let layout = Layout::of(records);
+    let mut buf = BatchBuf::new(layout.total, place(layout.total));
+    layout.write(records, producer, &mut buf);
     buf
+}
+
+/// The lengths of a batch of `records`, worked out before its buffer is allocated.
+struct Layout {
+    bodies: Vec<usize>,
+    total: usize,
+}
+
+impl Layout {
+    fn of(records: &[Record]) -> Self {
+        assert!(!records.is_empty(), "a batch holds at least one record");
+        let base_ts = records[0].timestamp;
+        let bodies: Vec<usize> = records
+            .iter()
+            .enumerate()
+            .map(|(i, r)| record_body_len(r, r.timestamp - base_ts, i as i64))
+            .collect();
+        let total = BATCH_HEADER_LEN
+            + bodies
+                .iter()
+                .map(|&b| varint_len(b as i64) + b)
+                .sum::<usize>();
+        Self { bodies, total }
+    }
+
+    /// The whole batch, sealed, into `buf` (empty, with room for it).
+    fn write<B>(&self, records: &[Record], producer: ProducerInfo, buf: &mut B)
+    where
+        B: BufMut + std::ops::DerefMut<Target = [u8]>,
+    {
+        let base_ts = records[0].timestamp;
+        let max_ts = records.iter().map(|r| r.timestamp).max().unwrap_or(base_ts);
+        put_header(buf, self.total, records.len(), (base_ts, max_ts), producer);
+        for (i, (r, &body)) in records.iter().zip(&self.bodies).enumerate() {
+            let deltas = (r.timestamp - base_ts, i as i64);
+            put_record_head(
+                buf,
+                body,
+                deltas,
+                r.key.as_deref(),
+                opt_len(r.value.as_ref()),
+            );
+            if let Some(v) = &r.value {
+                buf.put_slice(v);
+            }
+            put_headers(buf, &r.headers);
+        }
+        debug_assert_eq!(buf.len(), self.total);
+        seal(buf);
+    }
 }
 
 /// The layout of a batch of one record whose value has not arrived yet: a protocol reads the
@@ -757,7 +783,8 @@ mod tests {
         let plain = encode(&records, ProducerInfo::NONE);
         for position in [0u64, 1, 4095, 4096, 123_457, 268_435_455] {
             let placed = encode_at(&records, ProducerInfo::NONE, |_| Some(position));
-            assert_eq!(placed, plain, "the same bytes, wherever they sit");
+            assert!(!placed.is_mapped(), "under a huge page");
+            assert_eq!(&placed[..], &plain[..], "the same bytes, wherever they sit");
             assert_eq!(
                 (placed.as_ptr() as u64).wrapping_sub(position) % BLOCK as u64,
                 0,
@@ -769,7 +796,25 @@ mod tests {
         }
         // Small batches are not worth a block of spare capacity.
         let small = encode_at(&[rec(1, None, b"x")], ProducerInfo::NONE, |_| Some(1));
+        let Memory::Heap(small) = small.0 else {
+            panic!("a small batch is on the heap");
+        };
         assert!(small.capacity() < BLOCK);
+        // A batch of a huge page or more is built on huge pages, placed the same way.
+        let image = vec![9u8; HUGE_PAGE + 1000];
+        let records = [rec(5, Some(b"cam"), &image), rec(6, None, b"tail")];
+        let plain = encode(&records, ProducerInfo::NONE);
+        for position in [None, Some(0u64), Some(4095), Some(123_457)] {
+            let huge = encode_at(&records, ProducerInfo::NONE, |_| position);
+            assert_eq!(huge.is_mapped(), position.is_some());
+            assert_eq!(&huge[..], &plain[..]);
+            if let Some(position) = position {
+                assert_eq!(
+                    (huge.as_ptr() as u64).wrapping_sub(position) % BLOCK as u64,
+                    0
+                );
+            }
+        }
     }
 
     #[test]

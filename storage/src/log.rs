@@ -88,7 +88,7 @@ impl ValidatedBatch {
         producer: batch::ProducerInfo,
         place: impl FnOnce(usize) -> Option<u64>,
     ) -> Self {
-        let buf = BatchBuf::heap(batch::encode_at(records, producer, place));
+        let buf = batch::encode_at(records, producer, place);
         let header = BatchHeader::parse(&buf).expect("the encoder writes a whole header");
         Self { buf, header }
     }
