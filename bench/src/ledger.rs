@@ -112,7 +112,7 @@ pub(crate) enum RawWrite {
     /// (`storage.direct_write_min_bytes`, from batches that start on a huge page); the size is
     /// rounded up to whole 4 KiB blocks. On this project's VM the disk takes O_DIRECT writes
     /// from huge pages markedly faster than from scattered 4 KiB pages (fewer, larger requests),
-    /// so the yardstick uses the faster of the two.
+    /// so the yardstick writes from huge pages: the disk's best, not what a heap buffer gets.
     Direct,
 }
 
