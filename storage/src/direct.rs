@@ -389,7 +389,6 @@ impl LogFile for DirectFile {
     /// are the same either way.
     fn read_bytes_at(&self, pos: u64, len: usize, first: usize) -> io::Result<Bytes> {
         if first >= self.min_bytes
-            && len >= first
             && let Some(bytes) = self.read_direct(pos, len)?
         {
             self.stats.direct_reads.fetch_add(1, Ordering::Relaxed);
