@@ -42,7 +42,7 @@ pub(crate) struct BroadcastArgs {
     #[arg(long, value_delimiter = ',', default_value = "0,1")]
     qos: Vec<u8>,
     /// Brokers to run, comma-separated: floor (one thread and one epoll that only forward
-    /// bytes: what the kernel and the load generator cost, QoS 0 only), sluice, sluice-relays
+    /// bytes: what the kernel and the load generator cost), sluice, sluice-relays
     /// (a main node and `--relays` relays sharing one MQTT port; subscribers on the relays),
     /// mosquitto, rumqttd.
     #[arg(
@@ -1611,10 +1611,6 @@ pub(crate) fn run(args: BroadcastArgs) -> anyhow::Result<()> {
                     eprintln!("{broker} skipped: WebSocket subscribers read Sluice's live stream");
                     continue;
                 }
-                if broker == "floor" && qos > 0 {
-                    eprintln!("floor skipped at QoS {qos}: it forwards QoS 0 only");
-                    continue;
-                }
                 if broker == "mosquitto" && !std::path::Path::new(&args.mosquitto).exists() {
                     eprintln!("mosquitto skipped: {} is missing", args.mosquitto);
                     continue;
@@ -1640,7 +1636,7 @@ pub(crate) fn run(args: BroadcastArgs) -> anyhow::Result<()> {
         }
     }
     println!(
-        "One publisher, topic `{TOPIC}`, {} B payloads at {}/s, {} messages per case; subscribers are MQTT 3.1.1 clean sessions in worker processes of up to {} clients (read by two threads with one epoll each; one loopback source address per {CLIENTS_PER_ADDRESS} clients). Sluice runs with durability fsync; Mosquitto in memory (persistence off); rumqttd in memory; the floor is one thread and one epoll writing each QoS 0 PUBLISH verbatim to every subscriber, nothing else. Latency is publish to receipt over all deliveries (1% buckets); \"last\" is when the last subscriber had a message (median and max over messages). CPU per delivery is the broker process's CPU time during the publishing phase divided by deliveries. \"in msg/s\" is what the broker took per second (until the last PUBACK at QoS 1: durable in Sluice); \"out MB/s\" is payload delivered per second until the last subscriber had the slowest message. \"sluice + R relays\": subscribers on R relay processes sharing one MQTT port (SO_REUSEPORT), the publisher on the main node; CPU and memory are all of them together. Loopback ceiling measured in this run (2 TCP streams of 2 MB writes): {loopback:.2} GB/s.{}\n",
+        "One publisher, topic `{TOPIC}`, {} B payloads at {}/s, {} messages per case; subscribers are MQTT 3.1.1 clean sessions in worker processes of up to {} clients (read by two threads with one epoll each; one loopback source address per {CLIENTS_PER_ADDRESS} clients). Sluice runs with durability fsync; Mosquitto in memory (persistence off); rumqttd in memory; the floor is one thread and one epoll writing each PUBLISH verbatim to every subscriber, nothing else (a QoS 1 PUBLISH is acknowledged on arrival; publishers are not read while a subscriber has more than 64 MiB waiting). Latency is publish to receipt over all deliveries (1% buckets); \"last\" is when the last subscriber had a message (median and max over messages). CPU per delivery is the broker process's CPU time during the publishing phase divided by deliveries. \"in msg/s\" is what the broker took per second (until the last PUBACK at QoS 1: durable in Sluice); \"out MB/s\" is payload delivered per second until the last subscriber had the slowest message. \"sluice + R relays\": subscribers on R relay processes sharing one MQTT port (SO_REUSEPORT), the publisher on the main node; CPU and memory are all of them together. Loopback ceiling measured in this run (2 TCP streams of 2 MB writes): {loopback:.2} GB/s.{}\n",
         args.size,
         args.rate,
         args.messages,
