@@ -853,6 +853,7 @@ fn peer_stats(engine: Option<&sluice_core::Engine>) -> Value {
         "live_disconnected": sum(|p| p.live_disconnected),
         "live_subscribers": sum(|p| p.live_subscribers),
         "live_catchup_reads": sum(|p| p.live_catchup_reads),
+        "live_catchup_reads_ahead": sum(|p| p.live_catchup_reads_ahead),
     })
 }
 

@@ -1213,6 +1213,7 @@ impl Engine {
                     live_dropped_records: live.dropped_records.load(Ordering::Relaxed),
                     live_disconnected: live.disconnected.load(Ordering::Relaxed),
                     live_catchup_reads: live.catchup_reads.load(Ordering::Relaxed),
+                    live_catchup_reads_ahead: live.catchup_reads_ahead.load(Ordering::Relaxed),
                     live_ring_bytes: ring_bytes as u64,
                     fetches_from_ring: pc.fetch_ring.load(Ordering::Relaxed),
                     fetches_from_log: pc.fetch_log.load(Ordering::Relaxed),

@@ -19,7 +19,7 @@ use std::sync::{Arc, OnceLock};
 use bytes::Bytes;
 use parking_lot::RwLock;
 use sluice_storage::{
-    BatchError, BatchHeader, DecodedRecord, LogReader, decode_records, split_batches,
+    BatchError, BatchHeader, DecodedRecord, Fetched, LogReader, decode_records, split_batches,
 };
 use tokio::sync::{Notify, Semaphore};
 
@@ -124,6 +124,7 @@ pub(crate) struct LiveCounters {
     pub(crate) dropped_records: AtomicU64,
     pub(crate) disconnected: AtomicU64,
     pub(crate) catchup_reads: AtomicU64,
+    pub(crate) catchup_reads_ahead: AtomicU64,
 }
 
 #[derive(Debug)]
@@ -289,6 +290,15 @@ pub struct LiveSubscriber {
     max_lag: u64,
     /// Catch-up batches read from the log but not delivered yet.
     pending: VecDeque<Arc<LiveBatch>>,
+    /// The catch-up read of the range after `pending`, started while `pending` is delivered.
+    ahead: Option<ReadAhead>,
+}
+
+/// A catch-up read under way before it is needed.
+#[derive(Debug)]
+struct ReadAhead {
+    from: u64,
+    read: tokio::task::JoinHandle<sluice_storage::Result<Fetched>>,
 }
 
 /// Largest single catch-up read.
@@ -320,6 +330,7 @@ impl LiveSubscriber {
             policy: options.policy,
             max_lag: options.max_lag.max(1),
             pending: VecDeque::new(),
+            ahead: None,
         }
     }
 
@@ -411,22 +422,33 @@ impl LiveSubscriber {
         Ok(Step::Item(item))
     }
 
-    /// One catch-up read from the segment files, under the engine's catch-up budget.
+    /// One catch-up read from the segment files, under the engine's catch-up budget. The
+    /// next range is read while this one is delivered: read one after another, each read's
+    /// disk latency came on top of its delivery, and a subscriber that fell off the ring
+    /// during a flood of images took them at half the rate they arrived, so it never came back.
     async fn read_log(&mut self) -> Result<()> {
-        let _permit = self
-            .catchup
-            .clone()
-            .acquire_owned()
-            .await
-            .map_err(|_| CoreError::ShuttingDown)?;
-        let reader = self.reader.clone();
-        let cursor = self.cursor.max(reader.log_start());
-        let topic = self.topic.clone();
-        let partition = self.partition;
-        let fetched = tokio::task::spawn_blocking(move || reader.read(cursor, CATCHUP_READ_BYTES))
-            .await
-            .map_err(|_| CoreError::ShuttingDown)?
-            .map_err(|e| CoreError::storage(&topic, partition, e))?;
+        let cursor = self.cursor.max(self.reader.log_start());
+        let fetched = match self.ahead.take() {
+            Some(ahead) if ahead.from == cursor => {
+                self.ring
+                    .counters
+                    .catchup_reads_ahead
+                    .fetch_add(1, Ordering::Relaxed);
+                ahead.read.await
+            }
+            // A read-ahead of another range (the log start moved past it) finishes unused.
+            _ => {
+                let permit = self
+                    .catchup
+                    .clone()
+                    .acquire_owned()
+                    .await
+                    .map_err(|_| CoreError::ShuttingDown)?;
+                self.spawn_read(cursor, permit).await
+            }
+        }
+        .map_err(|_| CoreError::ShuttingDown)?
+        .map_err(|e| CoreError::storage(&self.topic, self.partition, e))?;
         self.ring
             .counters
             .catchup_reads
@@ -435,7 +457,32 @@ impl LiveSubscriber {
         for batch in split_batches(fetched.data)? {
             self.pending.push_back(Arc::new(LiveBatch::new(batch)?));
         }
+        // Only while the next range is still older than the ring, and only with a permit to
+        // spare: a read-ahead never waits for the budget other subscribers' reads need.
+        let (front, _, _) = self.ring.window();
+        if fetched.next_offset > cursor
+            && fetched.next_offset < front
+            && let Ok(permit) = self.catchup.clone().try_acquire_owned()
+        {
+            self.ahead = Some(ReadAhead {
+                from: fetched.next_offset,
+                read: self.spawn_read(fetched.next_offset, permit),
+            });
+        }
         Ok(())
+    }
+
+    /// Reads from `from` on a blocking thread, holding `permit` until the read is done.
+    fn spawn_read(
+        &self,
+        from: u64,
+        permit: tokio::sync::OwnedSemaphorePermit,
+    ) -> tokio::task::JoinHandle<sluice_storage::Result<Fetched>> {
+        let reader = self.reader.clone();
+        tokio::task::spawn_blocking(move || {
+            let _permit = permit;
+            reader.read(from, CATCHUP_READ_BYTES)
+        })
     }
 }
 

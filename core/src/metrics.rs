@@ -94,6 +94,8 @@ pub struct PartitionMetrics {
     pub live_dropped_records: u64,
     pub live_disconnected: u64,
     pub live_catchup_reads: u64,
+    /// Catch-up reads already under way when the subscriber needed them (read-ahead).
+    pub live_catchup_reads_ahead: u64,
     pub live_ring_bytes: u64,
     pub fetches_from_ring: u64,
     pub fetches_from_log: u64,

@@ -416,7 +416,7 @@ pub(crate) fn render(engine: &EngineMetrics, process: &ProcessStats, ready: bool
     o.single("sluice_topics", "gauge", "Number of topics.", engine.topics);
 
     type Field = fn(&sluice_core::PartitionMetrics) -> u64;
-    let per_partition: [(&str, &str, &str, Field); 17] = [
+    let per_partition: [(&str, &str, &str, Field); 18] = [
         (
             "sluice_partition_records_appended_total",
             "counter",
@@ -500,6 +500,12 @@ pub(crate) fn render(engine: &EngineMetrics, process: &ProcessStats, ready: bool
             "counter",
             "Segment reads by live subscribers behind the in-memory ring.",
             |p| p.live_catchup_reads,
+        ),
+        (
+            "sluice_live_catchup_reads_ahead_total",
+            "counter",
+            "Of those, reads started ahead, while the range before was delivered.",
+            |p| p.live_catchup_reads_ahead,
         ),
         (
             "sluice_live_ring_bytes",
@@ -818,6 +824,7 @@ mod tests {
                 live_dropped_records: 0,
                 live_disconnected: 0,
                 live_catchup_reads: 0,
+                live_catchup_reads_ahead: 0,
                 live_ring_bytes: 4200,
                 fetches_from_ring: 5,
                 fetches_from_log: 1,
