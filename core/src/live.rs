@@ -140,12 +140,11 @@ struct RingState {
 pub(crate) struct LiveRing {
     state: RwLock<RingState>,
     notify: Notify,
-    max_bytes: usize,
     pub(crate) counters: LiveCounters,
 }
 
 impl LiveRing {
-    pub(crate) fn new(next_offset: u64, max_bytes: usize) -> Self {
+    pub(crate) fn new(next_offset: u64) -> Self {
         Self {
             state: RwLock::new(RingState {
                 batches: VecDeque::new(),
@@ -153,13 +152,18 @@ impl LiveRing {
                 next_offset,
             }),
             notify: Notify::new(),
-            max_bytes,
             counters: LiveCounters::default(),
         }
     }
 
-    /// Adds committed batches (in offset order) and wakes every waiting subscriber.
-    pub(crate) fn push(&self, batches: impl IntoIterator<Item = LiveBatch>, next_offset: u64) {
+    /// Adds committed batches (in offset order), keeps the newest up to `max_bytes` (the
+    /// topic's ring size, which its policy may change) and wakes every waiting subscriber.
+    pub(crate) fn push(
+        &self,
+        batches: impl IntoIterator<Item = LiveBatch>,
+        next_offset: u64,
+        max_bytes: usize,
+    ) {
         {
             let mut st = self.state.write();
             for b in batches {
@@ -167,7 +171,7 @@ impl LiveRing {
                 st.batches.push_back(Arc::new(b));
             }
             // Keep at least the newest batch, however large, so live subscribers get it.
-            while st.bytes > self.max_bytes && st.batches.len() > 1 {
+            while st.bytes > max_bytes && st.batches.len() > 1 {
                 if let Some(old) = st.batches.pop_front() {
                     st.bytes -= old.bytes.len();
                 }

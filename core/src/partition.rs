@@ -36,7 +36,7 @@ pub struct WriterSettings {
     /// How often a writer checks age-based rolling and retention.
     pub maintenance_interval: Duration,
     /// Bytes of recent batches each partition keeps in memory for live subscribers (the
-    /// newest batch is always kept, however large).
+    /// newest batch is always kept, however large), unless its topic's policy sets its own.
     pub live_ring_bytes: usize,
 }
 
@@ -185,10 +185,7 @@ impl Partition {
         let (hw_tx, hw_rx) = watch::channel(reader.high_watermark());
         let counters = Arc::new(PartitionCounters::default());
         let tail = Arc::new(TailHint::new(log.end_position(), policy.segment_bytes));
-        let ring = Arc::new(LiveRing::new(
-            reader.high_watermark(),
-            settings.live_ring_bytes,
-        ));
+        let ring = Arc::new(LiveRing::new(reader.high_watermark()));
         let writer = Writer {
             topic_data,
             ring: ring.clone(),
@@ -201,6 +198,7 @@ impl Partition {
             counters: counters.clone(),
             engine,
             max_group_bytes: settings.max_group_bytes,
+            default_ring_bytes: settings.live_ring_bytes,
             last_sync: Instant::now(),
             tail: tail.clone(),
         };
@@ -284,6 +282,8 @@ struct Writer {
     /// Signalled after every commit, for readers of the whole topic (named subscriptions).
     topic_data: Arc<tokio::sync::Notify>,
     max_group_bytes: usize,
+    /// The ring size of topics whose policy leaves it to the engine.
+    default_ring_bytes: usize,
     last_sync: Instant,
     tail: Arc<TailHint>,
 }
@@ -433,7 +433,11 @@ impl Writer {
                 c.bytes.fetch_add(bytes, Ordering::Relaxed);
                 c.batches.fetch_add(infos.len() as u64, Ordering::Relaxed);
                 c.group_commits.fetch_add(1, Ordering::Relaxed);
-                self.ring.push(committed, high_watermark);
+                self.ring.push(
+                    committed,
+                    high_watermark,
+                    self.policy.ring_bytes(self.default_ring_bytes),
+                );
                 self.high_watermark.send_replace(high_watermark);
                 self.topic_data.notify_waiters();
                 for (reply, info) in replies.into_iter().zip(infos) {

@@ -37,6 +37,9 @@ pub struct TopicPolicy {
     pub max_message_bytes: u64,
     /// Bytes between sparse index entries.
     pub index_interval_bytes: u64,
+    /// Bytes of recent batches each partition keeps in memory for live subscribers (−1: the
+    /// engine's `storage.live_ring_bytes`). Image topics want more than the default.
+    pub live_ring_bytes: i64,
 }
 
 impl Default for TopicPolicy {
@@ -50,6 +53,7 @@ impl Default for TopicPolicy {
             retention_bytes: -1,
             max_message_bytes: 8 * 1024 * 1024,
             index_interval_bytes: 4096,
+            live_ring_bytes: -1,
         }
     }
 }
@@ -89,7 +93,18 @@ impl TopicPolicy {
         if self.index_interval_bytes == 0 {
             return bad("index_interval_bytes must be positive".into());
         }
+        if self.live_ring_bytes < -1 || self.live_ring_bytes == 0 {
+            return bad(format!(
+                "live_ring_bytes must be positive or -1 (the storage default), not {}",
+                self.live_ring_bytes
+            ));
+        }
         Ok(())
+    }
+
+    /// The live ring's size for this topic, given the engine's default.
+    pub(crate) fn ring_bytes(&self, default: usize) -> usize {
+        usize::try_from(self.live_ring_bytes).unwrap_or(default)
     }
 
     pub(crate) fn log_config(&self) -> LogConfig {
@@ -135,12 +150,17 @@ mod tests {
                 flush_interval_ms: 0,
                 ..Default::default()
             },
+            TopicPolicy {
+                live_ring_bytes: 0,
+                ..Default::default()
+            },
         ];
         let keys = [
             "segment_bytes",
             "retention_ms",
             "retention_bytes",
             "flush_interval_ms",
+            "live_ring_bytes",
         ];
         for (policy, key) in cases.iter().zip(keys) {
             let err = policy.validate().unwrap_err().to_string();

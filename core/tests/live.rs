@@ -10,7 +10,7 @@ use bytes::Bytes;
 use common::*;
 use sluice_core::{
     CoreError, Engine, EngineConfig, FsStorage, LiveOptions, LiveSubscriber, PartitionChoice,
-    Record, SlowPolicy, StartAt, SystemClock,
+    Record, SlowPolicy, StartAt, SystemClock, TopicPolicy,
 };
 
 async fn engine_with_ring(dir: &std::path::Path, ring_bytes: usize) -> Engine {
@@ -290,4 +290,67 @@ async fn a_subscriber_behind_the_ring_reads_the_next_range_while_it_delivers() {
         m.live_catchup_reads - 1,
         "{m:?}"
     );
+}
+
+#[tokio::test]
+async fn a_topic_policy_sets_its_own_ring_size() {
+    let dir = tempfile::tempdir().unwrap();
+    // The engine's default ring holds everything produced here.
+    let engine = engine_with_ring(dir.path(), 1 << 20).await;
+    let policy = TopicPolicy {
+        live_ring_bytes: 5_000,
+        ..TopicPolicy::default()
+    };
+    engine
+        .create_topic("img", 1, Some(policy.clone()))
+        .await
+        .unwrap();
+    let held = |engine: &Engine, topic: &str| {
+        engine
+            .metrics()
+            .partitions
+            .iter()
+            .find(|p| p.topic == topic)
+            .unwrap()
+            .live_ring_bytes
+    };
+    for topic in ["t", "img"] {
+        for i in 0..20u8 {
+            engine
+                .produce(
+                    topic,
+                    PartitionChoice::Id(0),
+                    &[record("k", &[i; 1000], now())],
+                )
+                .await
+                .unwrap();
+        }
+    }
+    assert!(held(&engine, "t") > 20_000, "the default ring keeps all");
+    assert!(
+        held(&engine, "img") <= 5_000,
+        "the topic's own ring keeps its size"
+    );
+    // A changed policy applies from the next commit on.
+    engine
+        .set_policy(
+            "img",
+            TopicPolicy {
+                live_ring_bytes: 50_000,
+                ..policy
+            },
+        )
+        .await
+        .unwrap();
+    for i in 0..20u8 {
+        engine
+            .produce(
+                "img",
+                PartitionChoice::Id(0),
+                &[record("k", &[i; 1000], now())],
+            )
+            .await
+            .unwrap();
+    }
+    assert!(held(&engine, "img") > 20_000);
 }

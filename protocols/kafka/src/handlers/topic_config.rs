@@ -31,6 +31,7 @@ pub(crate) fn apply(policy: &mut TopicPolicy, name: &str, value: &str) -> Result
         "segment.ms" => policy.segment_ms = int()?,
         "max.message.bytes" => policy.max_message_bytes = pos()?,
         "index.interval.bytes" => policy.index_interval_bytes = pos()?,
+        "sluice.live.ring.bytes" => policy.live_ring_bytes = int()?,
         // Kafka's flush settings map onto Sluice's durability modes.
         "flush.messages" => {
             if pos()? <= 1 {
@@ -89,6 +90,7 @@ pub(crate) fn describe(policy: &TopicPolicy) -> Vec<(&'static str, String)> {
         ("min.insync.replicas", "1".into()),
         ("sluice.durability", durability.into()),
         ("flush.ms", policy.flush_interval_ms.to_string()),
+        ("sluice.live.ring.bytes", policy.live_ring_bytes.to_string()),
     ]
 }
 
@@ -104,7 +106,9 @@ mod tests {
         apply(&mut p, "cleanup.policy", "delete").unwrap();
         apply(&mut p, "min.insync.replicas", "2").unwrap();
         apply(&mut p, "flush.ms", "100").unwrap();
+        apply(&mut p, "sluice.live.ring.bytes", "268435456").unwrap();
         assert_eq!((p.retention_ms, p.max_message_bytes), (60_000, 10_485_760));
+        assert_eq!(p.live_ring_bytes, 268_435_456);
         assert_eq!(
             (p.durability, p.flush_interval_ms),
             (Durability::Interval, 100)
@@ -112,6 +116,7 @@ mod tests {
         let described = describe(&p);
         assert!(described.contains(&("retention.ms", "60000".into())));
         assert!(described.contains(&("sluice.durability", "interval".into())));
+        assert!(described.contains(&("sluice.live.ring.bytes", "268435456".into())));
     }
 
     #[test]
