@@ -99,7 +99,7 @@ async fn topics_are_created_described_changed_listed_and_deleted() {
     let changed = s
         .http
         .put(format!("{}/topics/sensors/policy", s.base))
-        .body(json!({"retention_ms": 120000}).to_string())
+        .body(json!({"retention_ms": 120000, "live_ring_bytes": 268435456}).to_string())
         .header("content-type", "application/json")
         .send()
         .await
@@ -114,6 +114,7 @@ async fn topics_are_created_described_changed_listed_and_deleted() {
     )
     .await;
     assert_eq!(described["policy"]["retention_ms"], 120000);
+    assert_eq!(described["policy"]["live_ring_bytes"], 268435456);
     assert_eq!(described["partitions"][2]["high_watermark"], 0);
 
     let list = json_of(
