@@ -38,7 +38,8 @@ pub struct TopicPolicy {
     /// Bytes between sparse index entries.
     pub index_interval_bytes: u64,
     /// Bytes of recent batches each partition keeps in memory for live subscribers (−1: the
-    /// engine's `storage.live_ring_bytes`). Image topics want more than the default.
+    /// engine's [`WriterSettings::live_ring_bytes`](crate::WriterSettings), the gateway's
+    /// `storage.live_ring_bytes`). Image topics want more than the default.
     pub live_ring_bytes: i64,
 }
 
