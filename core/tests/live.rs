@@ -22,10 +22,15 @@ async fn engine_with_ring(dir: &std::path::Path, ring_bytes: usize) -> Engine {
 }
 
 async fn produce_n(engine: &Engine, n: usize, size: usize) {
+    produce_to(engine, "t", n, size).await;
+}
+
+/// `n` records of `size` bytes to partition 0 of `topic`, the i-th filled with i.
+async fn produce_to(engine: &Engine, topic: &str, n: usize, size: usize) {
     for i in 0..n {
         engine
             .produce(
-                "t",
+                topic,
                 PartitionChoice::Id(0),
                 &[record("k", &vec![i as u8; size], now())],
             )
@@ -315,16 +320,7 @@ async fn a_topic_policy_sets_its_own_ring_size() {
             .live_ring_bytes
     };
     for topic in ["t", "img"] {
-        for i in 0..20u8 {
-            engine
-                .produce(
-                    topic,
-                    PartitionChoice::Id(0),
-                    &[record("k", &[i; 1000], now())],
-                )
-                .await
-                .unwrap();
-        }
+        produce_to(&engine, topic, 20, 1000).await;
     }
     assert!(held(&engine, "t") > 20_000, "the default ring keeps all");
     assert!(
@@ -342,15 +338,6 @@ async fn a_topic_policy_sets_its_own_ring_size() {
         )
         .await
         .unwrap();
-    for i in 0..20u8 {
-        engine
-            .produce(
-                "img",
-                PartitionChoice::Id(0),
-                &[record("k", &[i; 1000], now())],
-            )
-            .await
-            .unwrap();
-    }
+    produce_to(&engine, "img", 20, 1000).await;
     assert!(held(&engine, "img") > 20_000);
 }
