@@ -42,9 +42,10 @@ pub(crate) struct BroadcastArgs {
     #[arg(long, value_delimiter = ',', default_value = "0,1")]
     qos: Vec<u8>,
     /// Brokers to run, comma-separated: floor (one thread and one epoll that only forward
-    /// bytes: what the kernel and the load generator cost), sluice, sluice-relays
-    /// (a main node and `--relays` relays sharing one MQTT port; subscribers on the relays),
-    /// mosquitto, rumqttd.
+    /// bytes: what the kernel and the load generator cost), floor-relays (a floor and
+    /// `--relays` floors following it on one shared port: the floor of `sluice-relays`),
+    /// sluice, sluice-relays (a main node and `--relays` relays sharing one MQTT port;
+    /// subscribers on the relays), mosquitto, rumqttd.
     #[arg(
         long,
         value_delimiter = ',',
@@ -127,6 +128,14 @@ pub(crate) struct PeerArgs {
     /// Sluice's `storage.live_ring_bytes`.
     #[arg(long, default_value_t = sluice_core::WriterSettings::default().live_ring_bytes)]
     live_ring_bytes: usize,
+    /// Floor only: follow the floor at this address (one subscription) and forward what it
+    /// sends, as a relay.
+    #[arg(long)]
+    upstream: Option<SocketAddr>,
+    /// Floor only: the listener's address; a relay's is bound with `SO_REUSEPORT`, so several
+    /// share one port.
+    #[arg(long, default_value = "127.0.0.1:0")]
+    listen: String,
 }
 
 /// One worker process of subscribers, as `broadcast-worker` runs it.
@@ -781,18 +790,23 @@ pub(crate) fn peer(args: PeerArgs) -> anyhow::Result<()> {
     if args.broker == "floor" {
         // The floor is one plain thread; the runtime only binds its listener the way Sluice's
         // is bound (same backlog), so connect storms meet the same accept queue.
+        let relay = args.upstream.is_some();
         let listener = tokio::runtime::Builder::new_current_thread()
             .enable_io()
             .build()?
             .block_on(async {
-                sluice_mqtt::bind_listener("127.0.0.1:0", false)
+                sluice_mqtt::bind_listener(&args.listen, relay)
                     .await?
                     .into_std()
             })?;
+        let upstream = args
+            .upstream
+            .map(|a| crate::floor::follow(a, &format!("floor-relay-{}", std::process::id())))
+            .transpose()?;
         println!("ready {}", listener.local_addr()?.port());
         std::io::stdout().flush()?;
         std::thread::spawn(|| answer_until_stdin_closes(None));
-        return crate::floor::serve(listener);
+        return crate::floor::serve(listener, upstream);
     }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -1048,9 +1062,28 @@ impl Broker {
     }
 
     fn start(name: &str, args: &BroadcastArgs, max_connections: usize) -> anyhow::Result<Self> {
-        let exe = std::env::current_exe()?;
         match name {
             "sluice-relays" => Self::start_relays(args, args.relays.max(1)),
+            "floor-relays" => {
+                let mut main = Self::start_peer("floor", args, max_connections, &[])?;
+                let upstream = format!("127.0.0.1:{}", main.port);
+                main.port = 0;
+                for _ in 0..args.relays.max(1) {
+                    let listen = format!("127.0.0.1:{}", main.port);
+                    let relay = Self::start_peer(
+                        "floor",
+                        args,
+                        max_connections,
+                        &["--upstream", &upstream, "--listen", &listen],
+                    )?;
+                    main.port = relay.port;
+                    // The relay runs until its stdin closes, which `Child` keeps open.
+                    let mut child = relay.child;
+                    child.stdin = relay.stdin;
+                    main.relays.push(child);
+                }
+                Ok(main)
+            }
             // WebSocket subscribers need the gateway binary's HTTP listener.
             "sluice" if args.transport == "ws" => Self::start_relays(args, 0),
             "mosquitto" => {
@@ -1088,43 +1121,52 @@ impl Broker {
                     relays: Vec::new(),
                 })
             }
-            _ => {
-                let dir = args.dir.join(name);
-                if dir.exists() {
-                    std::fs::remove_dir_all(&dir)?;
-                }
-                let mut child = Command::new(exe)
-                    .args(["broadcast-peer", "--broker", name, "--dir"])
-                    .arg(&dir)
-                    .args(["--max-connections", &max_connections.to_string()])
-                    .args([
-                        "--direct-write-min-bytes",
-                        &args.direct_write_min_bytes.to_string(),
-                        "--live-ring-bytes",
-                        &args.live_ring_bytes.to_string(),
-                    ])
-                    .stdin(Stdio::piped())
-                    .stdout(Stdio::piped())
-                    .stderr(Stdio::null())
-                    .spawn()?;
-                let mut stdout = BufReader::new(child.stdout.take().context("peer stdout")?);
-                let mut line = String::new();
-                stdout.read_line(&mut line)?;
-                let port = line
-                    .strip_prefix("ready ")
-                    .and_then(|p| p.trim().parse().ok())
-                    .with_context(|| format!("{name} did not start: {line:?}"))?;
-                Ok(Self {
-                    stdin: child.stdin.take(),
-                    stdout: Some(stdout),
-                    child,
-                    port,
-                    publish_port: port,
-                    http_ports: Vec::new(),
-                    relays: Vec::new(),
-                })
-            }
+            _ => Self::start_peer(name, args, max_connections, &[]),
         }
+    }
+
+    /// `name` in a `broadcast-peer` process of this binary, with `extra` arguments.
+    fn start_peer(
+        name: &str,
+        args: &BroadcastArgs,
+        max_connections: usize,
+        extra: &[&str],
+    ) -> anyhow::Result<Self> {
+        let dir = args.dir.join(name);
+        if dir.exists() {
+            std::fs::remove_dir_all(&dir)?;
+        }
+        let mut child = Command::new(std::env::current_exe()?)
+            .args(["broadcast-peer", "--broker", name, "--dir"])
+            .arg(&dir)
+            .args(["--max-connections", &max_connections.to_string()])
+            .args([
+                "--direct-write-min-bytes",
+                &args.direct_write_min_bytes.to_string(),
+                "--live-ring-bytes",
+                &args.live_ring_bytes.to_string(),
+            ])
+            .args(extra)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()?;
+        let mut stdout = BufReader::new(child.stdout.take().context("peer stdout")?);
+        let mut line = String::new();
+        stdout.read_line(&mut line)?;
+        let port = line
+            .strip_prefix("ready ")
+            .and_then(|p| p.trim().parse().ok())
+            .with_context(|| format!("{name} did not start: {line:?}"))?;
+        Ok(Self {
+            stdin: child.stdin.take(),
+            stdout: Some(stdout),
+            child,
+            port,
+            publish_port: port,
+            http_ports: Vec::new(),
+            relays: Vec::new(),
+        })
     }
 
     /// The peer's counters as JSON (Sluice's slow-subscriber handling); null for Mosquitto.
@@ -1401,6 +1443,7 @@ fn run_case(
         let mut r = CaseResult {
             broker: match broker_name {
                 "sluice-relays" => format!("sluice + {} relays", args.relays.max(1)),
+                "floor-relays" => format!("floor + {} relays", args.relays.max(1)),
                 other => other.to_owned(),
             } + if args.transport == "ws" {
                 " (WebSocket)"
@@ -1637,7 +1680,7 @@ pub(crate) fn run(args: BroadcastArgs) -> anyhow::Result<()> {
         }
     }
     println!(
-        "One publisher, topic `{TOPIC}`, {} B payloads at {}/s, {} messages per case; subscribers are MQTT 3.1.1 clean sessions in worker processes of up to {} clients (read by two threads with one epoll each; one loopback source address per {CLIENTS_PER_ADDRESS} clients). Sluice runs with durability fsync; Mosquitto in memory (persistence off); rumqttd in memory; the floor is one thread and one epoll writing each PUBLISH verbatim to every subscriber, nothing else (a QoS 1 PUBLISH is acknowledged on arrival; publishers are not read while a subscriber has more than 64 MiB waiting). Latency is publish to receipt over all deliveries (1% buckets); \"last\" is when the last subscriber had a message (median and max over messages). CPU per delivery is the broker process's CPU time during the publishing phase divided by deliveries. \"in msg/s\" is what the broker took per second (until the last PUBACK at QoS 1: durable in Sluice); \"out MB/s\" is payload delivered per second until the last subscriber had the slowest message. \"sluice + R relays\": subscribers on R relay processes sharing one MQTT port (SO_REUSEPORT), the publisher on the main node; CPU and memory are all of them together. Loopback ceiling measured in this run (2 TCP streams of 2 MB writes): {loopback:.2} GB/s.{}\n",
+        "One publisher, topic `{TOPIC}`, {} B payloads at {}/s, {} messages per case; subscribers are MQTT 3.1.1 clean sessions in worker processes of up to {} clients (read by two threads with one epoll each; one loopback source address per {CLIENTS_PER_ADDRESS} clients). Sluice runs with durability fsync; Mosquitto in memory (persistence off); rumqttd in memory; the floor is one thread and one epoll writing each PUBLISH verbatim to every subscriber, nothing else (a QoS 1 PUBLISH is acknowledged on arrival; publishers are not read while a subscriber has more than 64 MiB waiting). Latency is publish to receipt over all deliveries (1% buckets); \"last\" is when the last subscriber had a message (median and max over messages). CPU per delivery is the broker process's CPU time during the publishing phase divided by deliveries. \"in msg/s\" is what the broker took per second (until the last PUBACK at QoS 1: durable in Sluice); \"out MB/s\" is payload delivered per second until the last subscriber had the slowest message. \"sluice + R relays\": subscribers on R relay processes sharing one MQTT port (SO_REUSEPORT), the publisher on the main node; CPU and memory are all of them together; \"floor + R relays\" is the same tree of floors, each relay one subscription of the main floor. Loopback ceiling measured in this run (2 TCP streams of 2 MB writes): {loopback:.2} GB/s.{}\n",
         args.size,
         args.rate,
         args.messages,

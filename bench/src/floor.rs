@@ -12,10 +12,15 @@
 //! [`MAX_PENDING`] bytes its socket did not take, the floor stops reading publishers, as a
 //! single-threaded broker does (Mosquitto); below that a subscriber that stopped reading only
 //! queues. A yardstick, not a broker.
+//!
+//! A floor can also follow another floor, as a Sluice relay follows its main node: it opens one
+//! subscription upstream ([`follow`]) and forwards what arrives on it like a publisher's
+//! packets. Several such relays on one `SO_REUSEPORT` port give the relay case its yardstick
+//! of the same shape (one upstream stream per relay, the subscribers spread over the relays).
 
 use std::collections::{HashMap, VecDeque};
-use std::io::{ErrorKind, Write};
-use std::net::{TcpListener, TcpStream};
+use std::io::{ErrorKind, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
 
 use bytes::{Bytes, BytesMut};
@@ -339,10 +344,41 @@ fn recv(stream: &TcpStream, buf: &mut BytesMut, room: usize) -> std::io::Result<
     Ok(n)
 }
 
-/// Serves `listener` until an error.
-pub(crate) fn serve(listener: TcpListener) -> anyhow::Result<()> {
+/// A connection to the floor at `upstream` that has connected and subscribed: once this
+/// returns, every PUBLISH the upstream receives is forwarded on it. Blocking, so a relay
+/// reports ready only once it is part of the upstream's fan-out.
+pub(crate) fn follow(upstream: SocketAddr, client_id: &str) -> anyhow::Result<TcpStream> {
+    let mut s = TcpStream::connect(upstream)?;
+    s.set_nodelay(true)?;
+    s.set_read_timeout(Some(std::time::Duration::from_secs(30)))?;
+    s.write_all(&crate::broadcast::connect_packet(client_id))?;
+    let mut connack = [0u8; 4];
+    s.read_exact(&mut connack)?;
+    anyhow::ensure!(
+        connack[0] == 0x20,
+        "upstream answered CONNECT with {connack:?}"
+    );
+    // QoS 1: the upstream forwards packets verbatim whatever is granted; this only asks.
+    s.write_all(&crate::broadcast::subscribe_packet(1))?;
+    let mut suback = [0u8; 5];
+    s.read_exact(&mut suback)?;
+    anyhow::ensure!(
+        suback[0] == 0x90,
+        "upstream answered SUBSCRIBE with {suback:?}"
+    );
+    s.set_read_timeout(None)?;
+    s.set_nonblocking(true)?;
+    Ok(s)
+}
+
+/// Serves `listener` until an error, forwarding what arrives on `upstream` (from [`follow`])
+/// as a publisher's packets.
+pub(crate) fn serve(listener: TcpListener, upstream: Option<TcpStream>) -> anyhow::Result<()> {
     listener.set_nonblocking(true)?;
     let mut floor = Floor::new(MAX_PENDING)?;
+    if let Some(upstream) = upstream {
+        floor.add(upstream)?;
+    }
     let listen_fd = listener.as_raw_fd();
     floor.epoll.ctl(
         libc::EPOLL_CTL_ADD,
@@ -437,7 +473,7 @@ mod tests {
         let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
         let addr = listener.local_addr().expect("address");
         // The server thread ends with the test process.
-        std::thread::spawn(move || serve(listener));
+        std::thread::spawn(move || serve(listener, None));
         let open = |id: &str| {
             let mut s = TcpStream::connect(addr).expect("connect");
             s.set_read_timeout(Some(Duration::from_secs(30)))
@@ -552,5 +588,39 @@ mod tests {
             "every packet intact, in order"
         );
         drop(writer.join().expect("publisher thread"));
+    }
+
+    #[test]
+    fn a_relay_forwards_what_its_upstream_receives_to_its_own_subscribers() {
+        let main = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let main_addr = main.local_addr().expect("address");
+        std::thread::spawn(move || serve(main, None));
+        let relay = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let relay_addr = relay.local_addr().expect("address");
+        // Subscribed upstream before the relay serves anyone.
+        let upstream = follow(main_addr, "relay").expect("follow");
+        std::thread::spawn(move || serve(relay, Some(upstream)));
+        let open = |addr: SocketAddr, id: &str| {
+            let mut s = TcpStream::connect(addr).expect("connect");
+            s.set_read_timeout(Some(Duration::from_secs(30)))
+                .expect("timeout");
+            s.write_all(&connect_packet(id)).expect("CONNECT");
+            assert_eq!(read_exact(&mut s, 4), [0x20, 2, 0, 0]);
+            s
+        };
+        let mut subscriber = open(relay_addr, "s");
+        subscriber
+            .write_all(&subscribe_packet(1))
+            .expect("SUBSCRIBE");
+        assert_eq!(read_exact(&mut subscriber, 5), [0x90, 3, 0, 1, 1]);
+        let mut publisher = open(main_addr, "p");
+        let image: Vec<u8> = (0..2_200_000u32).map(|i| (i % 241) as u8).collect();
+        let packet = publish_packet(1, 9, &image);
+        publisher.write_all(&packet).expect("publish");
+        assert_eq!(read_exact(&mut publisher, 4), [0x40, 2, 0, 9]);
+        assert!(
+            read_exact(&mut subscriber, packet.len()) == packet,
+            "the image reaches the relay's subscriber intact"
+        );
     }
 }
