@@ -59,6 +59,15 @@ async fn take(sub: &mut LiveSubscriber, n: usize) -> Vec<(u64, Bytes)> {
     out
 }
 
+/// What a spawned waiter returned; fails the test, rather than hang it, when a lost wake-up
+/// leaves the waiter waiting.
+async fn woken<T>(waiter: tokio::task::JoinHandle<T>) -> T {
+    tokio::time::timeout(std::time::Duration::from_secs(30), waiter)
+        .await
+        .expect("the waiting subscriber was never woken")
+        .unwrap()
+}
+
 #[tokio::test]
 async fn every_subscriber_gets_every_record_from_one_shared_buffer() {
     let dir = tempfile::tempdir().unwrap();
@@ -104,8 +113,55 @@ async fn a_waiting_subscriber_wakes_on_the_next_commit() {
     let waiter = tokio::spawn(async move { take(&mut sub, 1).await });
     tokio::task::yield_now().await;
     produce_n(&engine, 1, 10).await;
-    let got = waiter.await.unwrap();
+    let got = woken(waiter).await;
     assert_eq!(got[0].0, 3);
+}
+
+#[tokio::test]
+async fn a_wait_given_up_and_taken_up_again_in_another_task_still_wakes() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = engine_with_ring(dir.path(), 1 << 20).await;
+    let mut sub = engine
+        .subscribe_live("t", 0, LiveOptions::default())
+        .unwrap();
+    // An MQTT connection waits like this: the wait is one branch of a select that another
+    // branch wins, and the next wait is a new future, here polled by another task's waker.
+    tokio::select! {
+        biased;
+        _ = sub.next() => panic!("nothing was produced yet"),
+        () = std::future::ready(()) => {}
+    }
+    let waiter = tokio::spawn(async move { take(&mut sub, 1).await });
+    tokio::task::yield_now().await;
+    produce_n(&engine, 1, 10).await;
+    let got = woken(waiter).await;
+    assert_eq!(got[0].0, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn subscribers_on_other_threads_miss_no_commit() {
+    const RECORDS: usize = 300;
+    let dir = tempfile::tempdir().unwrap();
+    let engine = engine_with_ring(dir.path(), 1 << 20).await;
+    // Each takes the records one commit at a time, so it waits again after nearly every one,
+    // on a thread racing the commits; a wake-up lost in between would leave it waiting.
+    let waiters: Vec<_> = (0..8)
+        .map(|_| {
+            let mut sub = engine
+                .subscribe_live("t", 0, LiveOptions::default())
+                .unwrap();
+            tokio::spawn(async move { take(&mut sub, RECORDS).await })
+        })
+        .collect();
+    produce_n(&engine, RECORDS, 10).await;
+    for w in waiters {
+        let got = woken(w).await;
+        assert_eq!(
+            got.iter().map(|g| g.0).collect::<Vec<_>>(),
+            (0..RECORDS as u64).collect::<Vec<_>>()
+        );
+    }
+    assert_eq!(engine.metrics().partitions[0].live_subscribers, 0);
 }
 
 #[tokio::test]

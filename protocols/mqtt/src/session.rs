@@ -178,30 +178,41 @@ struct Feeds {
 /// is no live feed. Cancel-safe: nothing is taken from a feed until it is returned.
 async fn next_live(subs: &mut HashMap<String, Subscription>) -> Vec<Delivery> {
     loop {
-        let mut feeds: Vec<&mut LiveFeed> = subs
-            .values_mut()
-            .flat_map(|s| s.lives.iter_mut())
+        let following = subs
+            .values()
+            .flat_map(|s| s.lives.iter())
             .filter(|f| !f.ended)
-            .collect();
-        let (item, i) = match feeds.len() {
-            0 => return std::future::pending().await,
-            1 => (feeds[0].live.next().await, 0),
-            _ => {
-                let (item, i, _) = futures_util::future::select_all(
-                    feeds.iter_mut().map(|f| Box::pin(f.live.next())),
-                )
-                .await;
-                (item, i)
-            }
+            .count();
+        // This future is made anew each time the connection wakes, so the common case of one
+        // feed allocates nothing.
+        let (item, feed) = if following <= 1 {
+            let Some(feed) = subs
+                .values_mut()
+                .flat_map(|s| s.lives.iter_mut())
+                .find(|f| !f.ended)
+            else {
+                return std::future::pending().await;
+            };
+            (feed.live.next().await, feed)
+        } else {
+            let mut feeds: Vec<&mut LiveFeed> = subs
+                .values_mut()
+                .flat_map(|s| s.lives.iter_mut())
+                .filter(|f| !f.ended)
+                .collect();
+            let (item, i, _) =
+                futures_util::future::select_all(feeds.iter_mut().map(|f| Box::pin(f.live.next())))
+                    .await;
+            (item, feeds.swap_remove(i))
         };
         match item {
             Ok(item) => {
-                let deliveries = feeds[i].feed.deliveries(&item);
+                let deliveries = feed.feed.deliveries(&item);
                 if !deliveries.is_empty() {
                     return deliveries;
                 }
             }
-            Err(_) => feeds[i].ended = true,
+            Err(_) => feed.ended = true,
         }
     }
 }
