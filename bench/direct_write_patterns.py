@@ -7,7 +7,10 @@ slows the disk:
   gathered by one group commit) against one contiguous huge-page buffer;
 - split: groups of 16 MiB + 1,234 bytes, the partial blocks at both ends written through the
   page cache on a second descriptor and the aligned middle direct, as `DirectFile` writes;
-- busy: the plain loop while two other processes keep both cores busy.
+- busy: the plain loop while two other processes keep both cores busy;
+- loopback: the plain loop while another process streams 2 MiB writes to itself over a loopback
+  TCP connection as fast as it can, the copies an ingest over loopback makes next to its disk
+  writes (its rate is printed too).
 
 Usage: python3 bench/direct_write_patterns.py [DIR] (default target/bench-disk; 3.2 GB per
 loop, four rounds, the file is removed after each loop).
@@ -15,6 +18,7 @@ loop, four rounds, the file is removed after each loop).
 import ctypes
 import mmap
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -49,6 +53,46 @@ def loop(path, write_group):
     os.close(buffered)
     os.unlink(path)
     return written / took / 1e6
+
+
+# One loopback TCP stream of 2 MiB writes, read into one 2 MiB buffer; prints the bytes
+# received so far and the seconds since it began, ten times a second.
+STREAM = r'''
+import socket, sys, threading, time
+srv = socket.socket()
+srv.bind(("127.0.0.1", 0))
+srv.listen(1)
+port = srv.getsockname()[1]
+def send():
+    c = socket.create_connection(("127.0.0.1", port))
+    chunk = b"x" * (2 << 20)
+    while True:
+        c.sendall(chunk)
+threading.Thread(target=send, daemon=True).start()
+s, _ = srv.accept()
+buf = bytearray(2 << 20)
+got = 0
+began = mark = time.time()
+while True:
+    got += s.recv_into(buf)
+    if time.time() - mark >= 0.1:
+        mark = time.time()
+        print(got, mark - began, flush=True)
+'''
+
+
+def with_stream(run):
+    """run() while a loopback stream runs in another process; (its result, stream MB/s)."""
+    stream = subprocess.Popen([sys.executable, "-c", STREAM], stdout=subprocess.PIPE, text=True)
+    try:
+        result = run()
+    finally:
+        stream.send_signal(signal.SIGKILL)
+        lines = stream.communicate()[0].splitlines()
+    if not lines:
+        return result, 0.0
+    got, seconds = lines[-1].split()
+    return result, int(got) / float(seconds) / 1e6
 
 
 def main():
@@ -93,9 +137,11 @@ def main():
         finally:
             for b in burners:
                 b.kill()
+        streamed, stream_rate = with_stream(lambda: loop(path, whole))
         print(
             f"whole {plain:.0f} | iovecs {gathered:.0f} | whole {plain_again:.0f} | "
-            f"split {split_groups:.0f} | whole, cores busy {busy:.0f} MB/s",
+            f"split {split_groups:.0f} | whole, cores busy {busy:.0f} | "
+            f"whole, loopback stream {streamed:.0f} (stream {stream_rate:.0f}) MB/s",
             flush=True,
         )
 
