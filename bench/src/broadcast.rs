@@ -1337,6 +1337,7 @@ impl CaseResult {
             "connected": self.connected, "connect_s": self.connect_s,
             "published": self.published, "received": self.received, "lost": self.lost(),
             "p50_ms": self.quantile_ms(0.5), "p99_ms": self.quantile_ms(0.99),
+            "p999_ms": self.quantile_ms(0.999),
             "max_ms": self.max_ms(), "last_subscriber_ms": self.last_ms,
             "broker_cpu_us_per_delivery": self.cpu_per_delivery_us(),
             "broker_rss_bytes": self.broker_rss,
@@ -1695,9 +1696,11 @@ pub(crate) fn run(args: BroadcastArgs) -> anyhow::Result<()> {
         }
     );
     println!(
-        "| broker | QoS | N | connected | connect s | p50 ms | p99 ms | max ms | last p50 ms | last max ms | lost | broker CPU µs/delivery | broker RSS MiB | KB/conn | client CPU µs/delivery | in msg/s | disk MB/s | in % of disk | out MB/s | stalled: dropped / disconnected |"
+        "| broker | QoS | N | connected | connect s | p50 ms | p99 ms | p999 ms | max ms | last p50 ms | last max ms | lost | broker CPU µs/delivery | broker RSS MiB | KB/conn | client CPU µs/delivery | in msg/s | disk MB/s | in % of disk | out MB/s | stalled: dropped / disconnected |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!(
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    );
     for r in &results {
         let mut last = r.last_ms.clone();
         last.sort_by(f64::total_cmp);
@@ -1712,7 +1715,7 @@ pub(crate) fn run(args: BroadcastArgs) -> anyhow::Result<()> {
             ),
         };
         println!(
-            "| {} | {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {} | {:.1} | {:.0} | {:.1} | {:.1} | {:.1} | {} | {} | {:.1} | {} |",
+            "| {} | {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {} | {:.1} | {:.0} | {:.1} | {:.1} | {:.1} | {} | {} | {:.1} | {} |",
             r.broker,
             r.qos,
             r.subscribers,
@@ -1720,6 +1723,7 @@ pub(crate) fn run(args: BroadcastArgs) -> anyhow::Result<()> {
             r.connect_s,
             r.quantile_ms(0.5),
             r.quantile_ms(0.99),
+            r.quantile_ms(0.999),
             r.max_ms(),
             last_p50,
             last_max,

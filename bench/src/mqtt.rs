@@ -1,7 +1,7 @@
 //! `sluice-bench mqtt`: one publisher → one subscriber through Sluice, Mosquitto and rumqttd,
 //! started by the benchmark on this machine in the same run, QoS 0 and 1, 1 KB and 2 MB
-//! payloads. Reports messages/s, MB/s, end-to-end latency p50/p99 and each peer's ratio; then
-//! the memory Sluice spends per idle connection.
+//! payloads. Reports messages/s, MB/s, end-to-end latency p50/p99/p999 and each peer's ratio;
+//! then the memory Sluice spends per idle connection.
 //!
 //! Clients are rumqttc (MQTT 3.1.1) in this process; each payload carries its send time.
 
@@ -325,9 +325,9 @@ pub(crate) async fn run(args: MqttArgs) -> anyhow::Result<()> {
         "One publisher → one subscriber, MQTT 3.1.1 (rumqttc clients), same machine, same run.\n"
     );
     println!(
-        "| broker | durability | QoS | payload | sent | received | msg/s | MB/s | p50 ms | p99 ms | Sluice (fsync) ÷ this |"
+        "| broker | durability | QoS | payload | sent | received | msg/s | MB/s | p50 ms | p99 ms | p999 ms | Sluice (fsync) ÷ this |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
     for r in &results {
         let durability = match r.broker.as_str() {
             "sluice (fsync)" => "fsync before PUBACK",
@@ -336,7 +336,7 @@ pub(crate) async fn run(args: MqttArgs) -> anyhow::Result<()> {
         };
         let ratio = sluice.get(&key(r)).map_or(0.0, |s| s / r.msgs_per_s());
         println!(
-            "| {} | {} | {} | {} | {} | {} | {:.0} | {:.1} | {:.2} | {:.2} | {:.2} |",
+            "| {} | {} | {} | {} | {} | {} | {:.0} | {:.1} | {:.2} | {:.2} | {:.2} | {:.2} |",
             r.broker,
             durability,
             r.qos,
@@ -347,6 +347,7 @@ pub(crate) async fn run(args: MqttArgs) -> anyhow::Result<()> {
             r.mb_per_s(),
             r.latencies.quantile(0.5).as_secs_f64() * 1e3,
             r.latencies.quantile(0.99).as_secs_f64() * 1e3,
+            r.latencies.quantile(0.999).as_secs_f64() * 1e3,
             ratio,
         );
     }
@@ -363,6 +364,7 @@ pub(crate) async fn run(args: MqttArgs) -> anyhow::Result<()> {
                     "received": r.received, "msgs_per_s": r.msgs_per_s(), "mb_per_s": r.mb_per_s(),
                     "p50_ms": r.latencies.quantile(0.5).as_secs_f64() * 1e3,
                     "p99_ms": r.latencies.quantile(0.99).as_secs_f64() * 1e3,
+                    "p999_ms": r.latencies.quantile(0.999).as_secs_f64() * 1e3,
                 })
             })
             .collect();
