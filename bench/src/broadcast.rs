@@ -94,6 +94,10 @@ pub(crate) struct BroadcastArgs {
     /// `cargo build --release -p sluice`).
     #[arg(long)]
     sluice_bin: Option<PathBuf>,
+    /// Sluice's `runtime.worker_threads` for the gateway binary's processes (`sluice-relays`:
+    /// the main node and each relay); 0: one per core.
+    #[arg(long, default_value_t = 0)]
+    worker_threads: usize,
     /// Data directory for Sluice (emptied first).
     #[arg(long, default_value = "target/bench-broadcast")]
     dir: PathBuf,
@@ -934,6 +938,10 @@ fn spawn_gateway(
             "SLUICE_STORAGE__LIVE_RING_BYTES",
             storage.live_ring_bytes.to_string(),
         )
+        .env(
+            "SLUICE_RUNTIME__WORKER_THREADS",
+            storage.worker_threads.to_string(),
+        )
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
@@ -1681,7 +1689,7 @@ pub(crate) fn run(args: BroadcastArgs) -> anyhow::Result<()> {
         }
     }
     println!(
-        "One publisher, topic `{TOPIC}`, {} B payloads at {}/s, {} messages per case; subscribers are MQTT 3.1.1 clean sessions in worker processes of up to {} clients (read by two threads with one epoll each; one loopback source address per {CLIENTS_PER_ADDRESS} clients). Sluice runs with durability fsync; Mosquitto in memory (persistence off); rumqttd in memory; the floor is one thread and one epoll writing each PUBLISH verbatim to every subscriber, nothing else (a QoS 1 PUBLISH is acknowledged on arrival; publishers are not read while a subscriber has more than 64 MiB waiting). Latency is publish to receipt over all deliveries (1% buckets); \"last\" is when the last subscriber had a message (median and max over messages). CPU per delivery is the broker process's CPU time during the publishing phase divided by deliveries. \"in msg/s\" is what the broker took per second (until the last PUBACK at QoS 1: durable in Sluice); \"out MB/s\" is payload delivered per second until the last subscriber had the slowest message. \"sluice + R relays\": subscribers on R relay processes sharing one MQTT port (SO_REUSEPORT), the publisher on the main node; CPU and memory are all of them together; \"floor + R relays\" is the same tree of floors, each relay one subscription of the main floor. Loopback ceiling measured in this run (2 TCP streams of 2 MB writes): {loopback:.2} GB/s.{}\n",
+        "One publisher, topic `{TOPIC}`, {} B payloads at {}/s, {} messages per case; subscribers are MQTT 3.1.1 clean sessions in worker processes of up to {} clients (read by two threads with one epoll each; one loopback source address per {CLIENTS_PER_ADDRESS} clients). Sluice runs with durability fsync; Mosquitto in memory (persistence off); rumqttd in memory; the floor is one thread and one epoll writing each PUBLISH verbatim to every subscriber, nothing else (a QoS 1 PUBLISH is acknowledged on arrival; publishers are not read while a subscriber has more than 64 MiB waiting). Latency is publish to receipt over all deliveries (1% buckets); \"last\" is when the last subscriber had a message (median and max over messages). CPU per delivery is the broker process's CPU time during the publishing phase divided by deliveries. \"in msg/s\" is what the broker took per second (until the last PUBACK at QoS 1: durable in Sluice); \"out MB/s\" is payload delivered per second until the last subscriber had the slowest message. \"sluice + R relays\": subscribers on R relay processes sharing one MQTT port (SO_REUSEPORT), the publisher on the main node; CPU and memory are all of them together; \"floor + R relays\" is the same tree of floors, each relay one subscription of the main floor. Loopback ceiling measured in this run (2 TCP streams of 2 MB writes): {loopback:.2} GB/s.{}{}\n",
         args.size,
         args.rate,
         args.messages,
@@ -1690,6 +1698,14 @@ pub(crate) fn run(args: BroadcastArgs) -> anyhow::Result<()> {
             format!(
                 " \"disk MB/s\" is the disk's fsync'd sequential write speed measured right before and right after each case, the higher of the two (each time the best of four loops of 800 MB: writes of the payload size and of 16 MB, through the page cache with O_APPEND and with O_DIRECT, fdatasync after each, in {}); \"in % of disk\" is in msg/s × payload ÷ that.",
                 args.dir.display()
+            )
+        } else {
+            String::new()
+        },
+        if args.worker_threads > 0 {
+            format!(
+                " The gateway binary's processes ran with runtime.worker_threads = {}.",
+                args.worker_threads
             )
         } else {
             String::new()
@@ -1788,6 +1804,7 @@ pub(crate) fn run(args: BroadcastArgs) -> anyhow::Result<()> {
         let all: Vec<Value> = results.iter().map(CaseResult::json).collect();
         let doc = json!({
             "loopback_gb_per_s": loopback,
+            "worker_threads": args.worker_threads,
             "cases": all,
             "against_peers": ratio_json,
         });

@@ -19,6 +19,9 @@ const ENV_PREFIX: &str = "SLUICE_";
 /// Read by the command line itself, not a config key.
 pub(crate) const ENV_CONFIG_FILE: &str = "SLUICE_CONFIG";
 
+/// More worker threads than this is a typo, not a tuning.
+const MAX_WORKER_THREADS: usize = 1024;
+
 /// Short environment names for the most used keys (DESIGN.md, "Interfaces people expect").
 const ENV_ALIASES: [(&str, &[&str]); 6] = [
     ("DATA_DIR", &["data_dir"]),
@@ -39,7 +42,15 @@ pub(crate) struct Config {
     pub(crate) kafka: sluice_kafka::KafkaSettings,
     pub(crate) topics: TopicsSection,
     pub(crate) storage: StorageSection,
+    pub(crate) runtime: RuntimeSection,
     pub(crate) relay: RelaySection,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RuntimeSection {
+    /// 0: tokio's own choice (one per core, or `TOKIO_WORKER_THREADS`).
+    pub(crate) worker_threads: usize,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -356,6 +367,12 @@ impl Config {
         }
         if let Err(e) = self.topics.defaults.validate() {
             return invalid(format!("topics.defaults: {e}"));
+        }
+        if self.runtime.worker_threads > MAX_WORKER_THREADS {
+            return invalid(format!(
+                "runtime.worker_threads must be at most {MAX_WORKER_THREADS} (0: one per core), not {}",
+                self.runtime.worker_threads
+            ));
         }
         let s = &self.storage;
         if s.direct_write_min_bytes != 0 && s.direct_write_min_bytes < 4096 {

@@ -150,10 +150,12 @@ fn main() -> ExitCode {
         }
     }
     init_logging(&config);
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    builder.enable_all();
+    if config.runtime.worker_threads > 0 {
+        builder.worker_threads(config.runtime.worker_threads);
+    }
+    let runtime = match builder.build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("sluice: cannot start the async runtime: {e}");
@@ -197,6 +199,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         data_dir = %config.data_dir.display(),
         open_file_limit = soft,
         hard_limit = hard,
+        worker_threads = tokio::runtime::Handle::current().metrics().num_workers(),
         "starting sluice"
     );
     // A relay keeps no state of its own: a scratch copy of what it follows, gone at stop.

@@ -265,6 +265,35 @@ async fn json_logs_are_one_object_per_line() {
     }
 }
 
+/// The runtime's worker count as the start line reports it (read from the running runtime).
+fn worker_threads(g: &Gateway) -> usize {
+    let line = g
+        .seen
+        .iter()
+        .find(|l| l.contains("starting sluice"))
+        .unwrap_or_else(|| panic!("{:#?}", g.seen));
+    line.split("worker_threads=")
+        .nth(1)
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("{line}"))
+}
+
+#[test]
+fn runtime_worker_threads_come_from_the_config() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("threads.toml");
+    std::fs::write(&file, "[runtime]\nworker_threads = 3\n").unwrap();
+    let data = dir.path().join("data");
+    let g = Gateway::start(&data, &["--config", file.to_str().unwrap()]);
+    assert_eq!(worker_threads(&g), 3);
+    drop(g);
+    // 0, the default, leaves the count to tokio: one per core.
+    let g = Gateway::start(&data, &[]);
+    let cores = std::thread::available_parallelism().unwrap().get();
+    assert_eq!(worker_threads(&g), cores);
+}
+
 #[test]
 fn configuration_errors_stop_the_start_with_a_clear_message() {
     let dir = tempfile::tempdir().unwrap();
@@ -290,6 +319,11 @@ fn configuration_errors_stop_the_start_with_a_clear_message() {
             vec![],
             vec![("SLUICE_TOPICS__DEFAULTS__DURABILITY", "maybe")],
             "SLUICE_TOPICS__DEFAULTS__DURABILITY",
+        ),
+        (
+            vec![],
+            vec![("SLUICE_RUNTIME__WORKER_THREADS", "5000")],
+            "runtime.worker_threads",
         ),
         (
             vec![],

@@ -59,6 +59,8 @@ impl Gateway {
         let mut child = Command::new(BIN)
             .args(args)
             .env_remove("RUST_LOG")
+            // The worker-count test reads tokio's own default, which this would change.
+            .env_remove("TOKIO_WORKER_THREADS")
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
