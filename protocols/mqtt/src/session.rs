@@ -486,7 +486,10 @@ where
         out: BytesMut::with_capacity(256),
         landing: None,
     };
-    let Some(kick) = s.accept(connect).await? else {
+    // Boxed, like the other rare or publisher-only steps below: a future holds room for its
+    // largest step for as long as it lives, and an idle subscriber's connection should not
+    // carry those steps' kilobytes.
+    let Some(kick) = Box::pin(s.accept(connect)).await? else {
         return Ok(());
     };
     let connection = server.connection_id();
@@ -782,7 +785,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
                         }
                     }
                     Err(DecodeError::Incomplete(more)) => {
-                        self.landing = self.land(&mut inbuf, more).await;
+                        self.landing = Box::pin(self.land(&mut inbuf, more)).await;
                         break;
                     }
                     Err(e) => {
@@ -845,7 +848,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
                         .take_if(|l| l.record.value().value_missing() == 0)
                     {
                         deadline = self.keep_alive_deadline();
-                        self.publish_landed(landed).await;
+                        Box::pin(self.publish_landed(landed)).await;
                     }
                 }
                 Some(d) = forwarded(&mut self.forwarded), if can_deliver => self.deliver(d).await?,
@@ -881,7 +884,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
     async fn handle(&mut self, packet: In) -> std::io::Result<Option<End>> {
         match packet {
             In::Publish(p) => {
-                if let Some(end) = self.publish(p).await? {
+                if let Some(end) = Box::pin(self.publish(p)).await? {
                     return Ok(Some(end));
                 }
             }
@@ -910,13 +913,15 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
                 codec::ack(self.version, Ack::Pubcomp, pkid, code, &mut self.out);
                 self.flush().await?;
             }
-            In::Subscribe { pkid, filters, id } => self.subscribe(pkid, filters, id).await?,
+            In::Subscribe { pkid, filters, id } => {
+                Box::pin(self.subscribe(pkid, filters, id)).await?;
+            }
             In::Unsubscribe { pkid, filters } => {
                 for f in &filters {
                     self.subs.remove(f);
                 }
                 if self.persistent {
-                    self.save_session(None).await;
+                    Box::pin(self.save_session(None)).await;
                 }
                 codec::unsuback(self.version, pkid, filters.len(), &mut self.out);
                 self.flush().await?;
