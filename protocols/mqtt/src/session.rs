@@ -325,8 +325,23 @@ struct Landing {
 /// The payload size from which a publish is read straight into its batch: that of batches
 /// placed for a direct write.
 const LAND_MIN: usize = sluice_core::PLACED_ENCODE_MIN;
-/// A connection's read buffer to begin with, and the room made for a publish's head.
-const INBUF_START: usize = 4096;
+/// A connection's read buffer to begin with. A subscriber reads nothing but acknowledgements
+/// and pings, and 4 KB held for each of 100,000 of them would be 400 MB.
+const INBUF_START: usize = 512;
+/// The most one read asks for once reads keep filling the buffer (a publisher's stream), and
+/// the room made for a publish's head.
+const INBUF_READ: usize = 4096;
+
+/// How much room the next read gets, after a read of `n` bytes into `offered` bytes of room.
+/// Only a full-size offer that is filled counts: the tail of a buffer being used up is filled
+/// by any read, a subscriber's too.
+fn next_read_size(read_size: usize, offered: usize, n: usize) -> usize {
+    if n >= offered && offered >= read_size {
+        (read_size * 2).min(INBUF_READ)
+    } else {
+        read_size
+    }
+}
 
 impl<S> Drop for Session<'_, S> {
     fn drop(&mut self) {
@@ -764,6 +779,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
         shutdown: &mut watch::Receiver<bool>,
     ) -> std::io::Result<End> {
         let mut deadline = self.keep_alive_deadline();
+        let mut read_size = INBUF_START;
         // The timer and the two signals are made once, not per loop turn: a delivery wakes this
         // loop once per message per subscriber, and re-registering a timer and two waiters on
         // every turn cost more than the delivery's own work. The timer is armed at the first
@@ -822,6 +838,19 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
                     .fetch_add(1, Ordering::Relaxed);
             }
             self.paused = !can_read;
+            // A read that fills all it was offered says more is waiting: room is made for
+            // twice as much, up to INBUF_READ. Room is made once less than half the read size
+            // is left, so a subscriber reading one PUBACK at a time does not reserve on every
+            // read, and a publisher's read is not cut down to the rest of one packet. Reads
+            // into a landing batch size themselves.
+            let offered = if self.landing.is_none() {
+                if inbuf.capacity() - inbuf.len() < read_size / 2 {
+                    inbuf.reserve(read_size);
+                }
+                inbuf.capacity() - inbuf.len()
+            } else {
+                usize::MAX
+            };
             tokio::select! {
                 Some(done) = first_done(&mut self.pending), if !self.pending.is_empty() => {
                     // Every publish stored by now is acknowledged in the same write: one write
@@ -843,6 +872,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
                         return Ok(End::Abrupt("connection closed without DISCONNECT".into()));
                     }
                     self.server.metrics.bytes_in.fetch_add(n as u64, Ordering::Relaxed);
+                    read_size = next_read_size(read_size, offered, n);
                     if let Some(landed) = self
                         .landing
                         .take_if(|l| l.record.value().value_missing() == 0)
@@ -1046,7 +1076,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
             // Room for the head only: had the whole packet room, the payload would arrive here
             // and have to be copied into the batch.
             Head::Incomplete => {
-                inbuf.reserve(more.min(INBUF_START));
+                inbuf.reserve(more.min(INBUF_READ));
                 return None;
             }
             Head::Other => {}
@@ -1737,6 +1767,23 @@ async fn write_all_vectored<S: AsyncWrite + Unpin>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_read_size_grows_for_a_stream_and_stays_small_for_acknowledgements() {
+        // A subscriber: 4-byte PUBACKs into a 512-byte buffer used up 4 bytes at a time, whose
+        // last few bytes of room each PUBACK fills.
+        let mut size = INBUF_START;
+        for offered in (4..=INBUF_START).rev().step_by(4) {
+            size = next_read_size(size, offered, 4);
+        }
+        assert_eq!(size, INBUF_START);
+        // A publisher's stream fills every full-size offer.
+        let mut size = INBUF_START;
+        for _ in 0..10 {
+            size = next_read_size(size, size, size);
+        }
+        assert_eq!(size, INBUF_READ);
+    }
 
     #[test]
     fn plain_qos0_headers_are_encoded_once_per_record_and_version() {
