@@ -829,6 +829,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
             }
             let can_deliver = self.inflight.len() < self.receive_max;
             let can_take_live = can_deliver && self.live_queue.is_empty();
+            let can_forward = can_deliver && self.forwarded.is_some();
             let can_read = self.pending.len() < MAX_PENDING_PUBLISHES
                 && self.pending_bytes < MAX_PENDING_BYTES;
             if !can_read && !self.paused {
@@ -881,7 +882,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
                         Box::pin(self.publish_landed(landed)).await;
                     }
                 }
-                Some(d) = forwarded(&mut self.forwarded), if can_deliver => self.deliver(d).await?,
+                Some(d) = forwarded(&mut self.forwarded), if can_forward => self.deliver(d).await?,
                 d = next_live(&mut self.subs), if can_take_live => self.live_queue.extend(d),
                 () = &mut timer, if deadline.is_some() => {
                     if let Some(d) = deadline.filter(|&d| d > Instant::now()) {
