@@ -1075,21 +1075,24 @@ impl Broker {
             "floor-relays" => {
                 let mut main = Self::start_peer("floor", args, max_connections, &[])?;
                 let upstream = format!("127.0.0.1:{}", main.port);
-                main.port = 0;
+                // The relays' shared port: the first relay picks it, the others join it.
+                let mut shared = 0;
                 for _ in 0..args.relays.max(1) {
-                    let listen = format!("127.0.0.1:{}", main.port);
+                    let listen = format!("127.0.0.1:{shared}");
                     let relay = Self::start_peer(
                         "floor",
                         args,
                         max_connections,
                         &["--upstream", &upstream, "--listen", &listen],
                     )?;
-                    main.port = relay.port;
+                    shared = relay.port;
                     // The relay runs until its stdin closes, which `Child` keeps open.
                     let mut child = relay.child;
                     child.stdin = relay.stdin;
                     main.relays.push(child);
                 }
+                // Subscribers connect to the relays; the publisher stays on `publish_port`.
+                main.port = shared;
                 Ok(main)
             }
             // WebSocket subscribers need the gateway binary's HTTP listener.
