@@ -110,6 +110,10 @@ pub(crate) struct BroadcastArgs {
     /// QoS 1 subscriber more than this far behind reads from the segment files.
     #[arg(long, default_value_t = sluice_core::WriterSettings::default().live_ring_bytes)]
     live_ring_bytes: usize,
+    /// Sluice's `storage.live_ring_lag_bytes`: what all rings together may keep past their size
+    /// for QoS 1 subscribers that still need it; 0 keeps each ring at its size.
+    #[arg(long, default_value_t = sluice_core::WriterSettings::default().live_ring_lag_bytes)]
+    live_ring_lag_bytes: usize,
     #[arg(long)]
     json: Option<PathBuf>,
 }
@@ -132,6 +136,9 @@ pub(crate) struct PeerArgs {
     /// Sluice's `storage.live_ring_bytes`.
     #[arg(long, default_value_t = sluice_core::WriterSettings::default().live_ring_bytes)]
     live_ring_bytes: usize,
+    /// Sluice's `storage.live_ring_lag_bytes`.
+    #[arg(long, default_value_t = sluice_core::WriterSettings::default().live_ring_lag_bytes)]
+    live_ring_lag_bytes: usize,
     /// Floor only: follow the floor at this address (one subscription) and forward what it
     /// sends, as a relay.
     #[arg(long)]
@@ -823,7 +830,11 @@ pub(crate) fn peer(args: PeerArgs) -> anyhow::Result<()> {
                     &args.dir,
                     sluice_core::Durability::Fsync,
                     crate::ledger::segment_storage(args.direct_write_min_bytes),
-                    args.live_ring_bytes,
+                    sluice_core::WriterSettings {
+                        live_ring_bytes: args.live_ring_bytes,
+                        live_ring_lag_bytes: args.live_ring_lag_bytes,
+                        ..Default::default()
+                    },
                 )
                 .await?;
                 // Kept for the process's life: dropping it would stop the server.
@@ -937,6 +948,10 @@ fn spawn_gateway(
         .env(
             "SLUICE_STORAGE__LIVE_RING_BYTES",
             storage.live_ring_bytes.to_string(),
+        )
+        .env(
+            "SLUICE_STORAGE__LIVE_RING_LAG_BYTES",
+            storage.live_ring_lag_bytes.to_string(),
         )
         .env(
             "SLUICE_RUNTIME__WORKER_THREADS",
@@ -1156,6 +1171,8 @@ impl Broker {
                 &args.direct_write_min_bytes.to_string(),
                 "--live-ring-bytes",
                 &args.live_ring_bytes.to_string(),
+                "--live-ring-lag-bytes",
+                &args.live_ring_lag_bytes.to_string(),
             ])
             .args(extra)
             .stdin(Stdio::piped())
@@ -1692,11 +1709,13 @@ pub(crate) fn run(args: BroadcastArgs) -> anyhow::Result<()> {
         }
     }
     println!(
-        "One publisher, topic `{TOPIC}`, {} B payloads at {}/s, {} messages per case; subscribers are MQTT 3.1.1 clean sessions in worker processes of up to {} clients (read by two threads with one epoll each; one loopback source address per {CLIENTS_PER_ADDRESS} clients). Sluice runs with durability fsync; Mosquitto in memory (persistence off); rumqttd in memory; the floor is one thread and one epoll writing each PUBLISH verbatim to every subscriber, nothing else (a QoS 1 PUBLISH is acknowledged on arrival; publishers are not read while a subscriber has more than 64 MiB waiting). Latency is publish to receipt over all deliveries (1% buckets); \"last\" is when the last subscriber had a message (median and max over messages). CPU per delivery is the broker process's CPU time during the publishing phase divided by deliveries. \"in msg/s\" is what the broker took per second (until the last PUBACK at QoS 1: durable in Sluice); \"out MB/s\" is payload delivered per second until the last subscriber had the slowest message. \"sluice + R relays\": subscribers on R relay processes sharing one MQTT port (SO_REUSEPORT), the publisher on the main node; CPU and memory are all of them together; \"floor + R relays\" is the same tree of floors, each relay one subscription of the main floor. Loopback ceiling measured in this run (2 TCP streams of 2 MB writes): {loopback:.2} GB/s.{}{}\n",
+        "One publisher, topic `{TOPIC}`, {} B payloads at {}/s, {} messages per case; subscribers are MQTT 3.1.1 clean sessions in worker processes of up to {} clients (read by two threads with one epoll each; one loopback source address per {CLIENTS_PER_ADDRESS} clients). Sluice runs with durability fsync, a live ring of {} MiB per partition and {} MiB for all rings to hold past that for QoS 1 subscribers still behind (storage.live_ring_bytes, storage.live_ring_lag_bytes); Mosquitto in memory (persistence off); rumqttd in memory; the floor is one thread and one epoll writing each PUBLISH verbatim to every subscriber, nothing else (a QoS 1 PUBLISH is acknowledged on arrival; publishers are not read while a subscriber has more than 64 MiB waiting). Latency is publish to receipt over all deliveries (1% buckets); \"last\" is when the last subscriber had a message (median and max over messages). CPU per delivery is the broker process's CPU time during the publishing phase divided by deliveries. \"in msg/s\" is what the broker took per second (until the last PUBACK at QoS 1: durable in Sluice); \"out MB/s\" is payload delivered per second until the last subscriber had the slowest message. \"sluice + R relays\": subscribers on R relay processes sharing one MQTT port (SO_REUSEPORT), the publisher on the main node; CPU and memory are all of them together; \"floor + R relays\" is the same tree of floors, each relay one subscription of the main floor. Loopback ceiling measured in this run (2 TCP streams of 2 MB writes): {loopback:.2} GB/s.{}{}\n",
         args.size,
         args.rate,
         args.messages,
         args.per_worker,
+        args.live_ring_bytes >> 20,
+        args.live_ring_lag_bytes >> 20,
         if args.size >= DISK_YARDSTICK_MIN {
             format!(
                 " \"disk MB/s\" is the disk's fsync'd sequential write speed measured right before and right after each case, the higher of the two (each time the best of four loops of 800 MB: writes of the payload size and of 16 MB, through the page cache with O_APPEND and with O_DIRECT, fdatasync after each, in {}); \"in % of disk\" is in msg/s × payload ÷ that.",
@@ -1808,6 +1827,8 @@ pub(crate) fn run(args: BroadcastArgs) -> anyhow::Result<()> {
         let doc = json!({
             "loopback_gb_per_s": loopback,
             "worker_threads": args.worker_threads,
+            "live_ring_bytes": args.live_ring_bytes,
+            "live_ring_lag_bytes": args.live_ring_lag_bytes,
             "cases": all,
             "against_peers": ratio_json,
         });

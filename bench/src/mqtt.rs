@@ -70,7 +70,7 @@ pub(crate) async fn start_sluice(
     dir: &std::path::Path,
     durability: Durability,
     storage: Arc<dyn sluice_core::Storage>,
-    live_ring_bytes: usize,
+    writer: WriterSettings,
 ) -> anyhow::Result<(u16, Engine, tokio::sync::watch::Sender<bool>)> {
     if dir.exists() {
         std::fs::remove_dir_all(dir)?;
@@ -80,7 +80,7 @@ pub(crate) async fn start_sluice(
         durability,
         ..TopicPolicy::default()
     };
-    config.writer.live_ring_bytes = live_ring_bytes;
+    config.writer = writer;
     let engine = Engine::open(config, storage, Arc::new(SystemClock)).await?;
     let settings = MqttSettings {
         addr: "127.0.0.1:0".into(),
@@ -267,7 +267,7 @@ pub(crate) async fn run(args: MqttArgs) -> anyhow::Result<()> {
         &args.dir.join("fsync"),
         Durability::Fsync,
         crate::ledger::gateway_storage(),
-        WriterSettings::default().live_ring_bytes,
+        WriterSettings::default(),
     )
     .await?;
     brokers.push(("sluice (fsync)".into(), p));
@@ -276,7 +276,7 @@ pub(crate) async fn run(args: MqttArgs) -> anyhow::Result<()> {
         &args.dir.join("none"),
         Durability::None,
         crate::ledger::gateway_storage(),
-        WriterSettings::default().live_ring_bytes,
+        WriterSettings::default(),
     )
     .await?;
     brokers.push(("sluice (no fsync)".into(), p));

@@ -14,10 +14,10 @@ use tracing::info;
 
 use crate::error::{CoreError, Result};
 use crate::groups::{CommittedOffset, GroupOffsets, OffsetCommit};
-use crate::live::{LiveOptions, LiveSubscriber};
+use crate::live::{LagBudget, LiveOptions, LiveSubscriber};
 use crate::meta::{FileMetadataStore, MetadataStore, TopicMeta};
 use crate::metrics::{EngineCounters, EngineMetrics, PartitionMetrics};
-use crate::partition::{Partition, WriterSettings};
+use crate::partition::{EngineShared, Partition, WriterSettings};
 use crate::partitioner::partition_for_key;
 use crate::policy::TopicPolicy;
 use crate::subscription::{
@@ -170,7 +170,8 @@ struct Inner {
     topics: DashMap<String, Arc<Topic>>,
     /// Serialises create, delete and policy changes (rare), never held by produce or fetch.
     admin: tokio::sync::Mutex<()>,
-    counters: Arc<EngineCounters>,
+    /// The counters, and the rings' lag budget, every partition shares.
+    shared: EngineShared,
     catchup: Arc<tokio::sync::Semaphore>,
     groups: GroupOffsets,
     subscriptions: DashMap<(String, String), Arc<Subscription>>,
@@ -259,6 +260,7 @@ impl Engine {
                 .await
                 .map_err(|_| CoreError::ShuttingDown)??
         };
+        let lag = Arc::new(LagBudget::new(config.writer.live_ring_lag_bytes));
         let inner = Arc::new(Inner {
             subscriptions: DashMap::new(),
             sub_counters: Arc::new(SubscriptionCounters::default()),
@@ -270,7 +272,10 @@ impl Engine {
             store,
             topics: DashMap::new(),
             admin: tokio::sync::Mutex::new(()),
-            counters: Arc::new(EngineCounters::default()),
+            shared: EngineShared {
+                counters: Arc::new(EngineCounters::default()),
+                lag,
+            },
             closing: AtomicBool::new(false),
             topic_source: OnceLock::new(),
         });
@@ -335,7 +340,7 @@ impl Engine {
                 log,
                 meta.policy.clone(),
                 &inner.config.writer,
-                inner.counters.clone(),
+                &inner.shared,
                 data.clone(),
             ));
         }
@@ -566,6 +571,7 @@ impl Engine {
         // single writer spends its time on I/O.
         let batch = ValidatedBatch::new(batch).inspect_err(|_| {
             self.inner
+                .shared
                 .counters
                 .rejected_batches
                 .fetch_add(1, Ordering::Relaxed);
@@ -709,6 +715,7 @@ impl Engine {
         let max = t.meta.read().policy.max_message_bytes as usize;
         if batch.len() > max {
             self.inner
+                .shared
                 .counters
                 .rejected_batches
                 .fetch_add(1, Ordering::Relaxed);
@@ -724,7 +731,7 @@ impl Engine {
             topic: topic.to_owned(),
             partition: id,
             started,
-            counters: self.inner.counters.clone(),
+            counters: self.inner.shared.counters.clone(),
         })
     }
 
@@ -1190,7 +1197,7 @@ impl Engine {
     }
 
     pub fn metrics(&self) -> EngineMetrics {
-        let c = &self.inner.counters;
+        let c = &self.inner.shared.counters;
         let g = &self.inner.groups.counters;
         let sc = &self.inner.sub_counters;
         let mut partitions = Vec::new();
@@ -1245,6 +1252,7 @@ impl Engine {
             subscription_redeliveries: sc.redeliveries.load(Ordering::Relaxed),
             subscription_acks: sc.acks.load(Ordering::Relaxed),
             subscription_dispatched: sc.dispatched.load(Ordering::Relaxed),
+            live_ring_lag_bytes: self.inner.shared.lag.used() as u64,
             group_commit_requests: g.requests.load(Ordering::Relaxed),
             group_commit_syncs: g.syncs.load(Ordering::Relaxed),
             group_log_compactions: g.compactions.load(Ordering::Relaxed),

@@ -12,9 +12,14 @@
 //! A subscriber that falls behind is handled by its [`SlowPolicy`]. Catch-up reads (a cursor
 //! older than the ring) go to the segment files under a separate, bounded budget and never
 //! write to the ring, so they cannot evict what live subscribers need.
+//!
+//! A ring keeps batches past its own size while a catch-up subscriber still needs them, within
+//! one engine-wide budget ([`LagBudget`]). Segments are written with O_DIRECT, so nothing else
+//! keeps the tail in memory: without this, a QoS 1 subscriber a few images behind during a
+//! flood fell off the ring and read every image back from a disk busy with the writes.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
 
@@ -136,6 +141,53 @@ struct RingState {
     bytes: usize,
     /// Offset after the newest committed record (the high watermark).
     next_offset: u64,
+    /// Bytes past the ring's own size held for catch-up subscribers, charged to the
+    /// engine's [`LagBudget`].
+    charged: usize,
+}
+
+/// Memory that every ring of an engine together may hold past its own size for catch-up
+/// subscribers that still need it.
+#[derive(Debug)]
+pub(crate) struct LagBudget {
+    limit: usize,
+    used: AtomicUsize,
+}
+
+impl LagBudget {
+    pub(crate) fn new(limit: usize) -> Self {
+        Self {
+            limit,
+            used: AtomicUsize::new(0),
+        }
+    }
+
+    /// Bytes held now, by all rings.
+    pub(crate) fn used(&self) -> usize {
+        self.used.load(Ordering::Relaxed)
+    }
+
+    /// Moves one ring's charge from `*held` to `want`: always when it shrinks, when it grows
+    /// only if the budget has room.
+    fn resize(&self, held: &mut usize, want: usize) -> bool {
+        let mut used = self.used.load(Ordering::Relaxed);
+        loop {
+            let next = used - *held + want;
+            if want > *held && next > self.limit {
+                return false;
+            }
+            match self
+                .used
+                .compare_exchange_weak(used, next, Ordering::Relaxed, Ordering::Relaxed)
+            {
+                Ok(_) => {
+                    *held = want;
+                    return true;
+                }
+                Err(now) => used = now,
+            }
+        }
+    }
 }
 
 /// The waker slot of every subscriber of one ring, so a push wakes them all.
@@ -149,13 +201,41 @@ struct RingState {
 /// the waker), which costs less than leaving a shared list on every wake-up.
 #[derive(Debug, Default)]
 struct Wakers {
-    slots: Vec<Option<Arc<AtomicWaker>>>,
+    slots: Vec<Option<Arc<Slot>>>,
     /// Indexes of empty slots, reused first: attaching and detaching stay O(1).
     free: Vec<usize>,
 }
 
+/// One subscriber's place in its ring.
+#[derive(Debug)]
+struct Slot {
+    waker: AtomicWaker,
+    /// The oldest offset this subscriber still needs from the ring, kept by catch-up
+    /// subscribers only (`u64::MAX` for the others, which never hold the ring back).
+    needs: AtomicU64,
+}
+
+impl Slot {
+    fn new(needs: u64) -> Self {
+        Self {
+            waker: AtomicWaker::new(),
+            needs: AtomicU64::new(needs),
+        }
+    }
+}
+
 impl Wakers {
-    fn add(&mut self, waker: Arc<AtomicWaker>) -> usize {
+    /// The oldest offset any catch-up subscriber still needs.
+    fn oldest_needed(&self) -> u64 {
+        self.slots
+            .iter()
+            .flatten()
+            .map(|s| s.needs.load(Ordering::Relaxed))
+            .min()
+            .unwrap_or(u64::MAX)
+    }
+
+    fn add(&mut self, waker: Arc<Slot>) -> usize {
         match self.free.pop() {
             Some(i) => {
                 self.slots[i] = Some(waker);
@@ -180,48 +260,82 @@ impl Wakers {
 pub(crate) struct LiveRing {
     state: RwLock<RingState>,
     wakers: Mutex<Wakers>,
+    lag: Arc<LagBudget>,
     pub(crate) counters: LiveCounters,
 }
 
 impl LiveRing {
-    pub(crate) fn new(next_offset: u64) -> Self {
+    pub(crate) fn new(next_offset: u64, lag: Arc<LagBudget>) -> Self {
         Self {
             state: RwLock::new(RingState {
                 batches: VecDeque::new(),
                 bytes: 0,
                 next_offset,
+                charged: 0,
             }),
             wakers: Mutex::new(Wakers::default()),
+            lag,
             counters: LiveCounters::default(),
         }
     }
 
     /// Adds committed batches (in offset order), keeps the newest up to `max_bytes` (the
-    /// topic's ring size, which its policy may change) and wakes every waiting subscriber.
+    /// topic's ring size, which its policy may change) and, within the engine's lag budget,
+    /// older ones a catch-up subscriber still needs; then wakes every waiting subscriber.
     pub(crate) fn push(
         &self,
         batches: impl IntoIterator<Item = LiveBatch>,
         next_offset: u64,
         max_bytes: usize,
     ) {
+        // Held across the state's update (always taken first, so the order is fixed): a
+        // subscriber's slot cannot come or go between reading what it needs and evicting.
+        let wakers = self.wakers.lock();
         {
             let mut st = self.state.write();
             for b in batches {
                 st.bytes += b.bytes.len();
                 st.batches.push_back(Arc::new(b));
             }
-            // Keep at least the newest batch, however large, so live subscribers get it.
-            while st.bytes > max_bytes && st.batches.len() > 1 {
-                if let Some(old) = st.batches.pop_front() {
-                    st.bytes -= old.bytes.len();
-                }
-            }
+            let needed = if st.bytes > max_bytes && self.lag.limit > 0 {
+                wakers.oldest_needed()
+            } else {
+                u64::MAX
+            };
+            self.evict(&mut st, max_bytes, needed);
             st.next_offset = next_offset;
         }
         // After the state is released: a subscriber registers its waker before it looks, so
         // either it sees these batches or its waker is taken here.
-        for w in self.wakers.lock().slots.iter().flatten() {
-            w.wake();
+        for s in wakers.slots.iter().flatten() {
+            s.waker.wake();
+        }
+    }
+
+    /// Drops what the ring holds past `max_bytes` for lagging subscribers and returns it to
+    /// the budget: called when its writer stops, after which no push would shrink it.
+    pub(crate) fn trim(&self, max_bytes: usize) {
+        self.evict(&mut self.state.write(), max_bytes, u64::MAX);
+    }
+
+    /// Drops the oldest batches past `max_bytes`, except those from `needed` on while the
+    /// lag budget has room for them; the newest batch stays, however large, so live
+    /// subscribers get it.
+    fn evict(&self, st: &mut RingState, max_bytes: usize, needed: u64) {
+        let mut holding = false;
+        while st.bytes > max_bytes && st.batches.len() > 1 {
+            let over = st.bytes - max_bytes;
+            let front_needed = st.batches.front().is_some_and(|b| b.last_offset >= needed);
+            if front_needed && self.lag.resize(&mut st.charged, over) {
+                holding = true;
+                break;
+            }
+            if let Some(old) = st.batches.pop_front() {
+                st.bytes -= old.bytes.len();
+            }
+        }
+        if !holding {
+            self.lag.resize(&mut st.charged, 0);
         }
     }
 
@@ -341,8 +455,8 @@ pub struct LiveSubscriber {
     /// The catch-up read of the range after `pending`, started while `pending` is delivered.
     ahead: Option<ReadAhead>,
     /// This subscriber's slot in the ring's wakers, and its index there.
-    waker: Arc<AtomicWaker>,
-    slot: usize,
+    slot: Arc<Slot>,
+    slot_index: usize,
 }
 
 /// A catch-up read under way before it is needed.
@@ -371,8 +485,12 @@ impl LiveSubscriber {
             StartAt::Offset(o) => (*o).max(reader.log_start()),
         };
         ring.counters.subscribers.fetch_add(1, Ordering::Relaxed);
-        let waker = Arc::new(AtomicWaker::new());
-        let slot = ring.wakers.lock().add(waker.clone());
+        let slot = Arc::new(Slot::new(if options.policy == SlowPolicy::CatchUp {
+            cursor
+        } else {
+            u64::MAX
+        }));
+        let slot_index = ring.wakers.lock().add(slot.clone());
         Self {
             ring,
             reader,
@@ -384,8 +502,16 @@ impl LiveSubscriber {
             max_lag: options.max_lag.max(1),
             pending: VecDeque::new(),
             ahead: None,
-            waker,
             slot,
+            slot_index,
+        }
+    }
+
+    /// Moves the cursor, and for a catch-up subscriber what it needs the ring to keep.
+    fn set_cursor(&mut self, cursor: u64) {
+        self.cursor = cursor;
+        if self.policy == SlowPolicy::CatchUp {
+            self.slot.needs.store(cursor, Ordering::Relaxed);
         }
     }
 
@@ -408,7 +534,7 @@ impl LiveSubscriber {
                         batch: b.clone(),
                         from_log: true,
                     };
-                    self.cursor = b.last_offset + 1;
+                    self.set_cursor(b.last_offset + 1);
                     return Ok(item);
                 }
                 continue;
@@ -424,7 +550,7 @@ impl LiveSubscriber {
     /// files next; pending (with its waker in its slot) while the ring has nothing new.
     fn poll_ring(&mut self, cx: &mut Context<'_>) -> Poll<Result<Option<LiveItem>>> {
         // Registered before looking, so a push in between is not missed.
-        self.waker.register(cx.waker());
+        self.slot.waker.register(cx.waker());
         match self.take_from_ring() {
             Ok(Step::Wait) => Poll::Pending,
             Ok(Step::Item(item)) => Poll::Ready(Ok(Some(item))),
@@ -476,7 +602,9 @@ impl LiveSubscriber {
             from_offset: self.cursor.max(b.base_offset),
             from_log: false,
         };
-        self.cursor = b.last_offset + 1;
+        let next = b.last_offset + 1;
+        drop(st);
+        self.set_cursor(next);
         Ok(Step::Item(item))
     }
 
@@ -511,7 +639,7 @@ impl LiveSubscriber {
             .counters
             .catchup_reads
             .fetch_add(1, Ordering::Relaxed);
-        self.cursor = cursor;
+        self.set_cursor(cursor);
         for batch in split_batches(fetched.data)? {
             self.pending.push_back(Arc::new(LiveBatch::new(batch)?));
         }
@@ -552,7 +680,7 @@ enum Step {
 
 impl Drop for LiveSubscriber {
     fn drop(&mut self) {
-        self.ring.wakers.lock().remove(self.slot);
+        self.ring.wakers.lock().remove(self.slot_index);
         self.ring
             .counters
             .subscribers
@@ -569,15 +697,15 @@ mod tests {
     fn a_detached_subscribers_waker_slot_is_freed_once_and_reused() {
         let mut wakers = Wakers::default();
         let slots: Vec<usize> = (0..3)
-            .map(|_| wakers.add(Arc::new(AtomicWaker::new())))
+            .map(|_| wakers.add(Arc::new(Slot::new(u64::MAX))))
             .collect();
         assert_eq!(slots, [0, 1, 2]);
         wakers.remove(1);
         // Removing twice frees the slot once.
         wakers.remove(1);
         assert_eq!(wakers.slots.iter().flatten().count(), 2);
-        assert_eq!(wakers.add(Arc::new(AtomicWaker::new())), 1);
-        assert_eq!(wakers.add(Arc::new(AtomicWaker::new())), 3);
+        assert_eq!(wakers.add(Arc::new(Slot::new(u64::MAX))), 1);
+        assert_eq!(wakers.add(Arc::new(Slot::new(u64::MAX))), 3);
         assert_eq!(wakers.slots.len(), 4);
     }
 

@@ -121,6 +121,9 @@ pub struct EngineMetrics {
     pub subscription_redeliveries: u64,
     pub subscription_acks: u64,
     pub subscription_dispatched: u64,
+    /// Bytes the partitions' rings hold past their size for catch-up subscribers (within
+    /// [`WriterSettings::live_ring_lag_bytes`](crate::WriterSettings)).
+    pub live_ring_lag_bytes: u64,
 }
 
 #[cfg(test)]

@@ -11,7 +11,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tracing::{error, warn};
 
 use crate::error::{CoreError, Result};
-use crate::live::{LiveBatch, LiveRing};
+use crate::live::{LagBudget, LiveBatch, LiveRing};
 use crate::metrics::{EngineCounters, PartitionCounters};
 use crate::policy::{Durability, TopicPolicy};
 
@@ -38,6 +38,9 @@ pub struct WriterSettings {
     /// Bytes of recent batches each partition keeps in memory for live subscribers (the
     /// newest batch is always kept, however large), unless its topic's policy sets its own.
     pub live_ring_bytes: usize,
+    /// Bytes that all partitions together may keep past their rings' size for catch-up (QoS 1)
+    /// live subscribers that still need them; 0 keeps every ring at its size.
+    pub live_ring_lag_bytes: usize,
 }
 
 impl Default for WriterSettings {
@@ -47,6 +50,7 @@ impl Default for WriterSettings {
             max_group_bytes: 16 * 1024 * 1024,
             maintenance_interval: Duration::from_secs(30),
             live_ring_bytes: 32 * 1024 * 1024,
+            live_ring_lag_bytes: 512 * 1024 * 1024,
         }
     }
 }
@@ -169,6 +173,14 @@ impl std::fmt::Debug for WriterMsg {
     }
 }
 
+/// What every partition of one engine shares.
+#[derive(Debug, Clone)]
+pub(crate) struct EngineShared {
+    pub(crate) counters: Arc<EngineCounters>,
+    /// What the partitions' rings hold past their size for catch-up subscribers.
+    pub(crate) lag: Arc<LagBudget>,
+}
+
 impl Partition {
     /// Starts the writer task for an opened log.
     pub(crate) fn spawn(
@@ -177,7 +189,7 @@ impl Partition {
         log: PartitionLog,
         policy: TopicPolicy,
         settings: &WriterSettings,
-        engine: Arc<EngineCounters>,
+        engine: &EngineShared,
         topic_data: Arc<tokio::sync::Notify>,
     ) -> Self {
         let (tx, rx) = mpsc::channel(settings.queue_depth.max(1));
@@ -185,7 +197,7 @@ impl Partition {
         let (hw_tx, hw_rx) = watch::channel(reader.high_watermark());
         let counters = Arc::new(PartitionCounters::default());
         let tail = Arc::new(TailHint::new(log.end_position(), policy.segment_bytes));
-        let ring = Arc::new(LiveRing::new(reader.high_watermark()));
+        let ring = Arc::new(LiveRing::new(reader.high_watermark(), engine.lag.clone()));
         let writer = Writer {
             topic_data,
             ring: ring.clone(),
@@ -196,7 +208,7 @@ impl Partition {
             rx,
             high_watermark: hw_tx,
             counters: counters.clone(),
-            engine,
+            engine: engine.counters.clone(),
             max_group_bytes: settings.max_group_bytes,
             default_ring_bytes: settings.live_ring_bytes,
             last_sync: Instant::now(),
@@ -317,6 +329,8 @@ impl Writer {
                 error!(topic, partition = id, "final fsync at shutdown failed");
             }
         }
+        self.ring
+            .trim(self.policy.ring_bytes(self.default_ring_bytes));
         if let Some(ack) = shutdown_ack {
             let _ = ack.send(());
         }

@@ -13,9 +13,20 @@ use sluice_core::{
     Record, SlowPolicy, StartAt, SystemClock, TopicPolicy,
 };
 
+/// An engine whose rings keep exactly their size (no lag budget), so a subscriber behind the
+/// ring reads the segment files.
 async fn engine_with_ring(dir: &std::path::Path, ring_bytes: usize) -> Engine {
+    engine_with_lag_budget(dir, ring_bytes, 0).await
+}
+
+async fn engine_with_lag_budget(
+    dir: &std::path::Path,
+    ring_bytes: usize,
+    lag_bytes: usize,
+) -> Engine {
     let mut config = EngineConfig::new(dir);
     config.writer.live_ring_bytes = ring_bytes;
+    config.writer.live_ring_lag_bytes = lag_bytes;
     let engine = open_with(config, Arc::new(FsStorage), Arc::new(SystemClock)).await;
     engine.create_topic("t", 1, None).await.unwrap();
     engine
@@ -396,4 +407,134 @@ async fn a_topic_policy_sets_its_own_ring_size() {
         .unwrap();
     produce_to(&engine, "img", 20, 1000).await;
     assert!(held(&engine, "img") > 20_000);
+}
+
+fn ring_bytes(engine: &Engine, topic: &str) -> u64 {
+    engine
+        .metrics()
+        .partitions
+        .iter()
+        .find(|p| p.topic == topic)
+        .unwrap()
+        .live_ring_bytes
+}
+
+/// Creates topic `u` beside `t`, attaches a catch-up subscriber to each, and produces `n` 1 KB
+/// records to both that the subscribers have not read yet.
+async fn two_topics_behind(engine: &Engine, n: usize) -> Vec<LiveSubscriber> {
+    engine.create_topic("u", 1, None).await.unwrap();
+    let subs = ["t", "u"]
+        .iter()
+        .map(|t| {
+            engine
+                .subscribe_live(t, 0, opts(StartAt::Latest, SlowPolicy::CatchUp, 1_000_000))
+                .unwrap()
+        })
+        .collect();
+    for topic in ["t", "u"] {
+        produce_to(engine, topic, n, 1024).await;
+    }
+    subs
+}
+
+/// Delivers `n` records and says whether any came from the segment files.
+async fn take_noting_log(sub: &mut LiveSubscriber, n: usize) -> (Vec<u64>, bool) {
+    let (mut offsets, mut from_log) = (Vec::new(), false);
+    while offsets.len() < n {
+        let item = sub.next().await.unwrap();
+        from_log |= item.from_log;
+        offsets.extend(item.records().unwrap().iter().map(|r| r.offset as u64));
+    }
+    (offsets, from_log)
+}
+
+#[tokio::test]
+async fn a_ring_keeps_what_a_catch_up_subscriber_still_needs_and_frees_it_after() {
+    let dir = tempfile::tempdir().unwrap();
+    // A ring of about two 1 KB records, and room for far more past it.
+    let engine = engine_with_lag_budget(dir.path(), 3000, 1 << 20).await;
+    let mut slow = engine
+        .subscribe_live(
+            "t",
+            0,
+            opts(StartAt::Latest, SlowPolicy::CatchUp, 1_000_000),
+        )
+        .unwrap();
+    produce_n(&engine, 50, 1024).await;
+    let held = ring_bytes(&engine, "t");
+    assert!(held > 50 * 1024, "every record is still in memory: {held}");
+    assert_eq!(
+        engine.metrics().live_ring_lag_bytes,
+        held - 3000,
+        "what is past the ring's size is charged to the budget"
+    );
+    let (offsets, from_log) = take_noting_log(&mut slow, 50).await;
+    assert_eq!(offsets, (0..50).collect::<Vec<_>>());
+    assert!(!from_log, "nothing was read back from the files");
+    assert_eq!(engine.metrics().partitions[0].live_catchup_reads, 0);
+    // Caught up: the next commit shrinks the ring to its size and returns the budget.
+    produce_n(&engine, 1, 1024).await;
+    assert!(ring_bytes(&engine, "t") <= 3000);
+    assert_eq!(engine.metrics().live_ring_lag_bytes, 0);
+}
+
+#[tokio::test]
+async fn the_lag_budget_bounds_what_all_rings_keep_together() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = engine_with_lag_budget(dir.path(), 3000, 10_000).await;
+    let mut slow = two_topics_behind(&engine, 50).await;
+    let m = engine.metrics();
+    assert!(
+        m.live_ring_lag_bytes > 0 && m.live_ring_lag_bytes <= 10_000,
+        "{m:?}"
+    );
+    let past = ring_bytes(&engine, "t") + ring_bytes(&engine, "u") - 2 * 3000;
+    assert!(
+        past <= 10_000,
+        "both rings together stay in the budget: {past}"
+    );
+    // What the rings no longer hold comes from the files, in order and whole.
+    for sub in &mut slow {
+        let got = take(sub, 50).await;
+        assert_eq!(
+            got.iter().map(|g| g.0).collect::<Vec<_>>(),
+            (0..50).collect::<Vec<_>>()
+        );
+        assert!(got.iter().all(|(o, v)| v[..] == vec![*o as u8; 1024][..]));
+    }
+    assert!(engine.metrics().partitions[0].live_catchup_reads > 0);
+}
+
+#[tokio::test]
+async fn only_catch_up_subscribers_hold_a_ring_past_its_size() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = engine_with_lag_budget(dir.path(), 3000, 1 << 20).await;
+    let _live_views: Vec<LiveSubscriber> = [SlowPolicy::DropOldest, SlowPolicy::Disconnect]
+        .into_iter()
+        .map(|policy| {
+            engine
+                .subscribe_live("t", 0, opts(StartAt::Latest, policy, 1_000_000))
+                .unwrap()
+        })
+        .collect();
+    produce_n(&engine, 50, 1024).await;
+    assert!(ring_bytes(&engine, "t") <= 3000);
+    assert_eq!(engine.metrics().live_ring_lag_bytes, 0);
+}
+
+#[tokio::test]
+async fn a_lagging_subscriber_that_leaves_or_a_deleted_topic_returns_the_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = engine_with_lag_budget(dir.path(), 3000, 1 << 20).await;
+    let slow = two_topics_behind(&engine, 20).await;
+    let both = engine.metrics().live_ring_lag_bytes;
+    let t_past = ring_bytes(&engine, "t") - 3000;
+    assert!(t_past > 0 && both > t_past);
+    // The subscriber of t leaves: t's next commit gives its share back.
+    drop(slow);
+    produce_to(&engine, "t", 1, 1024).await;
+    assert_eq!(engine.metrics().live_ring_lag_bytes, both - t_past);
+    // u is deleted with its share still held: the share goes with its ring.
+    engine.delete_topic("u").await.unwrap();
+    assert_eq!(engine.metrics().live_ring_lag_bytes, 0);
 }

@@ -113,6 +113,7 @@ pub(crate) struct StorageSection {
     pub(crate) max_group_commit_bytes: usize,
     pub(crate) maintenance_interval_ms: u64,
     pub(crate) live_ring_bytes: usize,
+    pub(crate) live_ring_lag_bytes: usize,
     pub(crate) catchup_readers: usize,
     pub(crate) subscription_flush_interval_ms: u64,
     pub(crate) direct_write_min_bytes: usize,
@@ -413,6 +414,7 @@ impl Config {
                 max_group_bytes: self.storage.max_group_commit_bytes,
                 maintenance_interval: Duration::from_millis(self.storage.maintenance_interval_ms),
                 live_ring_bytes: self.storage.live_ring_bytes,
+                live_ring_lag_bytes: self.storage.live_ring_lag_bytes,
             },
             catchup_readers: self.storage.catchup_readers,
             subscription_flush_interval: Duration::from_millis(
@@ -486,6 +488,11 @@ mod tests {
             c.storage.direct_write_min_bytes,
             sluice_core::DirectFsStorage::DEFAULT_MIN_BYTES
         );
+        let (ours, library) = (c.engine_config().writer, WriterSettings::default());
+        assert_eq!(
+            (ours.live_ring_bytes, ours.live_ring_lag_bytes),
+            (library.live_ring_bytes, library.live_ring_lag_bytes)
+        );
     }
 
     #[test]
@@ -497,6 +504,7 @@ mod tests {
             ("SLUICE_HTTP_ADDR", "127.0.0.1:2"),
             ("SLUICE_TOPICS__DEFAULTS__DURABILITY", "interval"),
             ("SLUICE_STORAGE__WRITER_QUEUE_DEPTH", "77"),
+            ("SLUICE_STORAGE__LIVE_RING_LAG_BYTES", "0"),
             ("SLUICE_CONFIG", "ignored: read by the CLI"),
         ]);
         let cli = CliOverrides {
@@ -513,6 +521,7 @@ mod tests {
         assert_eq!(c.http.addr, "127.0.0.1:3", "CLI beats env beats file");
         assert_eq!(c.topics.defaults.durability, Durability::Interval);
         assert_eq!(c.storage.writer_queue_depth, 77);
+        assert_eq!(c.engine_config().writer.live_ring_lag_bytes, 0);
         let c = Config::load(Some(f.path()), vars, &CliOverrides::default()).unwrap();
         assert_eq!(c.http.addr, "127.0.0.1:2", "env beats file");
     }

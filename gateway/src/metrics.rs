@@ -681,6 +681,12 @@ pub(crate) fn render(engine: &EngineMetrics, process: &ProcessStats, ready: bool
         engine.subscription_dispatched,
     );
     o.single(
+        "sluice_live_ring_lag_bytes",
+        "gauge",
+        "Bytes the rings hold past their size for catch-up subscribers that still need them.",
+        engine.live_ring_lag_bytes,
+    );
+    o.single(
         "process_cpu_seconds_total",
         "counter",
         "User and system CPU time.",
@@ -858,6 +864,7 @@ mod tests {
             subscription_redeliveries: 0,
             subscription_acks: 0,
             subscription_dispatched: 0,
+            live_ring_lag_bytes: 6_291_456,
             retention_deleted_segments: 0,
             retention_deleted_bytes: 0,
         };
@@ -883,6 +890,7 @@ mod tests {
         assert!(text.contains("sluice_subscription_backlog{topic=\"cams\",subscription=\"thumbnails\",partition=\"2\"} 11\n"));
         assert!(text.contains("sluice_group_lag{group=\"analytics \\\"eu\\\"\",topic=\"cams\",partition=\"2\"} 2\n"), "{text}");
         assert!(text.contains("sluice_live_subscribers{topic=\"cams\",partition=\"2\"} 100000\n"));
+        assert!(text.contains("sluice_live_ring_lag_bytes 6291456\n"));
         assert!(text.contains("process_max_fds 20000\n"));
         // Every sample line belongs to a declared family.
         for line in text.lines().filter(|l| !l.starts_with('#')) {
