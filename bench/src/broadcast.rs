@@ -405,6 +405,8 @@ struct Receiving {
     have: usize,
     /// PUBACKs the socket has not taken yet.
     acks: Vec<u8>,
+    /// Whether the epoll set also waits for this socket to be writable.
+    wants_write: bool,
 }
 
 /// Receives for `streams` on this thread until `stop` is set: one level-triggered epoll, one
@@ -435,6 +437,7 @@ fn receive(
             framer: Framer::new(framing),
             have: 0,
             acks: Vec::new(),
+            wants_write: false,
         }));
     }
     let mut events = crate::epoll::events(1024);
@@ -487,10 +490,10 @@ fn receive(
 }
 
 /// Writes a subscriber's pending PUBACKs; what the socket does not take waits for it to be
-/// writable. False when the connection failed.
+/// writable. The epoll set changes only when that wait starts or ends: a PUBACK written at
+/// once costs its `write` and no `epoll_ctl`. False when the connection failed.
 fn flush_acks(epoll: &crate::epoll::Epoll, sub: &mut Receiving, token: u64) -> bool {
     use std::os::fd::AsRawFd;
-    let had = !sub.acks.is_empty();
     while !sub.acks.is_empty() {
         match sub.stream.write(&sub.acks) {
             Ok(n) => {
@@ -501,13 +504,15 @@ fn flush_acks(epoll: &crate::epoll::Epoll, sub: &mut Receiving, token: u64) -> b
             Err(_) => return false,
         }
     }
-    if !had {
+    let wants_write = !sub.acks.is_empty();
+    if wants_write == sub.wants_write {
         return true;
     }
-    let events = if sub.acks.is_empty() {
-        libc::EPOLLIN
-    } else {
+    sub.wants_write = wants_write;
+    let events = if wants_write {
         libc::EPOLLIN | libc::EPOLLOUT
+    } else {
+        libc::EPOLLIN
     };
     epoll
         .ctl(
@@ -1946,6 +1951,66 @@ mod tests {
         assert_eq!(seen.count[2].load(Ordering::Relaxed), 1);
         let last = seen.last_us[2].load(Ordering::Relaxed);
         assert!((5_000..60_000_000).contains(&last), "{last}");
+    }
+
+    #[test]
+    fn pubacks_the_socket_cannot_take_wait_for_writability_and_only_then() {
+        use std::io::Read;
+        use std::os::fd::AsRawFd;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let stream = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (mut broker, _) = listener.accept().unwrap();
+        stream.set_nonblocking(true).unwrap();
+        let epoll = crate::epoll::Epoll::new().unwrap();
+        let fd = stream.as_raw_fd();
+        epoll
+            .ctl(libc::EPOLL_CTL_ADD, fd, libc::EPOLLIN as u32, 7)
+            .unwrap();
+        let mut sub = Receiving {
+            stream,
+            framer: Framer::new(Framing::Mqtt),
+            have: 0,
+            acks: vec![0x40, 2, 0, 1],
+            wants_write: false,
+        };
+        // Taken at once: nothing waits.
+        assert!(flush_acks(&epoll, &mut sub, 7));
+        assert!(sub.acks.is_empty() && !sub.wants_write);
+        // More than the socket takes while the broker reads nothing: the rest waits.
+        const BACKLOG: usize = 64 << 20;
+        sub.acks = vec![0x40; BACKLOG];
+        assert!(flush_acks(&epoll, &mut sub, 7));
+        assert!(!sub.acks.is_empty() && sub.wants_write);
+        let reader = std::thread::spawn(move || {
+            let (mut buf, mut total) = (vec![0u8; 1 << 20], 4);
+            while total < BACKLOG + 4 {
+                total += broker.read(&mut buf).unwrap();
+            }
+            // Kept open: its end of stream would make the subscriber readable.
+            broker
+        });
+        // Writability is reported, and once everything is written it is no longer waited for.
+        let mut events = crate::epoll::events(8);
+        for _ in 0..600 {
+            if sub.acks.is_empty() {
+                break;
+            }
+            let n = epoll.wait(&mut events, 100).unwrap();
+            let writable = events[..n]
+                .iter()
+                .any(|e| e.u64 == 7 && e.events & libc::EPOLLOUT as u32 != 0);
+            if writable {
+                assert!(flush_acks(&epoll, &mut sub, 7));
+            }
+        }
+        assert!(sub.acks.is_empty(), "EPOLLOUT never came for the backlog");
+        assert!(!sub.wants_write);
+        let _broker = reader.join().unwrap();
+        assert_eq!(
+            epoll.wait(&mut events, 0).unwrap(),
+            0,
+            "no EPOLLOUT left armed"
+        );
     }
 
     #[test]
