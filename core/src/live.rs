@@ -144,6 +144,11 @@ struct RingState {
     /// Bytes past the ring's own size held for catch-up subscribers, charged to the
     /// engine's [`LagBudget`].
     charged: usize,
+    /// Offsets below this are in the ring only because a catch-up subscriber needs them (0
+    /// when nothing is held).
+    held_until: u64,
+    /// The ring's size at the last push (its topic's policy may change it).
+    max_bytes: usize,
 }
 
 /// Memory that every ring of an engine together may hold past its own size for catch-up
@@ -272,6 +277,8 @@ impl LiveRing {
                 bytes: 0,
                 next_offset,
                 charged: 0,
+                held_until: 0,
+                max_bytes: 0,
             }),
             wakers: Mutex::new(Wakers::default()),
             lag,
@@ -302,6 +309,7 @@ impl LiveRing {
             } else {
                 u64::MAX
             };
+            st.max_bytes = max_bytes;
             self.evict(&mut st, max_bytes, needed);
             st.next_offset = next_offset;
         }
@@ -316,6 +324,19 @@ impl LiveRing {
     /// the budget: called when its writer stops, after which no push would shrink it.
     pub(crate) fn trim(&self, max_bytes: usize) {
         self.evict(&mut self.state.write(), max_bytes, u64::MAX);
+    }
+
+    /// Gives back what the ring holds past its size that no catch-up subscriber needs any
+    /// more, as the next push would. A subscriber that caught up through the held part calls
+    /// it, so a topic that goes quiet after a flood does not keep the memory until its next
+    /// commit.
+    fn release_unneeded(&self) {
+        let wakers = self.wakers.lock();
+        let mut st = self.state.write();
+        if st.charged > 0 {
+            let max_bytes = st.max_bytes;
+            self.evict(&mut st, max_bytes, wakers.oldest_needed());
+        }
     }
 
     /// Drops the oldest batches past `max_bytes`, except those from `needed` on while the
@@ -334,8 +355,19 @@ impl LiveRing {
                 st.bytes -= old.bytes.len();
             }
         }
+        st.held_until = 0;
         if !holding {
             self.lag.resize(&mut st.charged, 0);
+            return;
+        }
+        // Where the ring would start at its own size.
+        let mut rest = st.bytes;
+        for b in &st.batches {
+            if rest <= max_bytes {
+                break;
+            }
+            rest -= b.bytes.len();
+            st.held_until = b.last_offset + 1;
         }
     }
 
@@ -457,6 +489,9 @@ pub struct LiveSubscriber {
     /// This subscriber's slot in the ring's wakers, and its index there.
     slot: Arc<Slot>,
     slot_index: usize,
+    /// Took a batch the ring held only for catch-up subscribers: once at the head, this
+    /// subscriber lets the ring give back what nobody needs any more.
+    read_held: bool,
 }
 
 /// A catch-up read under way before it is needed.
@@ -504,6 +539,7 @@ impl LiveSubscriber {
             ahead: None,
             slot,
             slot_index,
+            read_held: false,
         }
     }
 
@@ -553,6 +589,10 @@ impl LiveSubscriber {
         self.slot.waker.register(cx.waker());
         match self.take_from_ring() {
             Ok(Step::Wait) => Poll::Pending,
+            Ok(Step::Release) => {
+                self.ring.release_unneeded();
+                Poll::Pending
+            }
             Ok(Step::Item(item)) => Poll::Ready(Ok(Some(item))),
             Ok(Step::ReadLog) => Poll::Ready(Ok(None)),
             Err(e) => Poll::Ready(Err(e)),
@@ -563,6 +603,9 @@ impl LiveSubscriber {
         let st = self.ring.state.read();
         let head = st.next_offset;
         if self.cursor >= head {
+            if std::mem::take(&mut self.read_held) && st.charged > 0 {
+                return Ok(Step::Release);
+            }
             return Ok(Step::Wait);
         }
         let front = st.batches.front().map_or(head, |b| b.base_offset);
@@ -603,6 +646,7 @@ impl LiveSubscriber {
             from_log: false,
         };
         let next = b.last_offset + 1;
+        self.read_held |= b.base_offset < st.held_until;
         drop(st);
         self.set_cursor(next);
         Ok(Step::Item(item))
@@ -676,6 +720,8 @@ enum Step {
     Item(LiveItem),
     ReadLog,
     Wait,
+    /// Wait, after giving back what the ring held for this subscriber.
+    Release,
 }
 
 impl Drop for LiveSubscriber {

@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use common::*;
+use futures_util::FutureExt;
 use sluice_core::{
     CoreError, Engine, EngineConfig, FsStorage, LiveOptions, LiveSubscriber, PartitionChoice,
     Record, SlowPolicy, StartAt, SystemClock, TopicPolicy,
@@ -472,10 +473,39 @@ async fn a_ring_keeps_what_a_catch_up_subscriber_still_needs_and_frees_it_after(
     assert_eq!(offsets, (0..50).collect::<Vec<_>>());
     assert!(!from_log, "nothing was read back from the files");
     assert_eq!(engine.metrics().partitions[0].live_catchup_reads, 0);
-    // Caught up: the next commit shrinks the ring to its size and returns the budget.
-    produce_n(&engine, 1, 1024).await;
+    // Caught up, it finds nothing new and gives the held part back, with no further commit.
+    assert!(slow.next().now_or_never().is_none());
     assert!(ring_bytes(&engine, "t") <= 3000);
     assert_eq!(engine.metrics().live_ring_lag_bytes, 0);
+}
+
+#[tokio::test]
+async fn a_subscriber_that_caught_up_gives_back_only_what_no_other_still_needs() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = engine_with_lag_budget(dir.path(), 3000, 1 << 20).await;
+    let mut subs: Vec<LiveSubscriber> = (0..2)
+        .map(|_| {
+            engine
+                .subscribe_live(
+                    "t",
+                    0,
+                    opts(StartAt::Latest, SlowPolicy::CatchUp, 1_000_000),
+                )
+                .unwrap()
+        })
+        .collect();
+    produce_n(&engine, 20, 1024).await;
+    let held = engine.metrics().live_ring_lag_bytes;
+    assert!(held > 0);
+    for (i, sub) in subs.iter_mut().enumerate() {
+        let (offsets, from_log) = take_noting_log(sub, 20).await;
+        assert_eq!(offsets, (0..20).collect::<Vec<_>>());
+        assert!(!from_log, "subscriber {i} read from the files");
+        assert!(sub.next().now_or_never().is_none());
+        // The first leaves everything to the second; the second frees it.
+        let expected = if i == 0 { held } else { 0 };
+        assert_eq!(engine.metrics().live_ring_lag_bytes, expected);
+    }
 }
 
 #[tokio::test]
