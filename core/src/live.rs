@@ -151,6 +151,15 @@ struct RingState {
     max_bytes: usize,
 }
 
+impl RingState {
+    /// The oldest offset held.
+    fn front(&self) -> u64 {
+        self.batches
+            .front()
+            .map_or(self.next_offset, |b| b.base_offset)
+    }
+}
+
 /// Memory that every ring of an engine together may hold past its own size for catch-up
 /// subscribers that still need it.
 #[derive(Debug)]
@@ -230,12 +239,15 @@ impl Slot {
 }
 
 impl Wakers {
-    /// The oldest offset any catch-up subscriber still needs.
-    fn oldest_needed(&self) -> u64 {
+    /// The oldest offset a catch-up subscriber still in the ring (at or past `front`) needs.
+    /// One already behind the ring reads the files whatever the ring keeps, so it holds
+    /// nothing: a subscriber that stopped reading holds the budget only until it falls off.
+    fn oldest_needed(&self, front: u64) -> u64 {
         self.slots
             .iter()
             .flatten()
             .map(|s| s.needs.load(Ordering::Relaxed))
+            .filter(|&needs| needs >= front)
             .min()
             .unwrap_or(u64::MAX)
     }
@@ -305,7 +317,7 @@ impl LiveRing {
                 st.batches.push_back(Arc::new(b));
             }
             let needed = if st.bytes > max_bytes && self.lag.limit > 0 {
-                wakers.oldest_needed()
+                wakers.oldest_needed(st.front())
             } else {
                 u64::MAX
             };
@@ -335,7 +347,8 @@ impl LiveRing {
         let mut st = self.state.write();
         if st.charged > 0 {
             let max_bytes = st.max_bytes;
-            self.evict(&mut st, max_bytes, wakers.oldest_needed());
+            let needed = wakers.oldest_needed(st.front());
+            self.evict(&mut st, max_bytes, needed);
         }
     }
 
@@ -374,7 +387,7 @@ impl LiveRing {
     /// (oldest offset held, next offset, bytes held).
     pub(crate) fn window(&self) -> (u64, u64, usize) {
         let st = self.state.read();
-        let front = st.batches.front().map_or(st.next_offset, |b| b.base_offset);
+        let front = st.front();
         (front, st.next_offset, st.bytes)
     }
 
@@ -608,7 +621,7 @@ impl LiveSubscriber {
             }
             return Ok(Step::Wait);
         }
-        let front = st.batches.front().map_or(head, |b| b.base_offset);
+        let front = st.front();
         let lag = head - self.cursor;
         if self.cursor < front || lag > self.max_lag {
             let counters = &self.ring.counters;

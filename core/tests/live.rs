@@ -512,27 +512,62 @@ async fn a_subscriber_that_caught_up_gives_back_only_what_no_other_still_needs()
 async fn the_lag_budget_bounds_what_all_rings_keep_together() {
     let dir = tempfile::tempdir().unwrap();
     let engine = engine_with_lag_budget(dir.path(), 3000, 10_000).await;
-    let mut slow = two_topics_behind(&engine, 50).await;
-    let m = engine.metrics();
-    assert!(
-        m.live_ring_lag_bytes > 0 && m.live_ring_lag_bytes <= 10_000,
-        "{m:?}"
-    );
-    let past = ring_bytes(&engine, "t") + ring_bytes(&engine, "u") - 2 * 3000;
-    assert!(
-        past <= 10_000,
-        "both rings together stay in the budget: {past}"
-    );
+    let mut slow = two_topics_behind(&engine, 0).await;
+    let mut most = 0;
+    for i in 0..30u8 {
+        for topic in ["t", "u"] {
+            engine
+                .produce(
+                    topic,
+                    PartitionChoice::Id(0),
+                    &[record("k", &[i; 1024], now())],
+                )
+                .await
+                .unwrap();
+            let m = engine.metrics();
+            let past: u64 = ["t", "u"]
+                .iter()
+                .map(|t| ring_bytes(&engine, t).saturating_sub(3000))
+                .sum();
+            assert!(m.live_ring_lag_bytes <= 10_000, "{m:?}");
+            assert!(
+                past <= 10_000,
+                "both rings together stay in the budget: {past}"
+            );
+            most = most.max(m.live_ring_lag_bytes);
+        }
+    }
+    assert!(most > 5_000, "the rings held past their size: {most}");
     // What the rings no longer hold comes from the files, in order and whole.
     for sub in &mut slow {
-        let got = take(sub, 50).await;
+        let got = take(sub, 30).await;
         assert_eq!(
             got.iter().map(|g| g.0).collect::<Vec<_>>(),
-            (0..50).collect::<Vec<_>>()
+            (0..30).collect::<Vec<_>>()
         );
         assert!(got.iter().all(|(o, v)| v[..] == vec![*o as u8; 1024][..]));
     }
     assert!(engine.metrics().partitions[0].live_catchup_reads > 0);
+}
+
+#[tokio::test]
+async fn a_subscriber_that_fell_off_the_ring_holds_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = engine_with_lag_budget(dir.path(), 3000, 10_000).await;
+    let mut stalled = engine
+        .subscribe_live(
+            "t",
+            0,
+            opts(StartAt::Latest, SlowPolicy::CatchUp, 1_000_000),
+        )
+        .unwrap();
+    // Far more than the ring and the budget: it falls off, and the ring goes back to its size.
+    produce_n(&engine, 50, 1024).await;
+    assert!(ring_bytes(&engine, "t") <= 3000);
+    assert_eq!(engine.metrics().live_ring_lag_bytes, 0);
+    let (offsets, from_log) = take_noting_log(&mut stalled, 50).await;
+    assert_eq!(offsets, (0..50).collect::<Vec<_>>());
+    assert!(from_log);
 }
 
 #[tokio::test]
