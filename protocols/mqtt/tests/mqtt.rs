@@ -41,7 +41,15 @@ async fn start_on(
     users: std::collections::BTreeMap<String, String>,
     storage: Arc<dyn Storage>,
 ) -> Gateway {
-    let engine = Engine::open(EngineConfig::new(dir), storage, Arc::new(SystemClock))
+    start_engine(EngineConfig::new(dir), users, storage).await
+}
+
+async fn start_engine(
+    config: EngineConfig,
+    users: std::collections::BTreeMap<String, String>,
+    storage: Arc<dyn Storage>,
+) -> Gateway {
+    let engine = Engine::open(config, storage, Arc::new(SystemClock))
         .await
         .unwrap();
     let settings = MqttSettings {
@@ -1151,5 +1159,82 @@ async fn large_publishes_that_cannot_land_take_the_usual_path() {
             .headers
             .contains(&("site".into(), Bytes::from_static(b"north")))
     );
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn a_qos1_subscriber_held_back_by_its_window_catches_up_from_memory() {
+    use rumqttc::v5::mqttbytes::QoS as QoS5;
+    use rumqttc::v5::mqttbytes::v5::Packet as P5;
+    use rumqttc::v5::{AsyncClient as Client5, Event as Event5, MqttOptions as Options5};
+    let dir = tempfile::tempdir().unwrap();
+    // A ring of three 10 KB messages, and room for all of them past it.
+    let mut config = EngineConfig::new(dir.path());
+    config.writer.live_ring_bytes = 32 * 1024;
+    config.writer.live_ring_lag_bytes = 4 << 20;
+    let gw = start_engine(config, Default::default(), Arc::new(FsStorage)).await;
+
+    // At most four unacknowledged deliveries, acknowledged only when the test says so.
+    let mut opts = Options5::new("viewer", "127.0.0.1", gw.port);
+    opts.set_receive_maximum(Some(4));
+    opts.set_manual_acks(true);
+    let (viewer, mut events) = Client5::new(opts, 100);
+    let (tx, mut got) = mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        while let Ok(e) = events.poll().await {
+            let sent = match e {
+                Event5::Incoming(P5::Publish(p)) => tx.send(Some(p)),
+                Event5::Incoming(P5::SubAck(_)) => tx.send(None),
+                _ => Ok(()),
+            };
+            if sent.is_err() {
+                break;
+            }
+        }
+    });
+    viewer.subscribe("lag/+", QoS5::AtLeastOnce).await.unwrap();
+    let suback = tokio::time::timeout(PATIENCE, got.recv()).await.unwrap();
+    assert!(matches!(suback, Some(None)), "SUBACK first");
+
+    const N: u8 = 60;
+    let (publisher, mut incoming) = client(gw.port, "camera", |_| {}).await;
+    for i in 0..N {
+        publisher
+            .publish("lag/a", QoS::AtLeastOnce, false, image(i, 10_000))
+            .await
+            .unwrap();
+        next_matching(&mut incoming, |p| {
+            matches!(p, Packet::PubAck(_)).then_some(())
+        })
+        .await;
+    }
+    // Every message is durable and the viewer has at most a window's worth: the ring holds
+    // the rest past its size.
+    let held = gw.engine.metrics().live_ring_lag_bytes;
+    assert!(held > 400_000, "held past the ring's size: {held}");
+
+    for i in 0..N {
+        let p = tokio::time::timeout(PATIENCE, got.recv())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        assert_eq!(&p.payload[..], &image(i, 10_000)[..], "message {i}");
+        viewer.ack(&p).await.unwrap();
+    }
+    let m = gw.engine.metrics();
+    let partition = m.partitions.iter().find(|p| p.topic == "mqtt").unwrap();
+    assert_eq!(
+        partition.live_catchup_reads, 0,
+        "nothing read back from the files"
+    );
+    // Caught up, the viewer gives the held part back.
+    let released = tokio::time::timeout(PATIENCE, async {
+        while gw.engine.metrics().live_ring_lag_bytes > 0 {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
+    assert!(released.is_ok(), "the held part was never given back");
     gw.stop().await;
 }
