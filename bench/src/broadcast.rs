@@ -946,21 +946,20 @@ fn spawn_gateway(
         .args(args)
         .args(["--log-format", "text"])
         .env_remove("RUST_LOG")
-        .env(
-            "SLUICE_STORAGE__DIRECT_WRITE_MIN_BYTES",
-            storage.direct_write_min_bytes.to_string(),
-        )
-        .env(
-            "SLUICE_STORAGE__LIVE_RING_BYTES",
-            storage.live_ring_bytes.to_string(),
-        )
-        .env(
-            "SLUICE_STORAGE__LIVE_RING_LAG_BYTES",
-            storage.live_ring_lag_bytes.to_string(),
-        )
-        .env(
-            "SLUICE_RUNTIME__WORKER_THREADS",
-            storage.worker_threads.to_string(),
+        .envs(
+            [
+                (
+                    "SLUICE_STORAGE__DIRECT_WRITE_MIN_BYTES",
+                    storage.direct_write_min_bytes,
+                ),
+                ("SLUICE_STORAGE__LIVE_RING_BYTES", storage.live_ring_bytes),
+                (
+                    "SLUICE_STORAGE__LIVE_RING_LAG_BYTES",
+                    storage.live_ring_lag_bytes,
+                ),
+                ("SLUICE_RUNTIME__WORKER_THREADS", storage.worker_threads),
+            ]
+            .map(|(key, value)| (key, value.to_string())),
         )
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())

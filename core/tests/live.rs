@@ -420,18 +420,22 @@ fn ring_bytes(engine: &Engine, topic: &str) -> u64 {
         .live_ring_bytes
 }
 
+/// A catch-up subscriber of partition 0 of `topic`, from the next record on.
+fn catch_up(engine: &Engine, topic: &str) -> LiveSubscriber {
+    engine
+        .subscribe_live(
+            topic,
+            0,
+            opts(StartAt::Latest, SlowPolicy::CatchUp, 1_000_000),
+        )
+        .unwrap()
+}
+
 /// Creates topic `u` beside `t`, attaches a catch-up subscriber to each, and produces `n` 1 KB
 /// records to both that the subscribers have not read yet.
 async fn two_topics_behind(engine: &Engine, n: usize) -> Vec<LiveSubscriber> {
     engine.create_topic("u", 1, None).await.unwrap();
-    let subs = ["t", "u"]
-        .iter()
-        .map(|t| {
-            engine
-                .subscribe_live(t, 0, opts(StartAt::Latest, SlowPolicy::CatchUp, 1_000_000))
-                .unwrap()
-        })
-        .collect();
+    let subs = ["t", "u"].iter().map(|t| catch_up(engine, t)).collect();
     for topic in ["t", "u"] {
         produce_to(engine, topic, n, 1024).await;
     }
@@ -454,13 +458,7 @@ async fn a_ring_keeps_what_a_catch_up_subscriber_still_needs_and_frees_it_after(
     let dir = tempfile::tempdir().unwrap();
     // A ring of about two 1 KB records, and room for far more past it.
     let engine = engine_with_lag_budget(dir.path(), 3000, 1 << 20).await;
-    let mut slow = engine
-        .subscribe_live(
-            "t",
-            0,
-            opts(StartAt::Latest, SlowPolicy::CatchUp, 1_000_000),
-        )
-        .unwrap();
+    let mut slow = catch_up(&engine, "t");
     produce_n(&engine, 50, 1024).await;
     let held = ring_bytes(&engine, "t");
     assert!(held > 50 * 1024, "every record is still in memory: {held}");
@@ -483,17 +481,7 @@ async fn a_ring_keeps_what_a_catch_up_subscriber_still_needs_and_frees_it_after(
 async fn a_subscriber_that_caught_up_gives_back_only_what_no_other_still_needs() {
     let dir = tempfile::tempdir().unwrap();
     let engine = engine_with_lag_budget(dir.path(), 3000, 1 << 20).await;
-    let mut subs: Vec<LiveSubscriber> = (0..2)
-        .map(|_| {
-            engine
-                .subscribe_live(
-                    "t",
-                    0,
-                    opts(StartAt::Latest, SlowPolicy::CatchUp, 1_000_000),
-                )
-                .unwrap()
-        })
-        .collect();
+    let mut subs: Vec<LiveSubscriber> = (0..2).map(|_| catch_up(&engine, "t")).collect();
     produce_n(&engine, 20, 1024).await;
     let held = engine.metrics().live_ring_lag_bytes;
     assert!(held > 0);
@@ -554,13 +542,7 @@ async fn the_lag_budget_bounds_what_all_rings_keep_together() {
 async fn a_subscriber_that_fell_off_the_ring_holds_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let engine = engine_with_lag_budget(dir.path(), 3000, 10_000).await;
-    let mut stalled = engine
-        .subscribe_live(
-            "t",
-            0,
-            opts(StartAt::Latest, SlowPolicy::CatchUp, 1_000_000),
-        )
-        .unwrap();
+    let mut stalled = catch_up(&engine, "t");
     // Far more than the ring and the budget: it falls off, and the ring goes back to its size.
     produce_n(&engine, 50, 1024).await;
     assert!(ring_bytes(&engine, "t") <= 3000);
