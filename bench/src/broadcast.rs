@@ -86,6 +86,17 @@ pub(crate) struct BroadcastArgs {
     /// `ws`.
     #[arg(long, default_value = "mqtt")]
     transport: String,
+    /// How the publisher sends, comma-separated, each a case of its own: `mqtt` (one MQTT
+    /// connection at the case's QoS, PUBLISHes written back to back) and `rest` (Sluice's REST
+    /// API: `POST /topics/mqtt/records?key=cars/broadcast` with the raw payload, on the gateway
+    /// binary's main node, over `--rest-connections` keep-alive HTTP/1.1 connections that each
+    /// wait for their answer, sent once the record is durable). Only Sluice brokers run with
+    /// `rest`.
+    #[arg(long, value_delimiter = ',', default_value = "mqtt")]
+    publishers: Vec<String>,
+    /// Keep-alive HTTP/1.1 connections of the `rest` publisher, each with one request in flight.
+    #[arg(long, default_value_t = 4)]
+    rest_connections: usize,
     /// Relays behind the main node for `sluice-relays` (each process may hold at most
     /// 20,000 connections here).
     #[arg(long, default_value_t = 6)]
@@ -931,6 +942,8 @@ struct Broker {
     publish_port: u16,
     /// HTTP ports serving WebSocket subscribers (gateway binary only).
     http_ports: Vec<u16>,
+    /// The main node's HTTP listener, where the REST publisher posts (gateway binary only).
+    publish_http: Option<SocketAddr>,
     relays: Vec<Child>,
 }
 
@@ -1053,6 +1066,7 @@ impl Broker {
             } else {
                 Vec::new()
             },
+            publish_http: Some(main["http"]),
             relays: Vec::new(),
         };
         for _ in 0..relays {
@@ -1088,7 +1102,13 @@ impl Broker {
             .collect()
     }
 
-    fn start(name: &str, args: &BroadcastArgs, max_connections: usize) -> anyhow::Result<Self> {
+    /// `name` for a case whose publisher is `publisher`.
+    fn start(
+        name: &str,
+        args: &BroadcastArgs,
+        publisher: &str,
+        max_connections: usize,
+    ) -> anyhow::Result<Self> {
         match name {
             "sluice-relays" => Self::start_relays(args, args.relays.max(1)),
             "floor-relays" => {
@@ -1114,8 +1134,11 @@ impl Broker {
                 main.port = shared;
                 Ok(main)
             }
-            // WebSocket subscribers need the gateway binary's HTTP listener.
-            "sluice" if args.transport == "ws" => Self::start_relays(args, 0),
+            // WebSocket subscribers and the REST publisher need the gateway binary's HTTP
+            // listener.
+            "sluice" if args.transport == "ws" || publisher == "rest" => {
+                Self::start_relays(args, 0)
+            }
             "mosquitto" => {
                 let port = std::net::TcpListener::bind("127.0.0.1:0")?
                     .local_addr()?
@@ -1148,6 +1171,7 @@ impl Broker {
                     port,
                     publish_port: port,
                     http_ports: Vec::new(),
+                    publish_http: None,
                     relays: Vec::new(),
                 })
             }
@@ -1197,6 +1221,7 @@ impl Broker {
             port,
             publish_port: port,
             http_ports: Vec::new(),
+            publish_http: None,
             relays: Vec::new(),
         })
     }
@@ -1388,11 +1413,12 @@ static CASES: AtomicUsize = AtomicUsize::new(0);
 fn run_case(
     args: &BroadcastArgs,
     broker_name: &str,
+    publisher: &str,
     qos: u8,
     n: usize,
 ) -> anyhow::Result<CaseResult> {
     let case = CASES.fetch_add(1, Ordering::Relaxed);
-    let mut broker = Broker::start(broker_name, args, n + 100)?;
+    let mut broker = Broker::start(broker_name, args, publisher, n + 100)?;
     let pids = broker.pids();
     // CPU and memory of the broker's processes together.
     let usage = || {
@@ -1455,8 +1481,21 @@ fn run_case(
         std::thread::sleep(Duration::from_millis(500));
         let (cpu_before, rss) = usage();
 
-        let publish_addr = SocketAddr::from(([127, 0, 0, 1], broker.publish_port));
-        let publish_time = publish(publish_addr, qos, args)?;
+        let publish_time = if publisher == "rest" {
+            let http = broker
+                .publish_http
+                .context("the REST publisher needs the gateway binary")?;
+            publish_rest(
+                http,
+                args.size,
+                args.rate,
+                args.messages,
+                args.rest_connections,
+            )?
+        } else {
+            let publish_addr = SocketAddr::from(([127, 0, 0, 1], broker.publish_port));
+            publish(publish_addr, qos, args)?
+        };
         let drain_deadline = Instant::now() + Duration::from_secs(args.drain_s);
         let mut summaries = Vec::new();
         for w in &mut workers {
@@ -1478,10 +1517,11 @@ fn run_case(
                 "sluice-relays" => format!("sluice + {} relays", args.relays.max(1)),
                 "floor-relays" => format!("floor + {} relays", args.relays.max(1)),
                 other => other.to_owned(),
-            } + if args.transport == "ws" {
-                " (WebSocket)"
-            } else {
-                ""
+            } + match (publisher, args.transport.as_str()) {
+                ("rest", "ws") => " (REST in, WebSocket out)",
+                ("rest", _) => " (REST in)",
+                (_, "ws") => " (WebSocket)",
+                _ => "",
             },
             qos,
             subscribers: n,
@@ -1581,6 +1621,119 @@ fn publish(addr: SocketAddr, qos: u8, args: &BroadcastArgs) -> anyhow::Result<Du
     })
 }
 
+/// Publishes `messages` payloads of `size` bytes at `rate` per second (as fast as the broker
+/// answers when the rate is higher) through Sluice's REST API at `http`, as a camera gateway
+/// would: `connections` keep-alive HTTP/1.1 connections, each sending its next request once the
+/// last one is answered (Sluice answers once the record is durable). Each record's key is the
+/// MQTT topic, so MQTT subscribers get it under that name. Answers the time from the first
+/// request until the last answer.
+fn publish_rest(
+    http: SocketAddr,
+    size: usize,
+    rate: f64,
+    messages: usize,
+    connections: usize,
+) -> anyhow::Result<Duration> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async move {
+        let size = size.max(12);
+        let head = format!(
+            "POST /topics/{LEDGER_TOPIC}/records?key={TOPIC} HTTP/1.1\r\nHost: {http}\r\n\
+             Content-Type: application/octet-stream\r\nContent-Length: {size}\r\n\r\n"
+        );
+        let head: Arc<[u8]> = head.into_bytes().into();
+        let mut streams = Vec::new();
+        for _ in 0..connections.max(1) {
+            let s = TcpStream::connect(http).await?;
+            s.set_nodelay(true)?;
+            streams.push(s);
+        }
+        // One clock for all connections, so the rate is the publisher's, and the sequence number
+        // is taken after the tick, so numbers follow send times.
+        let interval = Duration::from_secs_f64(1.0 / rate.max(0.001));
+        let tick = Arc::new(tokio::sync::Mutex::new(tokio::time::interval(interval)));
+        let next = Arc::new(AtomicUsize::new(0));
+        let started = Instant::now();
+        let tasks: Vec<_> = streams
+            .into_iter()
+            .map(|mut s| {
+                let (head, tick, next) = (head.clone(), tick.clone(), next.clone());
+                tokio::spawn(async move {
+                    let mut payload = vec![0x5Au8; size];
+                    let mut answer = Vec::new();
+                    loop {
+                        tick.lock().await.tick().await;
+                        let seq = next.fetch_add(1, Ordering::Relaxed);
+                        if seq >= messages {
+                            return anyhow::Ok(());
+                        }
+                        payload[..8].copy_from_slice(&now_ns().to_be_bytes());
+                        payload[8..12].copy_from_slice(&(seq as u32).to_be_bytes());
+                        s.write_all_buf(&mut Buf::chain(&head[..], payload.as_slice()))
+                            .await?;
+                        let status = read_http_answer(&mut s, &mut answer).await?;
+                        anyhow::ensure!(
+                            status == 200,
+                            "REST produce answered {status}: {}",
+                            String::from_utf8_lossy(&answer)
+                        );
+                    }
+                })
+            })
+            .collect();
+        for t in tasks {
+            t.await??;
+        }
+        anyhow::Ok(started.elapsed())
+    })
+}
+
+/// Reads one HTTP/1.1 answer from `s` into `answer` (its head and body, nothing after it);
+/// answers its status.
+async fn read_http_answer(s: &mut TcpStream, answer: &mut Vec<u8>) -> anyhow::Result<u16> {
+    answer.clear();
+    let mut chunk = [0u8; 4096];
+    loop {
+        if let Some((status, len)) = http_answer(answer)?
+            && answer.len() >= len
+        {
+            // Nothing follows: the publisher sends its next request only after this answer.
+            anyhow::ensure!(answer.len() == len, "bytes after an HTTP answer");
+            return Ok(status);
+        }
+        let n = s.read(&mut chunk).await?;
+        anyhow::ensure!(n > 0, "the server closed the connection mid-answer");
+        answer.extend_from_slice(&chunk[..n]);
+    }
+}
+
+/// The status and whole length (head and `Content-Length` body) of the HTTP/1.1 answer at the
+/// start of `buf`; `None` while its head is incomplete.
+fn http_answer(buf: &[u8]) -> anyhow::Result<Option<(u16, usize)>> {
+    let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
+        return Ok(None);
+    };
+    let head = std::str::from_utf8(&buf[..end])?;
+    let mut lines = head.split("\r\n");
+    let status = lines
+        .next()
+        .and_then(|l| l.split(' ').nth(1))
+        .and_then(|c| c.parse().ok())
+        .context("no HTTP status line")?;
+    let mut body = 0;
+    for (name, value) in lines.filter_map(|l| l.split_once(':')) {
+        let (name, value) = (name.trim(), value.trim());
+        if name.eq_ignore_ascii_case("content-length") {
+            body = value.parse()?;
+        } else if name.eq_ignore_ascii_case("transfer-encoding") {
+            bail!("an answer with transfer-encoding {value}; Sluice sends Content-Length");
+        }
+    }
+    Ok(Some((status, end + 4 + body)))
+}
+
 /// This machine's loopback TCP ceiling: two sender/receiver pairs (one per core here) moving
 /// 2 MB writes for about two seconds, in GB/s of payload. The yardstick for egress.
 fn loopback_gbps() -> anyhow::Result<f64> {
@@ -1676,6 +1829,13 @@ pub(crate) fn run(args: BroadcastArgs) -> anyhow::Result<()> {
         "--transport is mqtt or ws, not {}",
         args.transport
     );
+    if let Some(p) = args
+        .publishers
+        .iter()
+        .find(|p| !matches!(p.as_str(), "mqtt" | "rest"))
+    {
+        bail!("--publishers takes mqtt and rest, not {p}");
+    }
     // Measured first, on an idle machine, so egress figures have a ceiling to compare with.
     let loopback = loopback_gbps()?;
     let mut results = Vec::new();
@@ -1692,20 +1852,28 @@ pub(crate) fn run(args: BroadcastArgs) -> anyhow::Result<()> {
                     eprintln!("mosquitto skipped: {} is missing", args.mosquitto);
                     continue;
                 }
-                eprintln!("{broker}: QoS {qos}, {n} subscribers ...");
-                // This VM's disk changes speed by 2x from minute to minute, so a yardstick
-                // measured once for the whole run says little about a case minutes later.
-                let before = disk_speed(&args)?;
-                match run_case(&args, broker, qos, n) {
-                    Ok(mut r) => {
-                        let after = disk_speed(&args)?;
-                        r.disk_mb_s = before.zip(after).map(|(b, a)| b.max(a));
-                        results.push(r);
+                for publisher in &args.publishers {
+                    if publisher == "rest" && !broker.starts_with("sluice") {
+                        eprintln!("{broker} skipped for the REST publisher: Sluice's REST API");
+                        continue;
                     }
-                    Err(e) => {
-                        eprintln!("{broker} QoS {qos} N={n}: did not complete: {e:#}");
-                        if broker.starts_with("sluice") {
-                            sluice_failed.push(format!("QoS {qos} N={n}: {e:#}"));
+                    eprintln!("{broker}: QoS {qos}, {n} subscribers, {publisher} publisher ...");
+                    // This VM's disk changes speed by 2x from minute to minute, so a yardstick
+                    // measured once for the whole run says little about a case minutes later.
+                    let before = disk_speed(&args)?;
+                    match run_case(&args, broker, publisher, qos, n) {
+                        Ok(mut r) => {
+                            let after = disk_speed(&args)?;
+                            r.disk_mb_s = before.zip(after).map(|(b, a)| b.max(a));
+                            results.push(r);
+                        }
+                        Err(e) => {
+                            eprintln!(
+                                "{broker} QoS {qos} N={n} ({publisher} publisher): did not complete: {e:#}"
+                            );
+                            if broker.starts_with("sluice") {
+                                sluice_failed.push(format!("QoS {qos} N={n} ({publisher}): {e:#}"));
+                            }
                         }
                     }
                 }
@@ -1713,7 +1881,7 @@ pub(crate) fn run(args: BroadcastArgs) -> anyhow::Result<()> {
         }
     }
     println!(
-        "One publisher, topic `{TOPIC}`, {} B payloads at {}/s, {} messages per case; subscribers are MQTT 3.1.1 clean sessions in worker processes of up to {} clients (read by two threads with one epoll each; one loopback source address per {CLIENTS_PER_ADDRESS} clients). Sluice runs with durability fsync, a live ring of {} MiB per partition and {} MiB for all rings to hold past that for QoS 1 subscribers still behind (storage.live_ring_bytes, storage.live_ring_lag_bytes); Mosquitto in memory (persistence off); rumqttd in memory; the floor is one thread and one epoll writing each PUBLISH verbatim to every subscriber, nothing else (a QoS 1 PUBLISH is acknowledged on arrival; publishers are not read while a subscriber has more than 64 MiB waiting). Latency is publish to receipt over all deliveries (1% buckets); \"last\" is when the last subscriber had a message (median and max over messages). CPU per delivery is the broker process's CPU time during the publishing phase divided by deliveries. \"in msg/s\" is what the broker took per second (until the last PUBACK at QoS 1: durable in Sluice); \"out MB/s\" is payload delivered per second until the last subscriber had the slowest message. \"sluice + R relays\": subscribers on R relay processes sharing one MQTT port (SO_REUSEPORT), the publisher on the main node; CPU and memory are all of them together; \"floor + R relays\" is the same tree of floors, each relay one subscription of the main floor. Loopback ceiling measured in this run (2 TCP streams of 2 MB writes): {loopback:.2} GB/s.{}{}\n",
+        "One publisher, topic `{TOPIC}`, {} B payloads at {}/s, {} messages per case; subscribers are MQTT 3.1.1 clean sessions in worker processes of up to {} clients (read by two threads with one epoll each; one loopback source address per {CLIENTS_PER_ADDRESS} clients). Sluice runs with durability fsync, a live ring of {} MiB per partition and {} MiB for all rings to hold past that for QoS 1 subscribers still behind (storage.live_ring_bytes, storage.live_ring_lag_bytes); Mosquitto in memory (persistence off); rumqttd in memory; the floor is one thread and one epoll writing each PUBLISH verbatim to every subscriber, nothing else (a QoS 1 PUBLISH is acknowledged on arrival; publishers are not read while a subscriber has more than 64 MiB waiting). Latency is publish to receipt over all deliveries (1% buckets); \"last\" is when the last subscriber had a message (median and max over messages). CPU per delivery is the broker process's CPU time during the publishing phase divided by deliveries. \"in msg/s\" is what the broker took per second (until the last PUBACK at QoS 1: durable in Sluice); \"out MB/s\" is payload delivered per second until the last subscriber had the slowest message. \"sluice + R relays\": subscribers on R relay processes sharing one MQTT port (SO_REUSEPORT), the publisher on the main node; CPU and memory are all of them together; \"floor + R relays\" is the same tree of floors, each relay one subscription of the main floor. Loopback ceiling measured in this run (2 TCP streams of 2 MB writes): {loopback:.2} GB/s.{}{}{}\n",
         args.size,
         args.rate,
         args.messages,
@@ -1732,6 +1900,14 @@ pub(crate) fn run(args: BroadcastArgs) -> anyhow::Result<()> {
             format!(
                 " The gateway binary's processes ran with runtime.worker_threads = {}.",
                 args.worker_threads
+            )
+        } else {
+            String::new()
+        },
+        if args.publishers.iter().any(|p| p == "rest") {
+            format!(
+                " \"REST in\": the publisher posts each payload to the gateway binary's REST API (`POST /topics/{LEDGER_TOPIC}/records?key={TOPIC}`, raw body) over {} keep-alive HTTP/1.1 connections, each waiting for its answer (200 once the record is durable) before its next request; \"in msg/s\" then counts until the last answer.",
+                args.rest_connections
             )
         } else {
             String::new()
@@ -1833,6 +2009,8 @@ pub(crate) fn run(args: BroadcastArgs) -> anyhow::Result<()> {
             "worker_threads": args.worker_threads,
             "live_ring_bytes": args.live_ring_bytes,
             "live_ring_lag_bytes": args.live_ring_lag_bytes,
+            "publishers": args.publishers,
+            "rest_connections": args.rest_connections,
             "cases": all,
             "against_peers": ratio_json,
         });
@@ -1950,6 +2128,68 @@ mod tests {
         assert_eq!(seen.count[2].load(Ordering::Relaxed), 1);
         let last = seen.last_us[2].load(Ordering::Relaxed);
         assert!((5_000..60_000_000).contains(&last), "{last}");
+    }
+
+    #[test]
+    fn an_http_answer_is_complete_once_its_head_and_content_length_body_are_in() {
+        let answer = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 12\r\n\r\n{\"offset\":7}";
+        for cut in 0..answer.len() - 12 - 3 {
+            assert_eq!(http_answer(&answer[..cut]).unwrap(), None, "cut at {cut}");
+        }
+        for cut in answer.len() - 12..=answer.len() {
+            assert_eq!(
+                http_answer(&answer[..cut]).unwrap(),
+                Some((200, answer.len())),
+                "cut at {cut}"
+            );
+        }
+        let no_body = b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n";
+        assert_eq!(http_answer(no_body).unwrap(), Some((404, no_body.len())));
+        assert!(http_answer(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n").is_err());
+        assert!(http_answer(b"garbage\r\n\r\n").is_err());
+    }
+
+    #[test]
+    fn the_rest_publisher_posts_every_payload_stamped_under_the_mqtt_name() {
+        let runtime = tokio::runtime::Runtime::new().unwrap();
+        let dir = std::env::temp_dir().join(format!("sluice-bench-rest-{}", std::process::id()));
+        let (engine, server) = runtime.block_on(crate::http::start_sluice(&dir)).unwrap();
+        let http: SocketAddr = server.base.trim_start_matches("http://").parse().unwrap();
+        // A refused request ends the publisher with the answer.
+        let small = sluice_core::TopicPolicy {
+            max_message_bytes: 128,
+            ..sluice_core::TopicPolicy::default()
+        };
+        runtime
+            .block_on(engine.create_topic(LEDGER_TOPIC, 1, Some(small)))
+            .unwrap();
+        let refused = publish_rest(http, 256, 1e6, 3, 2).unwrap_err();
+        assert!(format!("{refused:#}").contains("413"), "{refused:#}");
+        runtime
+            .block_on(engine.set_policy(LEDGER_TOPIC, sluice_core::TopicPolicy::default()))
+            .unwrap();
+        let before = now_ns();
+        publish_rest(http, 64, 1e6, 7, 3).unwrap();
+        let fetched = runtime
+            .block_on(engine.fetch(LEDGER_TOPIC, 0, 0, 1 << 20))
+            .unwrap();
+        let mut seqs = Vec::new();
+        for batch in sluice_core::split_batches(fetched.data).unwrap() {
+            for r in sluice_core::decode_records(&batch).unwrap() {
+                assert_eq!(r.record.key.as_deref(), Some(TOPIC.as_bytes()));
+                let value = r.record.value.unwrap();
+                assert_eq!(value.len(), 64);
+                let sent = u64::from_be_bytes(value[..8].try_into().unwrap());
+                assert!((before..=now_ns()).contains(&sent), "send time {sent}");
+                seqs.push(u32::from_be_bytes(value[8..12].try_into().unwrap()));
+            }
+        }
+        seqs.sort_unstable();
+        assert_eq!(seqs, (0..7).collect::<Vec<u32>>());
+        let _ = server.stop.send(true);
+        runtime.block_on(server.task).unwrap().unwrap();
+        runtime.block_on(engine.shutdown());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -197,10 +197,10 @@ struct Range {
 
 /// A running server: its base URL and the sender that stops it.
 #[derive(Debug)]
-struct Running {
-    base: String,
-    stop: watch::Sender<bool>,
-    task: tokio::task::JoinHandle<std::io::Result<()>>,
+pub(crate) struct Running {
+    pub(crate) base: String,
+    pub(crate) stop: watch::Sender<bool>,
+    pub(crate) task: tokio::task::JoinHandle<std::io::Result<()>>,
 }
 
 async fn serve(app: Router) -> anyhow::Result<Running> {
@@ -405,7 +405,7 @@ async fn run_case(
 }
 
 /// Opens the engine (fsync before every acknowledgement) and serves Sluice's REST router.
-async fn start_sluice(dir: &std::path::Path) -> anyhow::Result<(Engine, Running)> {
+pub(crate) async fn start_sluice(dir: &std::path::Path) -> anyhow::Result<(Engine, Running)> {
     if dir.exists() {
         std::fs::remove_dir_all(dir).with_context(|| format!("emptying {}", dir.display()))?;
     }
