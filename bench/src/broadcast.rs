@@ -1378,8 +1378,17 @@ impl CaseResult {
         ((self.connected - self.stalled) * self.published as u64).saturating_sub(self.received)
     }
 
+    /// NaN when nothing was delivered (a case without subscribers).
     fn cpu_per_delivery_us(&self) -> f64 {
-        self.broker_cpu.as_micros() as f64 / self.received.max(1) as f64
+        if self.received == 0 {
+            return f64::NAN;
+        }
+        self.broker_cpu.as_micros() as f64 / self.received as f64
+    }
+
+    /// The broker's CPU per message taken, its deliveries included: what ingest costs.
+    fn cpu_per_message_us(&self) -> f64 {
+        self.broker_cpu.as_micros() as f64 / self.published.max(1) as f64
     }
 
     fn kb_per_connection(&self) -> f64 {
@@ -1397,6 +1406,7 @@ impl CaseResult {
             "p999_ms": self.quantile_ms(0.999),
             "max_ms": self.max_ms(), "last_subscriber_ms": self.last_ms,
             "broker_cpu_us_per_delivery": self.cpu_per_delivery_us(),
+            "broker_cpu_us_per_message": self.cpu_per_message_us(),
             "broker_rss_bytes": self.broker_rss,
             "broker_kb_per_connection": self.kb_per_connection(),
             "worker_cpu_us_per_delivery": self.worker_cpu_us as f64 / self.received.max(1) as f64,
@@ -1886,7 +1896,7 @@ pub(crate) fn run(args: BroadcastArgs) -> anyhow::Result<()> {
         }
     }
     println!(
-        "One publisher, topic `{TOPIC}`, {} B payloads at {}/s, {} messages per case; subscribers are MQTT 3.1.1 clean sessions in worker processes of up to {} clients (read by two threads with one epoll each; one loopback source address per {CLIENTS_PER_ADDRESS} clients). Sluice runs with durability fsync, a live ring of {} MiB per partition and {} MiB for all rings to hold past that for QoS 1 subscribers still behind (storage.live_ring_bytes, storage.live_ring_lag_bytes); Mosquitto in memory (persistence off); rumqttd in memory; the floor is one thread and one epoll writing each PUBLISH verbatim to every subscriber, nothing else (a QoS 1 PUBLISH is acknowledged on arrival; publishers are not read while a subscriber has more than 64 MiB waiting). Latency is publish to receipt over all deliveries (1% buckets); \"last\" is when the last subscriber had a message (median and max over messages). CPU per delivery is the broker process's CPU time during the publishing phase divided by deliveries. \"in msg/s\" is what the broker took per second (until the last PUBACK at QoS 1: durable in Sluice); \"out MB/s\" is payload delivered per second until the last subscriber had the slowest message. \"sluice + R relays\": subscribers on R relay processes sharing one MQTT port (SO_REUSEPORT), the publisher on the main node; CPU and memory are all of them together; \"floor + R relays\" is the same tree of floors, each relay one subscription of the main floor. Loopback ceiling measured in this run (2 TCP streams of 2 MB writes): {loopback:.2} GB/s.{}{}{}\n",
+        "One publisher, topic `{TOPIC}`, {} B payloads at {}/s, {} messages per case; subscribers are MQTT 3.1.1 clean sessions in worker processes of up to {} clients (read by two threads with one epoll each; one loopback source address per {CLIENTS_PER_ADDRESS} clients). Sluice runs with durability fsync, a live ring of {} MiB per partition and {} MiB for all rings to hold past that for QoS 1 subscribers still behind (storage.live_ring_bytes, storage.live_ring_lag_bytes); Mosquitto in memory (persistence off); rumqttd in memory; the floor is one thread and one epoll writing each PUBLISH verbatim to every subscriber, nothing else (a QoS 1 PUBLISH is acknowledged on arrival; publishers are not read while a subscriber has more than 64 MiB waiting). Latency is publish to receipt over all deliveries (1% buckets); \"last\" is when the last subscriber had a message (median and max over messages). CPU per delivery is the broker process's CPU time during the publishing phase divided by deliveries; CPU per message is the same time divided by the messages published (what the broker spent per message taken, its deliveries included). \"in msg/s\" is what the broker took per second (until the last PUBACK at QoS 1: durable in Sluice); \"out MB/s\" is payload delivered per second until the last subscriber had the slowest message. \"sluice + R relays\": subscribers on R relay processes sharing one MQTT port (SO_REUSEPORT), the publisher on the main node; CPU and memory are all of them together; \"floor + R relays\" is the same tree of floors, each relay one subscription of the main floor. Loopback ceiling measured in this run (2 TCP streams of 2 MB writes): {loopback:.2} GB/s.{}{}{}\n",
         args.size,
         args.rate,
         args.messages,
@@ -1919,10 +1929,10 @@ pub(crate) fn run(args: BroadcastArgs) -> anyhow::Result<()> {
         }
     );
     println!(
-        "| broker | QoS | N | connected | connect s | p50 ms | p99 ms | p999 ms | max ms | last p50 ms | last max ms | lost | broker CPU µs/delivery | broker RSS MiB | KB/conn | client CPU µs/delivery | in msg/s | disk MB/s | in % of disk | out MB/s | stalled: dropped / disconnected |"
+        "| broker | QoS | N | connected | connect s | p50 ms | p99 ms | p999 ms | max ms | last p50 ms | last max ms | lost | broker CPU µs/delivery | broker CPU µs/message | broker RSS MiB | KB/conn | client CPU µs/delivery | in msg/s | disk MB/s | in % of disk | out MB/s | stalled: dropped / disconnected |"
     );
     println!(
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     );
     for r in &results {
         let mut last = r.last_ms.clone();
@@ -1938,7 +1948,7 @@ pub(crate) fn run(args: BroadcastArgs) -> anyhow::Result<()> {
             ),
         };
         println!(
-            "| {} | {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {} | {:.1} | {:.0} | {:.1} | {:.1} | {:.1} | {} | {} | {:.1} | {} |",
+            "| {} | {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {} | {} | {:.1} | {:.0} | {:.1} | {:.1} | {:.1} | {} | {} | {:.1} | {} |",
             r.broker,
             r.qos,
             r.subscribers,
@@ -1951,7 +1961,10 @@ pub(crate) fn run(args: BroadcastArgs) -> anyhow::Result<()> {
             last_p50,
             last_max,
             r.lost(),
-            r.cpu_per_delivery_us(),
+            Some(r.cpu_per_delivery_us())
+                .filter(|c| c.is_finite())
+                .map_or("-".to_owned(), |c| format!("{c:.1}")),
+            r.cpu_per_message_us(),
             r.broker_rss as f64 / (1 << 20) as f64,
             r.kb_per_connection(),
             r.worker_cpu_us as f64 / r.received.max(1) as f64,
@@ -2259,9 +2272,9 @@ mod tests {
         );
     }
 
-    #[test]
-    fn each_sluice_case_is_compared_with_every_peer_at_its_qos_and_n() {
-        let case = |broker: &str, qos: u8, subscribers: usize| CaseResult {
+    /// A case of `broker` that published one message and delivered nothing.
+    fn case(broker: &str, qos: u8, subscribers: usize) -> CaseResult {
+        CaseResult {
             broker: broker.to_owned(),
             qos,
             subscribers,
@@ -2280,7 +2293,25 @@ mod tests {
             stalled: 0,
             broker_stats: Value::Null,
             disk_mb_s: None,
+        }
+    }
+
+    #[test]
+    fn cpu_is_shared_out_per_delivery_and_per_message_taken() {
+        let mut ingest = CaseResult {
+            published: 4,
+            broker_cpu: Duration::from_millis(2),
+            ..case("sluice", 1, 0)
         };
+        assert!(ingest.cpu_per_delivery_us().is_nan(), "no deliveries");
+        assert_eq!(ingest.cpu_per_message_us(), 500.0);
+        ingest.received = 8;
+        assert_eq!(ingest.cpu_per_delivery_us(), 250.0);
+        assert_eq!(ingest.cpu_per_message_us(), 500.0);
+    }
+
+    #[test]
+    fn each_sluice_case_is_compared_with_every_peer_at_its_qos_and_n() {
         let results = vec![
             case("floor", 0, 100),
             case("sluice", 0, 100),
