@@ -215,8 +215,11 @@ impl LagBudget {
 /// the waker), which costs less than leaving a shared list on every wake-up.
 #[derive(Debug, Default)]
 struct Wakers {
+    /// Ends at the last subscriber's slot: a ring whose subscribers have left does not go
+    /// through their empty slots on every push (100,000 of them, after a relay's peak).
     slots: Vec<Option<Arc<Slot>>>,
-    /// Indexes of empty slots, reused first: attaching and detaching stay O(1).
+    /// Indexes of empty slots, reused first: attaching and detaching stay O(1). Indexes past
+    /// the end of `slots`, left when it shrank, are dropped as `add` meets them.
     free: Vec<usize>,
 }
 
@@ -252,22 +255,38 @@ impl Wakers {
             .unwrap_or(u64::MAX)
     }
 
-    fn add(&mut self, waker: Arc<Slot>) -> usize {
-        match self.free.pop() {
-            Some(i) => {
-                self.slots[i] = Some(waker);
-                i
-            }
-            None => {
-                self.slots.push(Some(waker));
-                self.slots.len() - 1
+    fn add(&mut self, slot: Arc<Slot>) -> usize {
+        // An index below the end is an empty slot: `add` takes an index off the list before
+        // the list can grow past it again.
+        while let Some(i) = self.free.pop() {
+            if let Some(empty) = self.slots.get_mut(i) {
+                *empty = Some(slot);
+                return i;
             }
         }
+        self.slots.push(Some(slot));
+        self.slots.len() - 1
     }
 
     fn remove(&mut self, i: usize) {
-        if self.slots.get_mut(i).and_then(Option::take).is_some() {
-            self.free.push(i);
+        if self.slots.get_mut(i).and_then(Option::take).is_none() {
+            return;
+        }
+        self.free.push(i);
+        while self.slots.last().is_some_and(Option::is_none) {
+            self.slots.pop();
+        }
+        // Once indexes past the end are most of the free list, they go at once. What stays is
+        // at most half of what the pass looked at, so the passes cost O(1) per removal
+        // however subscribers leave (one at the end at a time, after many in the middle, made
+        // a pass over the whole list per removal when every shrink cleaned the list).
+        let len = self.slots.len();
+        if self.free.len() > 2 * len + 16 {
+            self.free.retain(|&j| j < len);
+        }
+        if self.slots.capacity() > 4 * len + 64 {
+            self.slots.shrink_to_fit();
+            self.free.shrink_to_fit();
         }
     }
 }
@@ -766,6 +785,39 @@ mod tests {
         assert_eq!(wakers.add(Arc::new(Slot::new(u64::MAX))), 1);
         assert_eq!(wakers.add(Arc::new(Slot::new(u64::MAX))), 3);
         assert_eq!(wakers.slots.len(), 4);
+    }
+
+    #[test]
+    fn the_slot_list_shrinks_to_its_last_subscriber_and_keeps_the_others_in_place() {
+        let mut wakers = Wakers::default();
+        let slot = || Arc::new(Slot::new(u64::MAX));
+        for _ in 0..10_000 {
+            wakers.add(slot());
+        }
+        // Leaving from the middle keeps every other subscriber's index.
+        for i in (1..9_999).step_by(2) {
+            wakers.remove(i);
+        }
+        assert_eq!(wakers.slots.len(), 10_000);
+        // Then the rest but the first, from the end: the list ends at slot 0.
+        for i in (1..10_000).rev() {
+            wakers.remove(i);
+        }
+        assert_eq!(wakers.slots.len(), 1);
+        assert!(wakers.slots[0].is_some());
+        assert!(
+            wakers.slots.capacity() <= 4 + 64,
+            "{}",
+            wakers.slots.capacity()
+        );
+        assert!(wakers.free.len() <= 2 + 16, "{}", wakers.free.len());
+        // Indexes freed before the shrink are not handed out past the end.
+        assert_eq!(wakers.add(slot()), 1);
+        assert_eq!(wakers.add(slot()), 2);
+        wakers.remove(1);
+        assert_eq!(wakers.slots.len(), 3, "slot 2 is still taken");
+        assert_eq!(wakers.add(slot()), 1);
+        assert_eq!(wakers.slots.iter().flatten().count(), 3);
     }
 
     #[test]
