@@ -278,8 +278,8 @@ impl Wakers {
         }
         // Once indexes past the end are most of the free list, they go at once. What stays is
         // at most half of what the pass looked at, so the passes cost O(1) per removal
-        // however subscribers leave (one at the end at a time, after many in the middle, made
-        // a pass over the whole list per removal when every shrink cleaned the list).
+        // however subscribers leave. (Cleaning the list at every shrink would cost a pass over
+        // it per removal when, after many left from the middle, the rest leave from the end.)
         let len = self.slots.len();
         if self.free.len() > 2 * len + 16 {
             self.free.retain(|&j| j < len);
@@ -799,6 +799,13 @@ mod tests {
             wakers.remove(i);
         }
         assert_eq!(wakers.slots.len(), 10_000);
+        assert!(
+            wakers
+                .slots
+                .iter()
+                .enumerate()
+                .all(|(i, s)| s.is_some() == (i % 2 == 0 || i == 9_999))
+        );
         // Then the rest but the first, from the end: the list ends at slot 0.
         for i in (1..10_000).rev() {
             wakers.remove(i);
