@@ -7,6 +7,7 @@
 //! messages (kept in a ledger topic). It never touches files: everything durable goes through
 //! `sluice-core`.
 
+mod acks;
 mod codec;
 mod message;
 mod retained;

@@ -238,7 +238,7 @@ impl MqttServer {
         self.metrics
             .connections_open
             .fetch_add(1, Ordering::Relaxed);
-        if let Err(e) = session::run(self, stream, peer.clone(), shutdown).await {
+        if let Err(e) = session::run(self, stream, None, peer.clone(), shutdown).await {
             debug!(peer, error = %e, "mqtt connection ended");
         }
         self.metrics
@@ -265,6 +265,7 @@ impl MqttServer {
                 Ok((stream, peer)) => {
                     let _ = stream.set_nodelay(true);
                     limit_unsent(&stream);
+                    let fd = std::os::fd::AsRawFd::as_raw_fd(&stream);
                     self.metrics
                         .connections_accepted
                         .fetch_add(1, Ordering::Relaxed);
@@ -276,7 +277,8 @@ impl MqttServer {
                             .connections_open
                             .fetch_add(1, Ordering::Relaxed);
                         if let Err(e) =
-                            session::run(&server, stream, peer.to_string(), shutdown).await
+                            session::run(&server, stream, Some(fd), peer.to_string(), shutdown)
+                                .await
                         {
                             debug!(%peer, error = %e, "mqtt connection ended");
                         }

@@ -16,6 +16,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::io::IoSlice;
+use std::os::fd::RawFd;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -33,6 +34,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tracing::{debug, warn};
 
+use crate::acks::{self, HeldAcks, Waiting};
 use crate::codec::{
     self, Ack, Connect, DecodeError, Head, In, Props, Publish, SubFilter, Version, reason,
 };
@@ -293,6 +295,10 @@ struct Session<'a, S> {
     forwarded: Option<(mpsc::Sender<Delivery>, mpsc::Receiver<Delivery>)>,
     /// Outgoing QoS 1/2 deliveries awaiting PUBACK / PUBCOMP.
     inflight: HashMap<u16, Option<Acker>>,
+    /// How many of `inflight` are QoS 2 (their PUBREC must wake the connection).
+    qos2_out: usize,
+    /// A TCP connection's receive mark, raised while it owes only PUBACKs.
+    held: Option<HeldAcks>,
     next_pkid: u16,
     /// QoS 2 publishes received (PUBREC sent) and not yet released.
     qos2_in: std::collections::HashSet<u16>,
@@ -396,9 +402,12 @@ const MAX_PENDING_PUBLISHES: usize = 1024;
 const MAX_PENDING_BYTES: usize = 64 << 20;
 
 /// Serves one connection (TCP or WebSocket) to its end.
+/// `fd` is the socket of a TCP connection (none for other streams): its PUBACKs may wait in it
+/// (see `acks`).
 pub(crate) async fn run<S>(
     server: &Arc<MqttServer>,
     mut stream: S,
+    fd: Option<RawFd>,
     peer: String,
     mut shutdown: watch::Receiver<bool>,
 ) -> std::io::Result<()>
@@ -491,6 +500,8 @@ where
         subs: HashMap::new(),
         forwarded: None,
         inflight: HashMap::new(),
+        qos2_out: 0,
+        held: fd.map(|fd| HeldAcks::new(fd, Duration::from_secs(u64::from(connect.keep_alive)))),
         next_pkid: 0,
         qos2_in: std::collections::HashSet::new(),
         aliases: HashMap::new(),
@@ -852,6 +863,26 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
             } else {
                 usize::MAX
             };
+            // While the window has room and only live QoS 1 deliveries are owed, their PUBACKs
+            // wait in the socket for the next wake-up instead of making one each (`acks`).
+            let hold_until = match self.held.as_mut() {
+                Some(held) => {
+                    let owed = self.inflight.len();
+                    let hold = owed < self.receive_max
+                        && self.qos2_out == 0
+                        && self.forwarded.is_none()
+                        && inbuf.is_empty()
+                        && self.landing.is_none();
+                    held.set(if hold { acks::mark_for(owed) } else { 1 })?;
+                    held.hold_until()
+                }
+                None => None,
+            };
+            if let Some(t) = hold_until
+                && t < timer.deadline()
+            {
+                timer.as_mut().reset(t);
+            }
             tokio::select! {
                 Some(done) = first_done(&mut self.pending), if !self.pending.is_empty() => {
                     // Every publish stored by now is acknowledged in the same write: one write
@@ -883,10 +914,32 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
                     }
                 }
                 Some(d) = forwarded(&mut self.forwarded), if can_forward => self.deliver(d).await?,
-                d = next_live(&mut self.subs), if can_take_live => self.live_queue.extend(d),
-                () = &mut timer, if deadline.is_some() => {
-                    if let Some(d) = deadline.filter(|&d| d > Instant::now()) {
-                        timer.as_mut().reset(d);
+                d = next_live(&mut self.subs), if can_take_live => {
+                    self.live_queue.extend(d);
+                    // The PUBACKs held in the socket first: they make room in the window.
+                    if self.read_held(&mut inbuf)? == Waiting::Closed {
+                        return Ok(End::Abrupt("connection closed without DISCONNECT".into()));
+                    }
+                }
+                () = &mut timer, if deadline.is_some() || hold_until.is_some() => {
+                    // Held as long as allowed: read what waits, and handle it before anything
+                    // else (it may be the PINGREQ that keeps the connection alive).
+                    match self.read_held(&mut inbuf)? {
+                        Waiting::Closed => {
+                            return Ok(End::Abrupt("connection closed without DISCONNECT".into()));
+                        }
+                        Waiting::Read(_) => {
+                            timer.as_mut().reset(deadline.unwrap_or(far));
+                            continue;
+                        }
+                        Waiting::Nothing => {}
+                    }
+                    let Some(deadline) = deadline else {
+                        timer.as_mut().reset(far);
+                        continue;
+                    };
+                    if deadline > Instant::now() {
+                        timer.as_mut().reset(deadline);
                         continue;
                     }
                     codec::disconnect(self.version, reason::KEEP_ALIVE_TIMEOUT, &mut self.out);
@@ -919,10 +972,12 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
                     return Ok(Some(end));
                 }
             }
-            In::PubAck(pkid) | In::PubComp(pkid) => {
-                if let Some(Some(acker)) = self.inflight.remove(&pkid) {
-                    acker.ack();
+            In::PubAck(pkid) => self.acknowledged(pkid),
+            In::PubComp(pkid) => {
+                if self.inflight.contains_key(&pkid) {
+                    self.qos2_out = self.qos2_out.saturating_sub(1);
                 }
+                self.acknowledged(pkid);
             }
             In::PubRec(pkid) => {
                 codec::ack(
@@ -1376,6 +1431,28 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
         Ok(feeds)
     }
 
+    /// A delivery's PUBACK or PUBCOMP came.
+    fn acknowledged(&mut self, pkid: u16) {
+        if let Some(Some(acker)) = self.inflight.remove(&pkid) {
+            acker.ack();
+        }
+    }
+
+    /// Reads what waits in the socket below its receive mark (PUBACKs held for this wake-up).
+    fn read_held(&mut self, inbuf: &mut BytesMut) -> std::io::Result<Waiting> {
+        let Some(held) = self.held.as_mut().filter(|h| h.holding()) else {
+            return Ok(Waiting::Nothing);
+        };
+        let waiting = held.read_waiting(inbuf)?;
+        if let Waiting::Read(n) = waiting {
+            self.server
+                .metrics
+                .bytes_in
+                .fetch_add(n as u64, Ordering::Relaxed);
+        }
+        Ok(waiting)
+    }
+
     fn next_pkid(&mut self) -> u16 {
         loop {
             self.next_pkid = self.next_pkid.wrapping_add(1);
@@ -1478,6 +1555,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
         write_all_vectored(&mut self.stream, &head, &payload).await?;
         if qos > 0 {
             self.inflight.insert(pkid, d.ack);
+            if qos == 2 {
+                self.qos2_out += 1;
+            }
         } else if let Some(a) = d.ack {
             a.ack();
         }

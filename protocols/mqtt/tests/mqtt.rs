@@ -1238,3 +1238,86 @@ async fn a_qos1_subscriber_held_back_by_its_window_catches_up_from_memory() {
     assert!(released.is_ok(), "the held part was never given back");
     gw.stop().await;
 }
+
+/// Reads one whole MQTT packet from `s`: its first byte and the rest after the length.
+async fn read_packet(s: &mut TcpStream) -> (u8, Vec<u8>) {
+    let mut first = [0u8; 1];
+    s.read_exact(&mut first).await.unwrap();
+    let (mut len, mut shift) = (0usize, 0);
+    loop {
+        let mut b = [0u8; 1];
+        s.read_exact(&mut b).await.unwrap();
+        len |= usize::from(b[0] & 0x7f) << shift;
+        if b[0] & 0x80 == 0 {
+            break;
+        }
+        shift += 7;
+    }
+    let mut body = vec![0u8; len];
+    s.read_exact(&mut body).await.unwrap();
+    (first[0], body)
+}
+
+/// An MQTT 3.1.1 SUBSCRIBE of `filter` at `qos`.
+fn subscribe(pkid: u16, filter: &str, qos: u8) -> Vec<u8> {
+    let mut body = pkid.to_be_bytes().to_vec();
+    body.extend_from_slice(&(filter.len() as u16).to_be_bytes());
+    body.extend_from_slice(filter.as_bytes());
+    body.push(qos);
+    let mut p = vec![0x82];
+    varint(body.len(), &mut p);
+    p.extend_from_slice(&body);
+    p
+}
+
+#[tokio::test]
+async fn a_subscriber_holding_back_its_pubacks_is_still_answered() {
+    let dir = tempfile::tempdir().unwrap();
+    let gw = start(dir.path()).await;
+    // No keep-alive: only the cap on how long PUBACKs may be held (`acks::MAX_HOLD`) makes the
+    // server read a PINGREQ sent while a PUBACK is owed.
+    let mut sub = TcpStream::connect(("127.0.0.1", gw.port)).await.unwrap();
+    let mut connect = connect("holder");
+    let keep_alive = connect.len() - "holder".len() - 4;
+    connect[keep_alive..keep_alive + 2].copy_from_slice(&[0, 0]);
+    sub.write_all(&connect).await.unwrap();
+    assert_eq!(read_packet(&mut sub).await, (0x20, vec![0, 0]));
+    sub.write_all(&subscribe(1, "held/#", 1)).await.unwrap();
+    assert_eq!(read_packet(&mut sub).await, (0x90, vec![0, 1, 1]));
+    let mut publisher = raw_client(gw.port, "held-publisher").await;
+    let pkid = relayed(&mut publisher, &mut sub, 1, b"one").await;
+    // The PUBACK is owed and not sent; a PINGREQ is answered all the same.
+    sub.write_all(&[0xC0, 0]).await.unwrap();
+    let pong = tokio::time::timeout(PATIENCE, read_packet(&mut sub)).await;
+    assert_eq!(
+        pong.expect("PINGRESP while a PUBACK is owed"),
+        (0xD0, vec![])
+    );
+    // The PUBACK, then a SUBSCRIBE: answered, and the next delivery comes.
+    sub.write_all(&[0x40, 2, pkid[0], pkid[1]]).await.unwrap();
+    sub.write_all(&subscribe(2, "held2/#", 1)).await.unwrap();
+    let suback = tokio::time::timeout(PATIENCE, read_packet(&mut sub)).await;
+    assert_eq!(suback.expect("SUBACK"), (0x90, vec![0, 2, 1]));
+    relayed(&mut publisher, &mut sub, 2, b"two").await;
+    gw.stop().await;
+}
+
+/// Publishes `payload` at QoS 1 to `held/a` and reads its QoS 1 delivery to `sub`; answers the
+/// delivery's packet id.
+async fn relayed(
+    publisher: &mut TcpStream,
+    sub: &mut TcpStream,
+    pkid: u16,
+    payload: &[u8],
+) -> [u8; 2] {
+    publisher
+        .write_all(&publish(1, pkid, "held/a", payload))
+        .await
+        .unwrap();
+    let (first, body) = tokio::time::timeout(PATIENCE, read_packet(sub))
+        .await
+        .unwrap();
+    assert_eq!(first, 0x32, "a QoS 1 delivery");
+    assert!(body.ends_with(payload));
+    [body[8], body[9]]
+}
