@@ -30,11 +30,22 @@ const PUBACK_MIN: usize = 4;
 /// The longest a connection leaves its socket unread while the mark is raised.
 pub(crate) const MAX_HOLD: Duration = Duration::from_secs(5);
 
+/// The most PUBACKs left waiting. Each arrives as its own segment, and a segment takes far
+/// more of the socket's receive buffer than its 4 bytes: thousands held (a subscriber of a
+/// fast stream, with the 65,535 window of MQTT 3.1.1) shrank the TCP window until the client
+/// stalled on its sends, and its latency tripled. A fast stream's PUBACKs come many per
+/// wake-up anyway; the slow broadcast this is for owes one or two.
+pub(crate) const MAX_HELD: usize = 16;
+
 /// The receive low-water mark for a connection owing `owed` PUBACKs: one byte more than they
 /// take at their smallest, so they alone never wake the connection; 1 (every byte wakes it)
-/// when nothing is owed.
+/// when nothing is owed, or more than [`MAX_HELD`].
 pub(crate) fn mark_for(owed: usize) -> usize {
-    if owed == 0 { 1 } else { owed * PUBACK_MIN + 1 }
+    if owed == 0 || owed > MAX_HELD {
+        1
+    } else {
+        owed * PUBACK_MIN + 1
+    }
 }
 
 /// What [`HeldAcks::read_waiting`] found.
@@ -167,6 +178,8 @@ mod tests {
         assert_eq!(mark_for(0), 1);
         assert_eq!(mark_for(1), 5);
         assert_eq!(mark_for(10), 41);
+        assert_eq!(mark_for(MAX_HELD), MAX_HELD * 4 + 1);
+        assert_eq!(mark_for(MAX_HELD + 1), 1);
     }
 
     #[test]
