@@ -11,7 +11,8 @@
 //! `SO_RCVLOWAT` is set one byte above what those PUBACKs take, and the kernel wakes the
 //! connection only when something more arrives (a PINGREQ, a SUBSCRIBE, a PUBLISH, the end of
 //! the stream, which always wakes it). The next delivery reads the waiting PUBACKs first,
-//! without waiting; a full window, or anything else owed, sets the mark back to one byte.
+//! without waiting; a full window, anything else owed, or reads paused for queued publishes
+//! set the mark back to one byte.
 //!
 //! A client that holds back its PUBACKs while it sends other packets would make those wait;
 //! so while the mark is raised the connection also reads the socket at least every

@@ -868,7 +868,10 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
             let hold_until = match self.held.as_mut() {
                 Some(held) => {
                     let owed = self.inflight.len();
-                    let hold = owed < self.receive_max
+                    // Not while reads are paused for queued publishes: the read at the next
+                    // delivery would take in more of them.
+                    let hold = can_read
+                        && owed < self.receive_max
                         && self.qos2_out == 0
                         && self.forwarded.is_none()
                         && inbuf.is_empty()
