@@ -7,16 +7,16 @@
 //! the relays spend about a fifth less per QoS 1 delivery (docs/BENCHMARKS.md). But the
 //! acknowledgements are not needed at once while the client's receive window has room: they
 //! can wait in the socket until the connection wakes for the next delivery anyway. So while a
-//! TCP connection owes only QoS 1 acknowledgements of live deliveries, its socket's
-//! `SO_RCVLOWAT` is set one byte above what those PUBACKs take, and the kernel wakes the
-//! connection only when something more arrives (a PINGREQ, a SUBSCRIBE, a PUBLISH, the end of
-//! the stream, which always wakes it). The next delivery reads the waiting PUBACKs first,
-//! without waiting; a full window, anything else owed, or reads paused for queued publishes
-//! set the mark back to one byte.
+//! TCP connection owes only QoS 1 acknowledgements of live deliveries ([`MAX_HELD`] at most),
+//! its socket's `SO_RCVLOWAT` is set one byte above what those PUBACKs take, and the kernel
+//! wakes the connection only when something more arrives (a PINGREQ, a SUBSCRIBE, a PUBLISH,
+//! the end of the stream, which always wakes it). The next delivery reads the waiting PUBACKs
+//! first, without waiting; a full window, anything else owed, or reads paused for queued
+//! publishes set the mark back to one byte.
 //!
 //! A client that holds back its PUBACKs while it sends other packets would make those wait;
 //! so while the mark is raised the connection also reads the socket at least every
-//! [`MAX_HOLD`] (at most half the keep-alive), and its other packets wait no longer than that.
+//! [`MAX_HOLD`] (at most half the keep-alive), and its small packets wait no longer than that.
 
 use std::io;
 use std::os::fd::RawFd;
