@@ -793,8 +793,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
         let mut read_size = INBUF_START;
         // The timer and the two signals are made once, not per loop turn: a delivery wakes this
         // loop once per message per subscriber, and re-registering a timer and two waiters on
-        // every turn cost more than the delivery's own work. The timer is armed at the first
-        // deadline and, when it fires early because packets came since, re-armed then.
+        // every turn cost more than the delivery's own work. The timer follows the earlier of
+        // the keep-alive deadline and the PUBACK hold's: moving a registered tokio timer later
+        // is one compare-and-swap (no lock, no wake-up), so it fires only once one has passed.
         let far = Instant::now() + Duration::from_secs(86_400 * 365);
         let timer = tokio::time::sleep_until(deadline.unwrap_or(far));
         let kicked = kick.notified();
@@ -881,10 +882,12 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
                 }
                 None => None,
             };
-            if let Some(t) = hold_until
-                && t < timer.deadline()
-            {
-                timer.as_mut().reset(t);
+            let due = match (deadline, hold_until) {
+                (Some(d), Some(h)) => d.min(h),
+                (d, h) => d.or(h).unwrap_or(far),
+            };
+            if due != timer.deadline() {
+                timer.as_mut().reset(due);
             }
             tokio::select! {
                 Some(done) = first_done(&mut self.pending), if !self.pending.is_empty() => {
@@ -919,8 +922,15 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
                 Some(d) = forwarded(&mut self.forwarded), if can_forward => self.deliver(d).await?,
                 d = next_live(&mut self.subs), if can_take_live => {
                     self.live_queue.extend(d);
-                    // The PUBACKs held in the socket first: they make room in the window.
-                    if self.read_held(&mut inbuf)? == Waiting::Closed {
+                    // The PUBACKs held in the socket, every few deliveries (`acks`), and before
+                    // the window would turn these away: reading them makes room in it.
+                    let owed = self.inflight.len();
+                    let due = owed + self.live_queue.len() > self.receive_max
+                        || self
+                            .held
+                            .as_ref()
+                            .is_some_and(|h| h.due(owed, Instant::now()));
+                    if due && self.read_held(&mut inbuf)? == Waiting::Closed {
                         return Ok(End::Abrupt("connection closed without DISCONNECT".into()));
                     }
                 }
@@ -931,18 +941,11 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
                         Waiting::Closed => {
                             return Ok(End::Abrupt("connection closed without DISCONNECT".into()));
                         }
-                        Waiting::Read(_) => {
-                            timer.as_mut().reset(deadline.unwrap_or(far));
-                            continue;
-                        }
+                        // Reading moved the hold's deadline on, and the loop re-arms the timer.
+                        Waiting::Read(_) => continue,
                         Waiting::Nothing => {}
                     }
-                    let Some(deadline) = deadline else {
-                        timer.as_mut().reset(far);
-                        continue;
-                    };
-                    if deadline > Instant::now() {
-                        timer.as_mut().reset(deadline);
+                    if deadline.is_none_or(|d| d > Instant::now()) {
                         continue;
                     }
                     codec::disconnect(self.version, reason::KEEP_ALIVE_TIMEOUT, &mut self.out);
