@@ -58,6 +58,8 @@ pub(crate) struct RuntimeSection {
 pub(crate) struct RelaySection {
     pub(crate) upstream: String,
     pub(crate) upstream_mqtt: String,
+    /// A read-only Kafka listener for relays below this one; empty: none.
+    pub(crate) downstream_addr: String,
     pub(crate) name: String,
     pub(crate) fetch_max_wait_ms: u32,
     pub(crate) fetch_partition_max_bytes: u32,
@@ -130,6 +132,7 @@ pub(crate) struct CliOverrides {
     pub(crate) log_level: Option<String>,
     pub(crate) relay_upstream: Option<String>,
     pub(crate) relay_upstream_mqtt: Option<String>,
+    pub(crate) relay_downstream_addr: Option<String>,
 }
 
 /// A configuration problem, reported before anything starts.
@@ -234,7 +237,7 @@ impl Config {
             table = trial;
         }
         let c = cli;
-        let overrides: [(&[&str], Option<Value>); 8] = [
+        let overrides: [(&[&str], Option<Value>); 9] = [
             (
                 &["data_dir"],
                 c.data_dir
@@ -261,6 +264,10 @@ impl Config {
             (
                 &["relay", "upstream_mqtt"],
                 c.relay_upstream_mqtt.clone().map(Value::String),
+            ),
+            (
+                &["relay", "downstream_addr"],
+                c.relay_downstream_addr.clone().map(Value::String),
             ),
         ];
         for (path, value) in overrides {
@@ -339,6 +346,7 @@ impl Config {
         for (key, addr) in [
             ("relay.upstream", &relay.upstream),
             ("relay.upstream_mqtt", &relay.upstream_mqtt),
+            ("relay.downstream_addr", &relay.downstream_addr),
         ] {
             if !addr.is_empty()
                 && addr
@@ -348,8 +356,13 @@ impl Config {
                 return invalid(format!("{key} = {addr:?} is not HOST:PORT"));
             }
         }
-        if relay.upstream.is_empty() && !relay.upstream_mqtt.is_empty() {
-            return invalid("relay.upstream_mqtt is set but relay.upstream is not".into());
+        for (key, addr) in [
+            ("relay.upstream_mqtt", &relay.upstream_mqtt),
+            ("relay.downstream_addr", &relay.downstream_addr),
+        ] {
+            if relay.upstream.is_empty() && !addr.is_empty() {
+                return invalid(format!("{key} is set but relay.upstream is not"));
+            }
         }
         if !(1024..=i32::MAX as u32).contains(&relay.fetch_partition_max_bytes) {
             return invalid("relay.fetch_partition_max_bytes must be at least 1024".into());
@@ -549,9 +562,31 @@ mod tests {
         };
         let c = Config::load(None, env(&[]), &cli).unwrap();
         assert_eq!(c.relay.upstream_mqtt(), "10.0.0.1:2883");
+        assert_eq!(
+            c.relay.downstream_addr, "",
+            "no listener for relays below by default"
+        );
+        let cli = CliOverrides {
+            relay_upstream: Some("main.example:9092".into()),
+            relay_downstream_addr: Some("0.0.0.0:9093".into()),
+            ..CliOverrides::default()
+        };
+        let c = Config::load(None, env(&[]), &cli).unwrap();
+        assert_eq!(c.relay.downstream_addr, "0.0.0.0:9093");
+        let cli = CliOverrides {
+            relay_downstream_addr: Some("0.0.0.0:9093".into()),
+            ..CliOverrides::default()
+        };
+        let err = Config::load(None, env(&[]), &cli).unwrap_err().to_string();
+        assert!(err.contains("relay.downstream_addr"), "{err}");
         for (var, value, key) in [
             ("SLUICE_RELAY__UPSTREAM", "no-port", "relay.upstream"),
             ("SLUICE_RELAY__UPSTREAM_MQTT", "h:1", "relay.upstream_mqtt"),
+            (
+                "SLUICE_RELAY__DOWNSTREAM_ADDR",
+                "h:99999",
+                "relay.downstream_addr",
+            ),
             (
                 "SLUICE_RELAY__FETCH_PARTITION_MAX_BYTES",
                 "10",

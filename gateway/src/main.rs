@@ -86,6 +86,10 @@ struct RelayOpts {
     /// Env: SLUICE_RELAY__UPSTREAM_MQTT.
     #[arg(long, value_name = "HOST:PORT")]
     upstream_mqtt: Option<String>,
+    /// A read-only Kafka listener for relays below this one, HOST:PORT (default: none).
+    /// Env: SLUICE_RELAY__DOWNSTREAM_ADDR.
+    #[arg(long, value_name = "HOST:PORT")]
+    downstream_addr: Option<String>,
     #[command(flatten)]
     opts: Opts,
 }
@@ -109,6 +113,7 @@ impl Opts {
             log_level: self.log_level.clone(),
             relay_upstream: relay.and_then(|r| r.upstream.clone()),
             relay_upstream_mqtt: relay.and_then(|r| r.upstream_mqtt.clone()),
+            relay_downstream_addr: relay.and_then(|r| r.downstream_addr.clone()),
         };
         Config::load(file.as_deref(), std::env::vars(), &cli)
     }
@@ -315,16 +320,25 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     };
     info!(protocol = "http", addr = %http_addr, routes, "listening");
 
-    // A relay is no Kafka broker: Kafka clients use the upstream.
-    let kafka_task = if relay.is_none() {
-        let kafka_listener = TcpListener::bind(&config.kafka.addr)
+    // A relay is no Kafka broker: Kafka clients use the upstream. It serves reads only, and
+    // only when relays below it follow it.
+    let kafka_addr = match &relay {
+        None => Some(config.kafka.addr.as_str()),
+        Some(_) => Some(config.relay.downstream_addr.as_str()).filter(|a| !a.is_empty()),
+    };
+    let kafka_task = if let Some(addr) = kafka_addr {
+        let kafka_listener = TcpListener::bind(addr)
             .await
-            .with_context(|| format!("binding the Kafka listener to {}", config.kafka.addr))?;
+            .with_context(|| format!("binding the Kafka listener to {addr}"))?;
         let kafka_addr = kafka_listener.local_addr()?;
-        let kafka = KafkaServer::new(engine.clone(), config.kafka.clone(), kafka_addr);
+        let kafka = if relay.is_some() {
+            KafkaServer::read_only(engine.clone(), config.kafka.clone(), kafka_addr)
+        } else {
+            KafkaServer::new(engine.clone(), config.kafka.clone(), kafka_addr)
+        };
         let (adv_host, adv_port) = kafka.advertised();
         let _ = kafka_metrics.set(kafka.clone());
-        info!(protocol = "kafka", addr = %kafka_addr, advertised = %format!("{adv_host}:{adv_port}"), sasl = !config.kafka.sasl_plain_users.is_empty(), "listening");
+        info!(protocol = "kafka", addr = %kafka_addr, advertised = %format!("{adv_host}:{adv_port}"), sasl = !config.kafka.sasl_plain_users.is_empty(), read_only = relay.is_some(), "listening");
         Some(tokio::spawn(
             kafka.clone().serve(kafka_listener, stop_rx.clone()),
         ))

@@ -4,6 +4,7 @@
 
 mod common;
 
+use std::io::{Read, Write};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -156,6 +157,31 @@ async fn acknowledged_upstream(main: &Gateway) {
     }
 }
 
+/// Publishes one message through `relay_mqtt` while `main` is frozen and checks that its
+/// PUBACK comes only after `main` runs again: until then no relay can know it is durable.
+async fn acknowledged_only_after_upstream(main: &Gateway, relay_mqtt: &str) {
+    main.signal(libc::SIGSTOP);
+    let resumed = Arc::new(AtomicBool::new(false));
+    let seen = resumed.clone();
+    let acked = tokio::spawn({
+        let addr = relay_mqtt.to_owned();
+        async move {
+            publish(&addr, "device-1", "cars/durable", payload(9), move || {
+                seen.load(Ordering::SeqCst)
+            })
+            .await
+        }
+    });
+    // Long enough for a relay that acknowledged on its own to have done so.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    resumed.store(true, Ordering::SeqCst);
+    main.signal(libc::SIGCONT);
+    assert!(
+        acked.await.unwrap(),
+        "PUBACK arrived while the upstream was stopped"
+    );
+}
+
 fn metric(text: &str, name: &str) -> u64 {
     text.lines()
         .find(|l| l.starts_with(name) && !l.starts_with('#'))
@@ -294,28 +320,7 @@ async fn a_publish_through_a_relay_is_acknowledged_only_once_durable_upstream() 
     let dir = tempfile::tempdir().unwrap();
     let main = Gateway::start(dir.path(), &[]);
     let relay = Gateway::relay(&main, "127.0.0.1:0");
-    // With the upstream frozen the relay cannot know the publish is durable, so no PUBACK may
-    // come until it runs again.
-    main.signal(libc::SIGSTOP);
-    let resumed = Arc::new(AtomicBool::new(false));
-    let seen = resumed.clone();
-    let acked = tokio::spawn({
-        let addr = relay.mqtt.clone();
-        async move {
-            publish(&addr, "device-1", "cars/durable", payload(9), move || {
-                seen.load(Ordering::SeqCst)
-            })
-            .await
-        }
-    });
-    // Long enough for a relay that acknowledged on its own to have done so.
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    resumed.store(true, Ordering::SeqCst);
-    main.signal(libc::SIGCONT);
-    assert!(
-        acked.await.unwrap(),
-        "PUBACK arrived while the upstream was stopped"
-    );
+    acknowledged_only_after_upstream(&main, &relay.mqtt).await;
     // Acknowledged means durable: it survives the upstream being killed right away.
     let (_, _) = main.stop_with(libc::SIGKILL);
     let main = Gateway::start(dir.path(), &[]);
@@ -374,4 +379,166 @@ async fn a_relay_outlives_an_upstream_restart_and_its_subscribers_keep_receiving
     );
     let (_, metrics) = get(&format!("{}/metrics", relay.http)).await;
     assert!(metric(&metrics, "sluice_relay_upstream_reconnects_total") >= 1);
+}
+
+/// One Kafka request with an empty body (header v1, client id "test") and its answer, or
+/// `None` when the server closed the connection instead.
+fn kafka_call(addr: &str, api_key: i16, version: i16) -> Option<Vec<u8>> {
+    let mut stream = std::net::TcpStream::connect(addr).unwrap();
+    stream.set_read_timeout(Some(PATIENCE)).unwrap();
+    let mut frame = Vec::new();
+    frame.extend_from_slice(&api_key.to_be_bytes());
+    frame.extend_from_slice(&version.to_be_bytes());
+    frame.extend_from_slice(&7i32.to_be_bytes());
+    frame.extend_from_slice(&4i16.to_be_bytes());
+    frame.extend_from_slice(b"test");
+    stream
+        .write_all(&(frame.len() as i32).to_be_bytes())
+        .unwrap();
+    stream.write_all(&frame).unwrap();
+    let mut len = [0u8; 4];
+    match stream.read_exact(&mut len) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return None,
+        Err(e) => panic!("reading the answer from {addr}: {e}"),
+    }
+    let mut body = vec![0u8; i32::from_be_bytes(len) as usize];
+    stream.read_exact(&mut body).unwrap();
+    assert_eq!(body[..4], 7i32.to_be_bytes(), "correlation id");
+    Some(body)
+}
+
+/// The API keys an ApiVersions v0 answer lists.
+fn advertised_apis(addr: &str) -> Vec<i16> {
+    let body = kafka_call(addr, 18, 0).expect("an ApiVersions answer");
+    assert_eq!(body[4..6], [0, 0], "error code");
+    let n = i32::from_be_bytes(body[6..10].try_into().unwrap()) as usize;
+    (0..n)
+        .map(|i| i16::from_be_bytes(body[10 + 6 * i..12 + 6 * i].try_into().unwrap()))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relays_of_a_relay_form_a_deeper_tree_that_delivers_and_forwards_every_message() {
+    let dir = tempfile::tempdir().unwrap();
+    let main = Gateway::start(dir.path(), &[]);
+    let middle = Gateway::relay_with(&main, "127.0.0.1:0", &["--downstream-addr", "127.0.0.1:0"]);
+    assert!(
+        !middle.kafka.is_empty(),
+        "the middle relay serves relays below it"
+    );
+    let leaf = Gateway::relay(&middle, "127.0.0.1:0");
+    assert!(
+        leaf.kafka.is_empty(),
+        "no listener for relays below unless asked for"
+    );
+
+    let (tx, mut notes) = mpsc::unbounded_channel();
+    const PER_NODE: usize = 100;
+    const MESSAGES: usize = 6;
+    let nodes = [("main", &main), ("middle", &middle), ("leaf", &leaf)];
+    let mut subs = Vec::new();
+    for i in 0..3 * PER_NODE {
+        let (name, node) = nodes[i % 3];
+        subs.push((
+            name,
+            subscriber(
+                &node.mqtt,
+                &format!("car-{i}"),
+                true,
+                Some("cars/#"),
+                MESSAGES,
+                tx.clone(),
+            ),
+        ));
+    }
+    wait_for_suback(&mut notes, 3 * PER_NODE).await;
+
+    // Through every level, one after another: all in the main node's ledger order.
+    let mut expected = Vec::new();
+    for i in 0..MESSAGES {
+        let (name, node) = nodes[i % 3];
+        let topic = format!("cars/from-{name}");
+        publish(&node.mqtt, &format!("pub-{i}"), &topic, payload(i), || ()).await;
+        expected.push((topic, payload(i)));
+    }
+    for (i, (name, sub)) in subs.into_iter().enumerate() {
+        assert_messages(
+            &sub.await.unwrap(),
+            &expected,
+            &format!("subscriber {i} on the {name}"),
+        );
+    }
+    // The leaf follows the middle relay, not the main node: one stream each.
+    let (_, metrics) = get(&format!("{}/metrics", leaf.http)).await;
+    assert!(metric(&metrics, "sluice_relay_copied_batches_total") >= MESSAGES as u64);
+    let (_, metrics) = get(&format!("{}/metrics", middle.http)).await;
+    assert!(metric(&metrics, "sluice_relay_copied_batches_total") >= MESSAGES as u64);
+
+    // The middle's listener takes reads only: it lists no writes or groups, and a request
+    // for one (ListGroups, whose v0 body is empty) closes the connection, counted.
+    let apis = advertised_apis(&middle.kafka);
+    for read in [1, 2, 3] {
+        assert!(
+            apis.contains(&read),
+            "Fetch, ListOffsets, Metadata in {apis:?}"
+        );
+    }
+    for write in [0, 8, 11, 16, 19] {
+        assert!(!apis.contains(&write), "API {write} advertised: {apis:?}");
+    }
+    assert!(
+        kafka_call(&main.kafka, 16, 0).is_some(),
+        "the main node lists groups"
+    );
+    assert!(
+        kafka_call(&middle.kafka, 16, 0).is_none(),
+        "a relay answered ListGroups"
+    );
+    let (_, metrics) = get(&format!("{}/metrics", middle.http)).await;
+    assert_eq!(metric(&metrics, "sluice_kafka_bad_requests_total"), 1);
+
+    // Two hops up, a publish is still acknowledged only once durable at the top.
+    acknowledged_only_after_upstream(&main, &leaf.mqtt).await;
+
+    // The middle relay crashes and comes back empty on the same addresses: the leaf, which
+    // asks it for records of a topic it no longer has, follows it again from its new tail.
+    let (mqtt, downstream) = (middle.mqtt.clone(), middle.kafka.clone());
+    let (tx, mut notes) = mpsc::unbounded_channel();
+    let after: Vec<_> = (0..10)
+        .map(|i| {
+            let id = format!("after-{i}");
+            subscriber(&leaf.mqtt, &id, true, Some("cars/again"), 1, tx.clone())
+        })
+        .collect();
+    wait_for_suback(&mut notes, 10).await;
+    let _ = middle.stop_with(libc::SIGKILL);
+    let _middle = Gateway::relay_with(&main, &mqtt, &["--downstream-addr", &downstream]);
+    // What the main node takes before the leaf is back is not the leaf's to deliver (its
+    // subscribers are live views), so publish until they have one.
+    let publishing = tokio::spawn({
+        let addr = main.mqtt.clone();
+        async move {
+            for i in 0..1200 {
+                let id = format!("again-{i}");
+                publish(&addr, &id, "cars/again", payload(100 + i), || ()).await;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    });
+    wait_for(&mut notes, 10, |n| matches!(n, Note::Received)).await;
+    publishing.abort();
+    for sub in after {
+        let got = sub.await.unwrap();
+        let [(topic, p)] = &got[..] else {
+            panic!("one message each, got {:?}", summary(&got));
+        };
+        assert_eq!(topic, "cars/again");
+        let n: usize = summary(&got)[0]
+            .split(' ')
+            .nth(2)
+            .and_then(|n| n.parse().ok())
+            .unwrap();
+        assert_eq!(p, &payload(n), "intact");
+    }
 }

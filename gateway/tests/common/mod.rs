@@ -18,7 +18,8 @@ pub(crate) struct Gateway {
     pub(crate) http: String,
     /// HOST:PORT of the MQTT listener.
     pub(crate) mqtt: String,
-    /// HOST:PORT of the Kafka listener (empty on a relay, which has none).
+    /// HOST:PORT of the Kafka listener (on a relay, its read-only one for relays below it;
+    /// empty when it has none).
     pub(crate) kafka: String,
 }
 
@@ -41,7 +42,13 @@ impl Gateway {
 
     /// A relay of `upstream` whose MQTT listener is `mqtt_addr` (port 0: a free one).
     pub(crate) fn relay(upstream: &Gateway, mqtt_addr: &str) -> Self {
-        Self::spawn(&[
+        Self::relay_with(upstream, mqtt_addr, &[])
+    }
+
+    /// A relay of `upstream` (a main node or a relay serving relays below it) with `extra`
+    /// arguments.
+    pub(crate) fn relay_with(upstream: &Gateway, mqtt_addr: &str, extra: &[&str]) -> Self {
+        let mut args = vec![
             "relay",
             "--upstream",
             &upstream.kafka,
@@ -51,7 +58,9 @@ impl Gateway {
             "127.0.0.1:0",
             "--mqtt-addr",
             mqtt_addr,
-        ])
+        ];
+        args.extend_from_slice(extra);
+        Self::spawn(&args)
     }
 
     /// Starts `sluice ARGS` and waits until it logs "ready".

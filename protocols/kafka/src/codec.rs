@@ -116,11 +116,11 @@ pub(crate) fn encode_response(
 }
 
 /// The answer to an ApiVersions request at a version we do not speak: UNSUPPORTED_VERSION at
-/// v0, with the full list so the client can pick.
-pub(crate) fn api_versions_too_new(correlation_id: i32) -> BytesMut {
+/// v0, with the full list (reads only on a read-only listener) so the client can pick.
+pub(crate) fn api_versions_too_new(correlation_id: i32, read_only: bool) -> BytesMut {
     let mut resp = ApiVersionsResponse::default();
     resp.error_code = versions::UNSUPPORTED_VERSION;
-    resp.api_keys = versions::advertised();
+    resp.api_keys = versions::advertised(read_only);
     // v0 encoding of this response cannot fail: it has no optional or tagged fields.
     encode_response(
         ApiKey::ApiVersions,
@@ -194,7 +194,7 @@ mod tests {
             }) => {}
             other => panic!("unexpected {other:?}"),
         }
-        let resp = api_versions_too_new(42);
+        let resp = api_versions_too_new(42, false);
         // size, correlation id, error code UNSUPPORTED_VERSION (35)
         assert_eq!(i32::from_be_bytes(resp[4..8].try_into().unwrap()), 42);
         assert_eq!(i16::from_be_bytes(resp[8..10].try_into().unwrap()), 35);
@@ -213,7 +213,7 @@ mod tests {
             key_index in 0usize..20,
             body in proptest::collection::vec(any::<u8>(), 0..256),
         ) {
-            let apis = versions::advertised();
+            let apis = versions::advertised(false);
             let api = &apis[key_index % apis.len()];
             let mut buf = BytesMut::new();
             buf.put_i16(api.api_key);

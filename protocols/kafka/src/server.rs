@@ -19,6 +19,7 @@ use crate::codec::{self, DecodeError};
 use crate::coordinator::{Coordinator, GroupSettings};
 use crate::handlers;
 use crate::producers::Producers;
+use crate::versions;
 
 /// Counters of the Kafka listener (no label per client).
 #[derive(Debug, Default)]
@@ -42,6 +43,8 @@ pub struct KafkaServer {
     pub(crate) producers: Producers,
     pub(crate) advertised: (String, i32),
     pub(crate) cluster_id: String,
+    /// A relay's listener for the relays below it: reads only (`versions::is_read`).
+    read_only: bool,
     pub metrics: KafkaMetrics,
 }
 
@@ -61,6 +64,23 @@ pub(crate) const NODE_ID: i32 = 0;
 impl KafkaServer {
     /// Builds the server for a bound listener (the advertised address defaults to it).
     pub fn new(engine: Engine, settings: KafkaSettings, bound: SocketAddr) -> Arc<Self> {
+        Self::build(engine, settings, bound, false)
+    }
+
+    /// A relay's listener for relays below it (a deeper fan-out tree) and plain readers: it
+    /// serves topics, offsets and records from the relay's copy, advertises nothing else, and
+    /// closes a connection that asks for anything else (a produce, a consumer group), which
+    /// belongs to the upstream that keeps the durable state.
+    pub fn read_only(engine: Engine, settings: KafkaSettings, bound: SocketAddr) -> Arc<Self> {
+        Self::build(engine, settings, bound, true)
+    }
+
+    fn build(
+        engine: Engine,
+        settings: KafkaSettings,
+        bound: SocketAddr,
+        read_only: bool,
+    ) -> Arc<Self> {
         let host = if !settings.advertised_host.is_empty() {
             settings.advertised_host.clone()
         } else if bound.ip().is_unspecified() {
@@ -88,8 +108,21 @@ impl KafkaServer {
             producers,
             advertised: (host, port),
             cluster_id: "sluice".into(),
+            read_only,
             metrics: KafkaMetrics::default(),
         })
+    }
+
+    /// On a relay's read-only listener, makes sure the relay follows `topics` upstream: a
+    /// relay below that asks for records or offsets of a topic this one does not have (it
+    /// restarted empty since that relay's Metadata request) would otherwise be told it does
+    /// not exist until a local reader asked for it. The answer then says what there is.
+    pub(crate) async fn follow_upstream(&self, topics: impl Iterator<Item = &str>) {
+        if self.read_only {
+            for topic in topics {
+                let _ = self.engine.readable_topic(topic).await;
+            }
+        }
     }
 
     /// The address clients are told to connect to.
@@ -189,7 +222,7 @@ impl KafkaServer {
                     version,
                 }) => {
                     debug!(%peer, version, "ApiVersions above the supported range");
-                    Some(codec::api_versions_too_new(correlation_id).freeze())
+                    Some(codec::api_versions_too_new(correlation_id, self.read_only).freeze())
                 }
                 Err(e) => {
                     self.metrics.bad_requests.fetch_add(1, Ordering::Relaxed);
@@ -216,10 +249,15 @@ impl KafkaServer {
             self.metrics.auth_failures.fetch_add(1, Ordering::Relaxed);
             return Handled::Close(format!("{api:?} before SASL authentication"));
         }
+        if self.read_only && !versions::is_read(api) {
+            return Handled::Close(format!(
+                "{api:?} on a relay's read-only listener; writes and consumer groups go to its upstream"
+            ));
+        }
         let v = req.version;
         let body = match req.body {
             RequestKind::ApiVersions(_) => {
-                ResponseKind::ApiVersions(handlers::api_versions::handle())
+                ResponseKind::ApiVersions(handlers::api_versions::handle(self.read_only))
             }
             RequestKind::Metadata(r) => {
                 ResponseKind::Metadata(handlers::metadata::handle(self, r, v).await)

@@ -33,6 +33,24 @@ const TABLE: &[(ApiKey, i16, i16)] = &[
     (ApiKey::DescribeCluster, 0, 1),
 ];
 
+/// What a relay's read-only listener serves (`KafkaServer::read_only`): enough for a relay
+/// below it, or any plain reader, to find a topic, its offsets and its records. Writes and
+/// consumer groups belong to the upstream, which keeps the durable state.
+const READS: &[ApiKey] = &[
+    ApiKey::ApiVersions,
+    ApiKey::Metadata,
+    ApiKey::ListOffsets,
+    ApiKey::Fetch,
+    ApiKey::DescribeCluster,
+    ApiKey::SaslHandshake,
+    ApiKey::SaslAuthenticate,
+];
+
+/// Whether a read-only listener serves `key`.
+pub(crate) fn is_read(key: ApiKey) -> bool {
+    READS.contains(&key)
+}
+
 /// The version range implemented for `key`, if any.
 pub(crate) fn supported(key: ApiKey) -> Option<VersionRange> {
     TABLE
@@ -41,10 +59,12 @@ pub(crate) fn supported(key: ApiKey) -> Option<VersionRange> {
         .map(|&(_, min, max)| VersionRange { min, max })
 }
 
-/// The ApiVersions list.
-pub(crate) fn advertised() -> Vec<ApiVersion> {
+/// The ApiVersions list: every API, or with `read_only` only those [`is_read`] allows, so a
+/// client knows before it asks that a relay takes no writes.
+pub(crate) fn advertised(read_only: bool) -> Vec<ApiVersion> {
     TABLE
         .iter()
+        .filter(|&&(key, _, _)| !read_only || is_read(key))
         .map(|&(key, min, max)| {
             let mut v = ApiVersion::default();
             v.api_key = key as i16;
@@ -69,6 +89,28 @@ mod tests {
                 codec.min <= min && max <= codec.max,
                 "{key:?} {min}-{max} outside {codec}"
             );
+        }
+    }
+
+    #[test]
+    fn a_read_only_listener_advertises_reads_only() {
+        let keys =
+            |read_only| -> Vec<i16> { advertised(read_only).iter().map(|v| v.api_key).collect() };
+        assert_eq!(keys(false).len(), TABLE.len());
+        let reads = keys(true);
+        assert_eq!(reads.len(), READS.len(), "every read is implemented");
+        for key in [ApiKey::Fetch, ApiKey::Metadata, ApiKey::ListOffsets] {
+            assert!(reads.contains(&(key as i16)), "{key:?}");
+        }
+        for key in [
+            ApiKey::Produce,
+            ApiKey::CreateTopics,
+            ApiKey::DeleteTopics,
+            ApiKey::OffsetCommit,
+            ApiKey::JoinGroup,
+            ApiKey::InitProducerId,
+        ] {
+            assert!(!reads.contains(&(key as i16)), "{key:?}");
         }
     }
 

@@ -26,6 +26,9 @@ pub(crate) async fn handle(
     } else {
         usize::MAX
     };
+    server
+        .follow_upstream(req.topics.iter().map(|t| t.topic.0.as_str()))
+        .await;
     loop {
         let (resp, total) = read_once(server, &req, max_bytes, version).await;
         if total >= min_bytes.max(1) || Instant::now() >= deadline {

@@ -15,6 +15,9 @@ pub(crate) async fn handle(
     version: i16,
 ) -> ListOffsetsResponse {
     let engine = &server.engine;
+    server
+        .follow_upstream(req.topics.iter().map(|t| t.name.0.as_str()))
+        .await;
     let mut resp = ListOffsetsResponse::default();
     for topic in req.topics {
         let name = topic.name.0.as_str().to_owned();
