@@ -452,7 +452,19 @@ async fn relays_of_a_relay_form_a_deeper_tree_that_delivers_and_forwards_every_m
             ),
         ));
     }
-    wait_for_suback(&mut notes, 3 * PER_NODE).await;
+    // A persistent session on the leaf is passed through both relays to the main node.
+    subs.push((
+        "leaf, persistent session",
+        subscriber(
+            &leaf.mqtt,
+            "car-kept",
+            false,
+            Some("cars/#"),
+            MESSAGES,
+            tx.clone(),
+        ),
+    ));
+    wait_for_suback(&mut notes, 3 * PER_NODE + 1).await;
 
     // Through every level, one after another: all in the main node's ledger order.
     let mut expected = Vec::new();
@@ -469,6 +481,8 @@ async fn relays_of_a_relay_form_a_deeper_tree_that_delivers_and_forwards_every_m
             &format!("subscriber {i} on the {name}"),
         );
     }
+    // The session's cursor is the main node's, and its PUBACKs came up two hops.
+    acknowledged_upstream(&main).await;
     // The leaf follows the middle relay, not the main node: one stream each.
     let (_, metrics) = get(&format!("{}/metrics", leaf.http)).await;
     assert!(metric(&metrics, "sluice_relay_copied_batches_total") >= MESSAGES as u64);
