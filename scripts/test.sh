@@ -53,6 +53,9 @@ cargo run --quiet --locked -p sluice-bench -- http \
 cargo run --quiet --locked -p sluice-bench -- broadcast \
   --dir target/bench-smoke --subscribers 100 --messages 3 --rate 20 --drain-s 5 \
   --brokers floor,sluice,sluice-relays,mosquitto,rumqttd --relays 2 >/dev/null
+cargo run --quiet --locked -p sluice-bench -- broadcast \
+  --dir target/bench-smoke --subscribers 100 --messages 3 --rate 20 --drain-s 5 --qos 1 \
+  --brokers sluice-relays --relays 2 --middle-relays 1 >/dev/null
 
 echo "==> all checks passed"
 echo "tests: ${passed} passed, ${failed} failed"

@@ -101,6 +101,11 @@ pub(crate) struct BroadcastArgs {
     /// 20,000 connections here).
     #[arg(long, default_value_t = 6)]
     relays: usize,
+    /// Middle relays for `sluice-relays`: with M > 0 the relays follow M relays of the main
+    /// node (each serving a read-only Kafka listener, `--downstream-addr`) in turn instead of
+    /// the main node, a tree of depth 2; subscribers stay on the `--relays` relays.
+    #[arg(long, default_value_t = 0)]
+    middle_relays: usize,
     /// The `sluice` binary for `sluice-relays` (default: next to this one; build it with
     /// `cargo build --release -p sluice`).
     #[arg(long)]
@@ -1069,16 +1074,45 @@ impl Broker {
             publish_http: Some(main["http"]),
             relays: Vec::new(),
         };
-        for _ in 0..relays {
+        // What the relays follow: the main node, or the middle relays in turn.
+        let mut uppers = vec![(kafka, mqtt)];
+        if relays > 0 && args.middle_relays > 0 {
+            uppers.clear();
+            for _ in 0..args.middle_relays {
+                let (middle, addrs) = spawn_gateway(
+                    &bin,
+                    &[
+                        "relay".into(),
+                        "--upstream".into(),
+                        kafka.to_string(),
+                        "--upstream-mqtt".into(),
+                        mqtt.to_string(),
+                        "--http-addr".into(),
+                        any.clone(),
+                        "--mqtt-addr".into(),
+                        any.clone(),
+                        "--downstream-addr".into(),
+                        any.clone(),
+                        "--log-level".into(),
+                        "warn,sluice=info".into(),
+                    ],
+                    args,
+                )?;
+                uppers.push((addrs["kafka"], addrs["mqtt"]));
+                broker.relays.push(middle);
+            }
+        }
+        for i in 0..relays {
+            let (up_kafka, up_mqtt) = uppers[i % uppers.len()];
             let port = format!("127.0.0.1:{}", broker.port);
             let (relay, addrs) = spawn_gateway(
                 &bin,
                 &[
                     "relay".into(),
                     "--upstream".into(),
-                    kafka.to_string(),
+                    up_kafka.to_string(),
                     "--upstream-mqtt".into(),
-                    mqtt.to_string(),
+                    up_mqtt.to_string(),
                     "--http-addr".into(),
                     any.clone(),
                     "--mqtt-addr".into(),
@@ -1524,6 +1558,11 @@ fn run_case(
         }
         let mut r = CaseResult {
             broker: match broker_name {
+                "sluice-relays" if args.middle_relays > 0 => format!(
+                    "sluice + {} → {} relays",
+                    args.middle_relays,
+                    args.relays.max(1)
+                ),
                 "sluice-relays" => format!("sluice + {} relays", args.relays.max(1)),
                 "floor-relays" => format!("floor + {} relays", args.relays.max(1)),
                 other => other.to_owned(),
@@ -1896,7 +1935,7 @@ pub(crate) fn run(args: BroadcastArgs) -> anyhow::Result<()> {
         }
     }
     println!(
-        "One publisher, topic `{TOPIC}`, {} B payloads at {}/s, {} messages per case; subscribers are MQTT 3.1.1 clean sessions in worker processes of up to {} clients (read by two threads with one epoll each; one loopback source address per {CLIENTS_PER_ADDRESS} clients). Sluice runs with durability fsync, a live ring of {} MiB per partition and {} MiB for all rings to hold past that for QoS 1 subscribers still behind (storage.live_ring_bytes, storage.live_ring_lag_bytes); Mosquitto in memory (persistence off); rumqttd in memory; the floor is one thread and one epoll writing each PUBLISH verbatim to every subscriber, nothing else (a QoS 1 PUBLISH is acknowledged on arrival; publishers are not read while a subscriber has more than 64 MiB waiting). Latency is publish to receipt over all deliveries (1% buckets); \"last\" is when the last subscriber had a message (median and max over messages). CPU per delivery is the broker process's CPU time during the publishing phase divided by deliveries; CPU per message is the same time divided by the messages published (what the broker spent per message taken, its deliveries included). \"in msg/s\" is what the broker took per second (until the last PUBACK at QoS 1: durable in Sluice); \"out MB/s\" is payload delivered per second until the last subscriber had the slowest message. \"sluice + R relays\": subscribers on R relay processes sharing one MQTT port (SO_REUSEPORT), the publisher on the main node; CPU and memory are all of them together; \"floor + R relays\" is the same tree of floors, each relay one subscription of the main floor. Loopback ceiling measured in this run (2 TCP streams of 2 MB writes): {loopback:.2} GB/s.{}{}{}\n",
+        "One publisher, topic `{TOPIC}`, {} B payloads at {}/s, {} messages per case; subscribers are MQTT 3.1.1 clean sessions in worker processes of up to {} clients (read by two threads with one epoll each; one loopback source address per {CLIENTS_PER_ADDRESS} clients). Sluice runs with durability fsync, a live ring of {} MiB per partition and {} MiB for all rings to hold past that for QoS 1 subscribers still behind (storage.live_ring_bytes, storage.live_ring_lag_bytes); Mosquitto in memory (persistence off); rumqttd in memory; the floor is one thread and one epoll writing each PUBLISH verbatim to every subscriber, nothing else (a QoS 1 PUBLISH is acknowledged on arrival; publishers are not read while a subscriber has more than 64 MiB waiting). Latency is publish to receipt over all deliveries (1% buckets); \"last\" is when the last subscriber had a message (median and max over messages). CPU per delivery is the broker process's CPU time during the publishing phase divided by deliveries; CPU per message is the same time divided by the messages published (what the broker spent per message taken, its deliveries included). \"in msg/s\" is what the broker took per second (until the last PUBACK at QoS 1: durable in Sluice); \"out MB/s\" is payload delivered per second until the last subscriber had the slowest message. \"sluice + R relays\": subscribers on R relay processes sharing one MQTT port (SO_REUSEPORT), the publisher on the main node; CPU and memory are all of them together; \"floor + R relays\" is the same tree of floors, each relay one subscription of the main floor. Loopback ceiling measured in this run (2 TCP streams of 2 MB writes): {loopback:.2} GB/s.{}{}{}{}\n",
         args.size,
         args.rate,
         args.messages,
@@ -1915,6 +1954,14 @@ pub(crate) fn run(args: BroadcastArgs) -> anyhow::Result<()> {
             format!(
                 " The gateway binary's processes ran with runtime.worker_threads = {}.",
                 args.worker_threads
+            )
+        } else {
+            String::new()
+        },
+        if args.middle_relays > 0 {
+            format!(
+                " \"sluice + M → R relays\": the R relays follow M middle relays in turn (relays of the main node, each serving a read-only Kafka listener and forwarding publishes), a tree of depth 2; subscribers are on the R relays, and CPU and memory count all {} processes.",
+                1 + args.middle_relays + args.relays.max(1)
             )
         } else {
             String::new()
@@ -2029,6 +2076,7 @@ pub(crate) fn run(args: BroadcastArgs) -> anyhow::Result<()> {
             "live_ring_lag_bytes": args.live_ring_lag_bytes,
             "publishers": args.publishers,
             "rest_connections": args.rest_connections,
+            "middle_relays": args.middle_relays,
             "cases": all,
             "against_peers": ratio_json,
         });
