@@ -130,12 +130,9 @@ class Gateway:
         env.update(self.extra_env)
         return env
 
-    def start(self, timeout: float = START_TIMEOUT_S) -> "Gateway":
-        if self.alive:
-            raise GatewayError("gateway already running")
-        if not self.binary.is_file():
-            raise GatewayError(f"gateway binary {self.binary} not found (build it, or set SLUICE_BIN)")
-        cmd = [
+    def command(self) -> list[str]:
+        """The command line of one start; a relay (tests/kafka) overrides it."""
+        return [
             str(self.binary),
             "--data-dir", str(self.data_dir),
             "--http-addr", "127.0.0.1:0",
@@ -145,6 +142,13 @@ class Gateway:
             "--log-level", os.environ.get("SLUICE_TEST_LOG_LEVEL", "info"),
             *self.extra_args,
         ]
+
+    def start(self, timeout: float = START_TIMEOUT_S) -> "Gateway":
+        if self.alive:
+            raise GatewayError("gateway already running")
+        if not self.binary.is_file():
+            raise GatewayError(f"gateway binary {self.binary} not found (build it, or set SLUICE_BIN)")
+        cmd = self.command()
         self.starts += 1
         self._log(f"---- start #{self.starts}: {' '.join(cmd)} env={self.extra_env}")
         self.addrs = {}

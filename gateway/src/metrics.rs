@@ -251,6 +251,12 @@ pub(crate) fn render_kafka(body: &mut String, k: &sluice_kafka::KafkaMetrics) {
         k.auth_failures.load(Relaxed),
     );
     o.single(
+        "sluice_kafka_writes_refused_total",
+        "counter",
+        "Produce requests refused by a relay's read-only Kafka listener (POLICY_VIOLATION).",
+        k.writes_refused.load(Relaxed),
+    );
+    o.single(
         "sluice_kafka_received_bytes_total",
         "counter",
         "Bytes of Kafka requests.",

@@ -489,8 +489,9 @@ async fn relays_of_a_relay_form_a_deeper_tree_that_delivers_and_forwards_every_m
     let (_, metrics) = get(&format!("{}/metrics", middle.http)).await;
     assert!(metric(&metrics, "sluice_relay_copied_batches_total") >= MESSAGES as u64);
 
-    // The middle's listener takes reads only: it lists no writes or groups, and a request
-    // for one (ListGroups, whose v0 body is empty) closes the connection, counted.
+    // The middle's listener takes reads only: it lists no groups or topic changes (Produce,
+    // for librdkafka's format probe, is listed and refused: tests/kafka), and a request for
+    // one (ListGroups, whose v0 body is empty) closes the connection, counted.
     let apis = advertised_apis(&middle.kafka);
     for read in [1, 2, 3] {
         assert!(
@@ -498,8 +499,8 @@ async fn relays_of_a_relay_form_a_deeper_tree_that_delivers_and_forwards_every_m
             "Fetch, ListOffsets, Metadata in {apis:?}"
         );
     }
-    for write in [0, 8, 11, 16, 19] {
-        assert!(!apis.contains(&write), "API {write} advertised: {apis:?}");
+    for other in [8, 10, 11, 16, 19] {
+        assert!(!apis.contains(&other), "API {other} advertised: {apis:?}");
     }
     assert!(
         kafka_call(&main.kafka, 16, 0).is_some(),

@@ -21,6 +21,7 @@ from confluent_kafka import (
     TopicPartition,
 )
 from confluent_kafka.admin import NewTopic
+from harness import Gateway
 
 
 def unique(prefix: str) -> str:
@@ -303,6 +304,68 @@ def test_kcat_produce_consume_and_metadata(gateway):
     assert m.returncode == 0, m.stderr
     assert re.search(rf"broker 0 at 127\.0\.0\.1:{gateway.kafka_port}\b", m.stdout), m.stdout
     assert f'topic "{topic}" with 1 partitions' in m.stdout, m.stdout
+
+
+class RelayGateway(Gateway):
+    """`sluice relay` of `upstream`, serving relays below it, and plain readers, on a read-only
+    Kafka listener (`--downstream-addr`)."""
+
+    def __init__(self, data_dir, upstream: Gateway):
+        super().__init__(data_dir)
+        self.upstream = upstream
+
+    def command(self) -> list[str]:
+        host, port = self.upstream.mqtt_addr
+        return [
+            str(self.binary), "relay",
+            "--upstream", self.upstream.bootstrap,
+            "--upstream-mqtt", f"{host}:{port}",
+            "--http-addr", "127.0.0.1:0",
+            "--mqtt-addr", "127.0.0.1:0",
+            "--downstream-addr", "127.0.0.1:0",
+            "--log-format", "text",
+            "--log-level", os.environ.get("SLUICE_TEST_LOG_LEVEL", "info"),
+        ]
+
+
+def test_kcat_reads_from_a_relay_and_a_produce_there_is_refused(gateway, tmp_path):
+    if shutil.which("kcat") is None:
+        pytest.fail("kcat is not installed: run scripts/install-test-deps.sh")
+    relay = RelayGateway(tmp_path / "relay", gateway).start()
+    try:
+        topic = unique("relayed")
+        # On the main node before the relay follows the topic: not in the relay's copy.
+        gateway.produce(topic, [{"value": b"before the relay follows"}])
+        common = ["kcat", "-b", relay.bootstrap, "-X", "broker.address.family=v4"]
+        reader = subprocess.Popen(
+            [*common, "-C", "-t", topic, "-p", "0", "-o", "beginning", "-c", "3", "-q", "-f", "%s\n"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            # kcat's Metadata request made the relay follow the topic.
+            relay.wait_for_log(rf'following upstream topic topic="{re.escape(topic)}"', timeout=30)
+            lines = [f"relayed {i}" for i in range(3)]
+            gateway.produce(topic, [{"value": line.encode()} for line in lines])
+            out, err = reader.communicate(timeout=60)
+        finally:
+            reader.kill()
+        assert reader.returncode == 0, f"kcat -C on the relay failed: {err}"
+        assert out.splitlines() == lines, err
+
+        w = subprocess.run(
+            [*common, "-P", "-t", topic, "-X", "message.timeout.ms=10000"],
+            input="written to a relay\n",
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert w.returncode != 0, f"a produce to a relay succeeded: {w.stderr}"
+        assert "Policy violation" in w.stderr, w.stderr
+        assert relay.metrics()["sluice_kafka_writes_refused_total"] >= 1
+    finally:
+        relay.stop()
 
 
 # ---- consumer groups -------------------------------------------------------------------------

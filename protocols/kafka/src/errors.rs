@@ -19,6 +19,7 @@ pub(crate) const INVALID_PARTITIONS: i16 = 37;
 pub(crate) const INVALID_REPLICATION_FACTOR: i16 = 38;
 pub(crate) const INVALID_CONFIG: i16 = 40;
 pub(crate) const INVALID_REQUEST: i16 = 42;
+pub(crate) const POLICY_VIOLATION: i16 = 44;
 pub(crate) const OUT_OF_ORDER_SEQUENCE_NUMBER: i16 = 45;
 pub(crate) const INVALID_PRODUCER_EPOCH: i16 = 47;
 pub(crate) const TRANSACTIONAL_ID_AUTHORIZATION_FAILED: i16 = 53;

@@ -32,6 +32,8 @@ pub struct KafkaMetrics {
     pub bytes_in: AtomicU64,
     pub bytes_out: AtomicU64,
     pub auth_failures: AtomicU64,
+    /// Produce requests a relay's read-only listener refused.
+    pub writes_refused: AtomicU64,
 }
 
 /// The Kafka protocol server; shared by its connection tasks.
@@ -43,8 +45,9 @@ pub struct KafkaServer {
     pub(crate) producers: Producers,
     pub(crate) advertised: (String, i32),
     pub(crate) cluster_id: String,
-    /// A relay's listener for the relays below it: reads only (`versions::is_read`).
-    read_only: bool,
+    /// A relay's listener for the relays below it: reads only (`versions::on_read_only`;
+    /// produce requests are refused).
+    pub(crate) read_only: bool,
     pub metrics: KafkaMetrics,
 }
 
@@ -68,9 +71,9 @@ impl KafkaServer {
     }
 
     /// A relay's listener for relays below it (a deeper fan-out tree) and plain readers: it
-    /// serves topics, offsets and records from the relay's copy, advertises nothing else, and
-    /// closes a connection that asks for anything else (a produce, a consumer group), which
-    /// belongs to the upstream that keeps the durable state.
+    /// serves topics, offsets and records from the relay's copy, refuses produce requests
+    /// (`POLICY_VIOLATION`), and closes a connection that asks for anything else (a consumer
+    /// group, a topic change), which belongs to the upstream that keeps the durable state.
     pub fn read_only(engine: Engine, settings: KafkaSettings, bound: SocketAddr) -> Arc<Self> {
         Self::build(engine, settings, bound, true)
     }
@@ -249,9 +252,9 @@ impl KafkaServer {
             self.metrics.auth_failures.fetch_add(1, Ordering::Relaxed);
             return Handled::Close(format!("{api:?} before SASL authentication"));
         }
-        if self.read_only && !versions::is_read(api) {
+        if self.read_only && !versions::on_read_only(api) {
             return Handled::Close(format!(
-                "{api:?} on a relay's read-only listener; writes and consumer groups go to its upstream"
+                "{api:?} on a relay's read-only listener; consumer groups and topic changes go to its upstream"
             ));
         }
         let v = req.version;

@@ -33,10 +33,14 @@ const TABLE: &[(ApiKey, i16, i16)] = &[
     (ApiKey::DescribeCluster, 0, 1),
 ];
 
-/// What a relay's read-only listener serves (`KafkaServer::read_only`): enough for a relay
+/// What a relay's read-only listener answers (`KafkaServer::read_only`): enough for a relay
 /// below it, or any plain reader, to find a topic, its offsets and its records. Writes and
-/// consumer groups belong to the upstream, which keeps the durable state.
-const READS: &[ApiKey] = &[
+/// consumer groups belong to the upstream, which keeps the durable state. Produce is listed
+/// but refused (`POLICY_VIOLATION`): librdkafka reads the v2 record format only from a broker
+/// that advertises Produce v3 beside Fetch v4 (rdkafka_feature.c), and without it fell back to
+/// Fetch v0, which no Sluice node speaks.
+const READ_ONLY: &[ApiKey] = &[
+    ApiKey::Produce,
     ApiKey::ApiVersions,
     ApiKey::Metadata,
     ApiKey::ListOffsets,
@@ -46,9 +50,9 @@ const READS: &[ApiKey] = &[
     ApiKey::SaslAuthenticate,
 ];
 
-/// Whether a read-only listener serves `key`.
-pub(crate) fn is_read(key: ApiKey) -> bool {
-    READS.contains(&key)
+/// Whether a read-only listener answers `key`.
+pub(crate) fn on_read_only(key: ApiKey) -> bool {
+    READ_ONLY.contains(&key)
 }
 
 /// The version range implemented for `key`, if any.
@@ -59,12 +63,12 @@ pub(crate) fn supported(key: ApiKey) -> Option<VersionRange> {
         .map(|&(_, min, max)| VersionRange { min, max })
 }
 
-/// The ApiVersions list: every API, or with `read_only` only those [`is_read`] allows, so a
-/// client knows before it asks that a relay takes no writes.
+/// The ApiVersions list: every API, or with `read_only` only those [`on_read_only`] answers,
+/// so a client knows before it asks that a relay has no consumer groups.
 pub(crate) fn advertised(read_only: bool) -> Vec<ApiVersion> {
     TABLE
         .iter()
-        .filter(|&&(key, _, _)| !read_only || is_read(key))
+        .filter(|&&(key, _, _)| !read_only || on_read_only(key))
         .map(|&(key, min, max)| {
             let mut v = ApiVersion::default();
             v.api_key = key as i16;
@@ -98,12 +102,18 @@ mod tests {
             |read_only| -> Vec<i16> { advertised(read_only).iter().map(|v| v.api_key).collect() };
         assert_eq!(keys(false).len(), TABLE.len());
         let reads = keys(true);
-        assert_eq!(reads.len(), READS.len(), "every read is implemented");
-        for key in [ApiKey::Fetch, ApiKey::Metadata, ApiKey::ListOffsets] {
+        assert_eq!(reads.len(), READ_ONLY.len(), "every read is implemented");
+        // Produce too, for librdkafka's record format probe; it is refused when it comes.
+        for key in [
+            ApiKey::Fetch,
+            ApiKey::Metadata,
+            ApiKey::ListOffsets,
+            ApiKey::Produce,
+        ] {
             assert!(reads.contains(&(key as i16)), "{key:?}");
         }
         for key in [
-            ApiKey::Produce,
+            ApiKey::FindCoordinator,
             ApiKey::CreateTopics,
             ApiKey::DeleteTopics,
             ApiKey::OffsetCommit,

@@ -24,6 +24,12 @@ pub(crate) async fn handle(
         ),
     };
     let auto_create = version < 4 || req.allow_auto_topic_creation;
+    // On a relay, asking for a topic by name is reading it, with or without auto-creation.
+    if let Some(names) = &requested {
+        server
+            .follow_upstream(names.iter().map(String::as_str))
+            .await;
+    }
     let names = match &requested {
         None => engine.list_topics(),
         Some(names) => names.clone(),

@@ -8,6 +8,7 @@ use crate::errors;
 use crate::producers::Verdict;
 use crate::server::KafkaServer;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 /// Appends each partition's batches (partitions in parallel, batches of a partition in order)
 /// and answers once they are durable per the topic's policy. `acks = 0` gets no response.
@@ -16,6 +17,14 @@ pub(crate) async fn handle(
     req: ProduceRequest,
     version: i16,
 ) -> Option<ProduceResponse> {
+    if server.read_only {
+        // A relay's copy is no place for a write: it would never reach the upstream.
+        server
+            .metrics
+            .writes_refused
+            .fetch_add(1, Ordering::Relaxed);
+        return respond_all(req, errors::POLICY_VIOLATION);
+    }
     if req.transactional_id.is_some() {
         return respond_all(req, errors::TRANSACTIONAL_ID_AUTHORIZATION_FAILED);
     }
