@@ -139,7 +139,15 @@ impl Gateway {
         self.signal(sig);
         let status = self.child.wait().unwrap();
         let mut all = std::mem::take(&mut self.seen);
-        all.extend(self.lines.try_iter());
+        // The reader thread may still be passing on the last lines after the exit: read until
+        // it drops its end at the end of the output (taking only what had arrived lost them).
+        loop {
+            match self.lines.recv_timeout(PATIENCE) {
+                Ok(line) => all.push(line),
+                Err(mpsc::RecvTimeoutError::Disconnected) => break,
+                Err(mpsc::RecvTimeoutError::Timeout) => panic!("the log did not end: {all:#?}"),
+            }
+        }
         (status, all)
     }
 }
