@@ -1074,57 +1074,42 @@ impl Broker {
             publish_http: Some(main["http"]),
             relays: Vec::new(),
         };
+        // A relay of `upstream` (Kafka and MQTT addresses) with its MQTT listener on `mqtt_at`
+        // and `extra` arguments.
+        let relay = |upstream: (SocketAddr, SocketAddr), mqtt_at: String, extra: &[&str]| {
+            let mut relay_args: Vec<String> = vec![
+                "relay".into(),
+                "--upstream".into(),
+                upstream.0.to_string(),
+                "--upstream-mqtt".into(),
+                upstream.1.to_string(),
+                "--http-addr".into(),
+                any.clone(),
+                "--mqtt-addr".into(),
+                mqtt_at,
+                "--log-level".into(),
+                "warn,sluice=info".into(),
+            ];
+            relay_args.extend(extra.iter().map(|&a| a.to_owned()));
+            spawn_gateway(&bin, &relay_args, args)
+        };
         // What the relays follow: the main node, or the middle relays in turn.
         let mut uppers = vec![(kafka, mqtt)];
         if relays > 0 && args.middle_relays > 0 {
             uppers.clear();
             for _ in 0..args.middle_relays {
-                let (middle, addrs) = spawn_gateway(
-                    &bin,
-                    &[
-                        "relay".into(),
-                        "--upstream".into(),
-                        kafka.to_string(),
-                        "--upstream-mqtt".into(),
-                        mqtt.to_string(),
-                        "--http-addr".into(),
-                        any.clone(),
-                        "--mqtt-addr".into(),
-                        any.clone(),
-                        "--downstream-addr".into(),
-                        any.clone(),
-                        "--log-level".into(),
-                        "warn,sluice=info".into(),
-                    ],
-                    args,
-                )?;
+                let (middle, addrs) =
+                    relay((kafka, mqtt), any.clone(), &["--downstream-addr", &any])?;
                 uppers.push((addrs["kafka"], addrs["mqtt"]));
                 broker.relays.push(middle);
             }
         }
         for i in 0..relays {
-            let (up_kafka, up_mqtt) = uppers[i % uppers.len()];
             let port = format!("127.0.0.1:{}", broker.port);
-            let (relay, addrs) = spawn_gateway(
-                &bin,
-                &[
-                    "relay".into(),
-                    "--upstream".into(),
-                    up_kafka.to_string(),
-                    "--upstream-mqtt".into(),
-                    up_mqtt.to_string(),
-                    "--http-addr".into(),
-                    any.clone(),
-                    "--mqtt-addr".into(),
-                    port,
-                    "--log-level".into(),
-                    "warn,sluice=info".into(),
-                ],
-                args,
-            )?;
+            let (child, addrs) = relay(uppers[i % uppers.len()], port, &[])?;
             broker.port = addrs["mqtt"].port();
             broker.http_ports.push(addrs["http"].port());
-            broker.relays.push(relay);
+            broker.relays.push(child);
         }
         Ok(broker)
     }
@@ -1675,7 +1660,9 @@ fn publish(addr: SocketAddr, qos: u8, args: &BroadcastArgs) -> anyhow::Result<Du
 /// would: `connections` keep-alive HTTP/1.1 connections, each sending its next request once the
 /// last one is answered (Sluice answers once the record is durable). Each record's key is the
 /// MQTT topic, so MQTT subscribers get it under that name. Answers the time from the first
-/// request until the last answer.
+/// request until the last answer. Written on a plain socket rather than reqwest (which
+/// `sluice-bench http` uses): each body carries its own send time, and reqwest would take a
+/// fresh buffer per request, a 2 MB copy per image on the cores being measured.
 fn publish_rest(
     http: SocketAddr,
     size: usize,

@@ -57,6 +57,30 @@ pub(crate) fn mark_for(owed: usize) -> usize {
     }
 }
 
+/// Sets the integer socket option `level`/`name` of the live socket `fd` to `value`.
+pub(crate) fn set_int_option(
+    fd: RawFd,
+    level: libc::c_int,
+    name: libc::c_int,
+    value: libc::c_int,
+) -> io::Result<()> {
+    // SAFETY: setsockopt reads `size_of::<c_int>()` bytes from a valid pointer to `value`; the
+    // caller's descriptor belongs to a live socket.
+    let rc = unsafe {
+        libc::setsockopt(
+            fd,
+            level,
+            name,
+            (&value as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// What [`HeldAcks::read_waiting`] found.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum Waiting {
@@ -119,20 +143,7 @@ impl HeldAcks {
             return Ok(());
         }
         let v = libc::c_int::try_from(mark).unwrap_or(libc::c_int::MAX);
-        // SAFETY: setsockopt reads `size_of::<c_int>()` bytes from a valid pointer to `v`; the
-        // descriptor belongs to the connection's live socket.
-        let rc = unsafe {
-            libc::setsockopt(
-                self.fd,
-                libc::SOL_SOCKET,
-                libc::SO_RCVLOWAT,
-                (&v as *const libc::c_int).cast(),
-                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-            )
-        };
-        if rc != 0 {
-            return Err(io::Error::last_os_error());
-        }
+        set_int_option(self.fd, libc::SOL_SOCKET, libc::SO_RCVLOWAT, v)?;
         if self.mark == 1 {
             self.hold_until = Some(Instant::now() + self.hold);
         }

@@ -135,18 +135,12 @@ const NOTSENT_LOWAT: libc::c_int = 256 * 1024;
 /// Sets `TCP_NOTSENT_LOWAT` on an accepted connection (best effort: a kernel without it just
 /// buffers more).
 fn limit_unsent<S: std::os::fd::AsRawFd>(stream: &S) {
-    let v = NOTSENT_LOWAT;
-    // SAFETY: setsockopt reads `size_of::<c_int>()` bytes from a valid pointer to `v`; the
-    // descriptor belongs to a live socket.
-    unsafe {
-        libc::setsockopt(
-            stream.as_raw_fd(),
-            libc::IPPROTO_TCP,
-            libc::TCP_NOTSENT_LOWAT,
-            (&v as *const libc::c_int).cast(),
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-        );
-    }
+    let _ = crate::acks::set_int_option(
+        stream.as_raw_fd(),
+        libc::IPPROTO_TCP,
+        libc::TCP_NOTSENT_LOWAT,
+        NOTSENT_LOWAT,
+    );
 }
 
 impl MqttServer {

@@ -293,8 +293,9 @@ struct Session<'a, S> {
     /// 19,000-subscriber profile when it did), and it does not hold the channel's first block
     /// (32 deliveries, about 6 KB) for nothing.
     forwarded: Option<(mpsc::Sender<Delivery>, mpsc::Receiver<Delivery>)>,
-    /// Outgoing QoS 1/2 deliveries awaiting PUBACK / PUBCOMP.
-    inflight: HashMap<u16, Option<Acker>>,
+    /// Outgoing QoS 1/2 deliveries awaiting PUBACK / PUBCOMP: whether each is QoS 2, and what
+    /// to acknowledge when it is.
+    inflight: HashMap<u16, (bool, Option<Acker>)>,
     /// How many of `inflight` are QoS 2 (their PUBREC must wake the connection).
     qos2_out: usize,
     /// A TCP connection's receive mark, raised while it owes only PUBACKs.
@@ -978,13 +979,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
                     return Ok(Some(end));
                 }
             }
-            In::PubAck(pkid) => self.acknowledged(pkid),
-            In::PubComp(pkid) => {
-                if self.inflight.contains_key(&pkid) {
-                    self.qos2_out = self.qos2_out.saturating_sub(1);
-                }
-                self.acknowledged(pkid);
-            }
+            In::PubAck(pkid) | In::PubComp(pkid) => self.acknowledged(pkid),
             In::PubRec(pkid) => {
                 codec::ack(
                     self.version,
@@ -1437,9 +1432,16 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
         Ok(feeds)
     }
 
-    /// A delivery's PUBACK or PUBCOMP came.
+    /// A delivery's PUBACK or PUBCOMP came. The QoS 2 count follows the entry itself, so a
+    /// client answering a QoS 2 delivery with a PUBACK does not leave it counted for good.
     fn acknowledged(&mut self, pkid: u16) {
-        if let Some(Some(acker)) = self.inflight.remove(&pkid) {
+        let Some((qos2, acker)) = self.inflight.remove(&pkid) else {
+            return;
+        };
+        if qos2 {
+            self.qos2_out -= 1;
+        }
+        if let Some(acker) = acker {
             acker.ack();
         }
     }
@@ -1560,7 +1562,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
         };
         write_all_vectored(&mut self.stream, &head, &payload).await?;
         if qos > 0 {
-            self.inflight.insert(pkid, d.ack);
+            self.inflight.insert(pkid, (qos == 2, d.ack));
             if qos == 2 {
                 self.qos2_out += 1;
             }
