@@ -61,12 +61,21 @@ pub(crate) struct RelaySection {
     /// A read-only Kafka listener for relays below this one; empty: none.
     pub(crate) downstream_addr: String,
     pub(crate) name: String,
+    /// The relay's own user on the upstream (its MQTT user and Kafka SASL/PLAIN user); empty:
+    /// none.
+    pub(crate) username: String,
+    pub(crate) password: String,
     pub(crate) fetch_max_wait_ms: u32,
     pub(crate) fetch_partition_max_bytes: u32,
     pub(crate) local_retention_bytes: u64,
 }
 
 impl RelaySection {
+    /// The relay's user name and password on the upstream, when it has one.
+    pub(crate) fn credentials(&self) -> Option<(String, String)> {
+        (!self.username.is_empty()).then(|| (self.username.clone(), self.password.clone()))
+    }
+
     /// The upstream's MQTT address: as set, or the Kafka address's host with port 1883.
     pub(crate) fn upstream_mqtt(&self) -> String {
         if !self.upstream_mqtt.is_empty() {
@@ -179,8 +188,23 @@ fn merge(base: &mut Table, overlay: Table) {
     }
 }
 
-/// An environment value as TOML when it parses as such (numbers, booleans), else a string.
-fn env_value(raw: &str) -> Value {
+/// The value at `path` in `table`, if there is one.
+fn get_path<'a>(table: &'a Table, path: &[&str]) -> Option<&'a Value> {
+    let (last, parents) = path.split_last()?;
+    let mut t = table;
+    for p in parents {
+        t = t.get(*p)?.as_table()?;
+    }
+    t.get(*last)
+}
+
+/// An environment value as TOML when it parses as such (numbers, booleans), else a string. A
+/// key that holds a string takes the text verbatim, so a name or password such as `1234` or
+/// `true` stays what was written.
+fn env_value(raw: &str, current: Option<&Value>) -> Value {
+    if matches!(current, Some(Value::String(_))) {
+        return Value::String(raw.to_owned());
+    }
     toml::from_str::<Table>(&format!("v = {raw}"))
         .ok()
         .and_then(|mut t| t.remove("v"))
@@ -223,7 +247,8 @@ impl Config {
             };
             let path: Vec<&str> = path.iter().map(String::as_str).collect();
             let mut overlay = Table::new();
-            set_path(&mut overlay, &path, env_value(&raw)).map_err(|message| ConfigError::Env {
+            let value = env_value(&raw, get_path(&table, &path));
+            set_path(&mut overlay, &path, value).map_err(|message| ConfigError::Env {
                 var: var.clone(),
                 message,
             })?;
@@ -356,13 +381,25 @@ impl Config {
                 return invalid(format!("{key} = {addr:?} is not HOST:PORT"));
             }
         }
-        for (key, addr) in [
+        for (key, value) in [
             ("relay.upstream_mqtt", &relay.upstream_mqtt),
             ("relay.downstream_addr", &relay.downstream_addr),
+            ("relay.username", &relay.username),
+            ("relay.password", &relay.password),
         ] {
-            if relay.upstream.is_empty() && !addr.is_empty() {
+            if relay.upstream.is_empty() && !value.is_empty() {
                 return invalid(format!("{key} is set but relay.upstream is not"));
             }
+        }
+        if relay.username.is_empty() != relay.password.is_empty() {
+            return invalid(
+                "relay.username and relay.password are set together or not at all".into(),
+            );
+        }
+        if relay.username.len() > usize::from(u16::MAX)
+            || relay.password.len() > usize::from(u16::MAX)
+        {
+            return invalid("relay.username and relay.password must be at most 65535 bytes".into());
         }
         if !(1024..=i32::MAX as u32).contains(&relay.fetch_partition_max_bytes) {
             return invalid("relay.fetch_partition_max_bytes must be at least 1024".into());
@@ -579,6 +616,35 @@ mod tests {
         };
         let err = Config::load(None, env(&[]), &cli).unwrap_err().to_string();
         assert!(err.contains("relay.downstream_addr"), "{err}");
+        let cli = CliOverrides {
+            relay_upstream: Some("main.example:9092".into()),
+            ..CliOverrides::default()
+        };
+        assert_eq!(c.relay.credentials(), None, "no user by default");
+        // A password of digits stays text: the key holds a string.
+        let vars = env(&[
+            ("SLUICE_RELAY__USERNAME", "relay-7"),
+            ("SLUICE_RELAY__PASSWORD", "0123"),
+        ]);
+        let c = Config::load(None, vars, &cli).unwrap();
+        assert_eq!(
+            c.relay.credentials(),
+            Some(("relay-7".into(), "0123".into()))
+        );
+        let vars = env(&[("SLUICE_RELAY__USERNAME", "relay-7")]);
+        let err = Config::load(None, vars, &cli).unwrap_err().to_string();
+        assert!(err.contains("relay.password"), "{err}");
+        let vars = env(&[
+            ("SLUICE_RELAY__USERNAME", "relay-7"),
+            ("SLUICE_RELAY__PASSWORD", "0123"),
+        ]);
+        let err = Config::load(None, vars, &CliOverrides::default())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("relay.username is set but relay.upstream is not"),
+            "{err}"
+        );
         for (var, value, key) in [
             ("SLUICE_RELAY__UPSTREAM", "no-port", "relay.upstream"),
             ("SLUICE_RELAY__UPSTREAM_MQTT", "h:1", "relay.upstream_mqtt"),

@@ -244,7 +244,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     );
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let relay = config.is_relay().then(|| {
+    let relay = if config.is_relay() {
         let name = if config.relay.name.is_empty() {
             format!("{}-{}", process::host_name(), std::process::id())
         } else {
@@ -258,6 +258,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
                 max_wait_ms: config.relay.fetch_max_wait_ms as i32,
                 partition_max_bytes: config.relay.fetch_partition_max_bytes as i32,
                 local_policy: config.relay_topic_policy(),
+                credentials: config.relay.credentials(),
             },
             stop_rx.clone(),
         );
@@ -265,8 +266,11 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         let upstream = Upstream::start(
             config.relay.upstream_mqtt(),
             format!("sluice-relay-{name}"),
+            config.relay.credentials(),
             stop_rx.clone(),
-        );
+        )
+        .await
+        .context("signing in to the upstream's MQTT listener")?;
         info!(
             relay = name,
             upstream = config.relay.upstream,
@@ -274,12 +278,14 @@ async fn serve(config: Config) -> anyhow::Result<()> {
             scratch = %dir.display(),
             "running as a relay: topics are followed from the upstream on first use"
         );
-        http::Relay {
+        Some(http::Relay {
             name,
             mirror,
             upstream,
-        }
-    });
+        })
+    } else {
+        None
+    };
 
     let ready = Arc::new(AtomicBool::new(false));
     let http_listener = TcpListener::bind(&config.http.addr)

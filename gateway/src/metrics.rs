@@ -82,7 +82,7 @@ pub(crate) fn render_relay(body: &mut String, relay: &crate::http::Relay, engine
         ),
         1,
     );
-    let rows: [(&str, &str, &str, u64); 9] = [
+    let rows: [(&str, &str, &str, u64); 10] = [
         (
             "sluice_relay_subscribers",
             "gauge",
@@ -94,6 +94,12 @@ pub(crate) fn render_relay(body: &mut String, relay: &crate::http::Relay, engine
             "counter",
             "Upstream connections re-established after a failure (followers and the publish link).",
             m.upstream_reconnects.load(Relaxed) + u.reconnects.load(Relaxed),
+        ),
+        (
+            "sluice_relay_upstream_auth_failures_total",
+            "counter",
+            "Times the upstream refused the relay's user (relay.username) on either link.",
+            m.auth_failures.load(Relaxed) + u.auth_failures.load(Relaxed),
         ),
         (
             "sluice_relay_copied_batches_total",

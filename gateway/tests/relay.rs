@@ -357,19 +357,7 @@ async fn a_relay_outlives_an_upstream_restart_and_its_subscribers_keep_receiving
     wait_for(&mut notes, 1, |n| matches!(n, Note::Received)).await;
 
     // The main node restarts on the same addresses; the relay's subscriber stays connected.
-    let (kafka, mqtt) = (main.kafka.clone(), main.mqtt.clone());
-    let (status, _) = main.stop_with(libc::SIGTERM);
-    assert!(status.success());
-    let main = Gateway::spawn(&[
-        "--data-dir",
-        dir.path().to_str().unwrap(),
-        "--http-addr",
-        "127.0.0.1:0",
-        "--kafka-addr",
-        &kafka,
-        "--mqtt-addr",
-        &mqtt,
-    ]);
+    let main = main.restart(dir.path(), &[]);
     publish(&main.mqtt, "p2", "cars/news", payload(2), || ()).await;
     let news = |i| ("cars/news".to_owned(), payload(i));
     assert_messages(
@@ -556,4 +544,237 @@ async fn relays_of_a_relay_form_a_deeper_tree_that_delivers_and_forwards_every_m
             .unwrap();
         assert_eq!(p, &payload(n), "intact");
     }
+}
+
+/// A configuration file giving the named users their passwords, on MQTT and on Kafka.
+fn users_file(
+    dir: &std::path::Path,
+    name: &str,
+    mqtt: &[(&str, &str)],
+    kafka: &[(&str, &str)],
+) -> String {
+    let table = |users: &[(&str, &str)]| {
+        users
+            .iter()
+            .map(|(u, p)| format!("{u} = \"{}\"\n", sluice_core::hash_password(p.as_bytes())))
+            .collect::<String>()
+    };
+    let path = dir.join(name);
+    std::fs::write(
+        &path,
+        format!(
+            "[mqtt.users]\n{}[kafka.sasl_plain_users]\n{}",
+            table(mqtt),
+            table(kafka)
+        ),
+    )
+    .unwrap();
+    path.display().to_string()
+}
+
+/// Runs `sluice ARGS` with `env` and returns how it ended and all it wrote, once it has given
+/// up starting (killed if it is still running after `PATIENCE`, which fails the caller).
+fn start_failure(args: &[&str], env: &[(&str, &str)]) -> (Option<i32>, String) {
+    let mut child = std::process::Command::new(common::BIN)
+        .args(args)
+        .envs(env.iter().copied())
+        .env_remove("RUST_LOG")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + PATIENCE;
+    while child.try_wait().unwrap().is_none() && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    let out = child.wait_with_output().unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    (out.status.code(), text)
+}
+
+/// MQTT 5 over a plain socket: CONNECT with `user`/`password`, then one QoS 1 PUBLISH; returns
+/// the CONNACK's reason and the PUBACK's (or `None` when the connection closed instead).
+fn publish_v5(addr: &str, user: &str, password: &str, topic: &str) -> (u8, Option<u8>) {
+    fn put_str(out: &mut Vec<u8>, s: &str) {
+        out.extend_from_slice(&(s.len() as u16).to_be_bytes());
+        out.extend_from_slice(s.as_bytes());
+    }
+    fn packet(first: u8, body: &[u8]) -> Vec<u8> {
+        assert!(body.len() < 128, "one length byte");
+        let mut p = vec![first, body.len() as u8];
+        p.extend_from_slice(body);
+        p
+    }
+    fn read_packet(s: &mut std::net::TcpStream) -> Option<(u8, Vec<u8>)> {
+        let mut head = [0u8; 2];
+        s.read_exact(&mut head).ok()?;
+        assert!(head[1] < 128, "one length byte");
+        let mut body = vec![0u8; head[1] as usize];
+        s.read_exact(&mut body).ok()?;
+        Some((head[0], body))
+    }
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(PATIENCE)).unwrap();
+    let mut connect = Vec::new();
+    put_str(&mut connect, "MQTT");
+    connect.extend_from_slice(&[5, 0xC2, 0, 60, 0]);
+    put_str(&mut connect, "v5-device");
+    put_str(&mut connect, user);
+    put_str(&mut connect, password);
+    s.write_all(&packet(0x10, &connect)).unwrap();
+    let (kind, body) = read_packet(&mut s).expect("a CONNACK");
+    assert_eq!(kind, 0x20, "CONNACK");
+    if body[1] != 0 {
+        return (body[1], None);
+    }
+    let mut publish = Vec::new();
+    put_str(&mut publish, topic);
+    publish.extend_from_slice(&[0, 1, 0]);
+    publish.extend_from_slice(b"hello");
+    s.write_all(&packet(0x32, &publish)).unwrap();
+    loop {
+        match read_packet(&mut s) {
+            Some((0x40, ack)) => {
+                assert_eq!(ack[..2], [0, 1], "packet id");
+                return (0, Some(ack.get(2).copied().unwrap_or(0)));
+            }
+            Some(_) => {}
+            None => return (0, None),
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_signs_in_to_an_upstream_with_users_and_is_refused_clearly_without_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("main");
+    let users = [("relay-1", "relay secret"), ("device", "device secret")];
+    let main_config = users_file(dir.path(), "main.toml", &users, &users[..1]);
+    let main = Gateway::start(&data, &["--config", &main_config]);
+    // The relay checks its own clients against the same users as the main node.
+    let relay_config = users_file(dir.path(), "relay.toml", &users[1..], &[]);
+    let args = [
+        "relay",
+        "--upstream",
+        &main.kafka,
+        "--upstream-mqtt",
+        &main.mqtt,
+        "--http-addr",
+        "127.0.0.1:0",
+        "--mqtt-addr",
+        "127.0.0.1:0",
+        "--config",
+        &relay_config,
+    ];
+
+    // Without a user, or with a wrong password, the relay does not start, and says why.
+    for env in [
+        vec![],
+        vec![
+            ("SLUICE_RELAY__USERNAME", "relay-1"),
+            ("SLUICE_RELAY__PASSWORD", "wrong"),
+        ],
+    ] {
+        let (code, out) = start_failure(&args, &env);
+        assert_ne!(code, Some(0), "{env:?}: {out}");
+        assert!(out.contains("refused the relay"), "{env:?}: {out}");
+        assert!(out.contains("relay.username"), "{env:?}: {out}");
+    }
+    let signed_in = [
+        ("SLUICE_RELAY__USERNAME", "relay-1"),
+        ("SLUICE_RELAY__PASSWORD", "relay secret"),
+    ];
+    // The MQTT link is let in but the Kafka follower is not: the Kafka user's password differs.
+    let other_main = dir.path().join("other");
+    let split = users_file(
+        dir.path(),
+        "split.toml",
+        &users,
+        &[("relay-1", "another secret")],
+    );
+    let other = Gateway::start(&other_main, &["--config", &split]);
+    let other_args = [
+        "relay",
+        "--upstream",
+        &other.kafka,
+        "--upstream-mqtt",
+        &other.mqtt,
+        "--http-addr",
+        "127.0.0.1:0",
+        "--mqtt-addr",
+        "127.0.0.1:0",
+    ];
+    let (code, out) = start_failure(&other_args, &signed_in);
+    assert_ne!(code, Some(0), "{out}");
+    assert!(out.contains("refused the relay's SASL user"), "{out}");
+    drop(other);
+
+    // With its user the relay follows and forwards as usual.
+    let relay = Gateway::spawn_with_env(&args, &signed_in);
+    let (tx, mut notes) = mpsc::unbounded_channel();
+    let mut o = options(&relay.mqtt, "viewer", true);
+    o.set_credentials("device", "device secret");
+    let view = {
+        let (client, mut events) = AsyncClient::new(o, 16);
+        tokio::spawn(async move {
+            let mut got = Vec::new();
+            while got.len() < 2 {
+                match tokio::time::timeout(PATIENCE, events.poll()).await {
+                    Ok(Ok(Event::Incoming(Packet::ConnAck(_)))) => {
+                        client.subscribe("cars/#", QoS::AtLeastOnce).await.unwrap();
+                    }
+                    Ok(Ok(Event::Incoming(Packet::SubAck(_)))) => {
+                        let _ = tx.send(Note::SubAck);
+                    }
+                    Ok(Ok(Event::Incoming(Packet::Publish(p)))) => got.push(p.payload),
+                    Ok(Ok(_)) => {}
+                    other => panic!("viewer on the relay: {other:?}"),
+                }
+            }
+            got
+        })
+    };
+    wait_for_suback(&mut notes, 1).await;
+    let (relay_mqtt, main_mqtt) = (relay.mqtt.clone(), main.mqtt.clone());
+    let acks = tokio::task::spawn_blocking(move || {
+        [
+            publish_v5(&main_mqtt, "device", "device secret", "cars/1"),
+            publish_v5(&relay_mqtt, "device", "device secret", "cars/2"),
+        ]
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        acks,
+        [(0, Some(0)), (0, Some(0))],
+        "both durable on the main node"
+    );
+    assert_eq!(view.await.unwrap(), vec![Bytes::from("hello"); 2]);
+    let (_, metrics) = get(&format!("{}/metrics", relay.http)).await;
+    assert_eq!(
+        metric(&metrics, "sluice_relay_upstream_auth_failures_total"),
+        0
+    );
+
+    // The main node comes back with another password for the relay: publishes waiting for
+    // the link are refused as not authorized, not left waiting.
+    let changed = users_file(
+        dir.path(),
+        "changed.toml",
+        &[("relay-1", "new secret"), users[1]],
+        &[("relay-1", "new secret")],
+    );
+    let _main = main.restart(&data, &["--config", &changed]);
+    let relay_mqtt = relay.mqtt.clone();
+    let refused = tokio::task::spawn_blocking(move || {
+        publish_v5(&relay_mqtt, "device", "device secret", "cars/3")
+    })
+    .await
+    .unwrap();
+    assert_eq!(refused, (0, Some(0x87)), "PUBACK: not authorized");
+    let (_, metrics) = get(&format!("{}/metrics", relay.http)).await;
+    assert!(metric(&metrics, "sluice_relay_upstream_auth_failures_total") >= 1);
+    assert!(metric(&metrics, "sluice_relay_forward_refused_total") >= 1);
 }

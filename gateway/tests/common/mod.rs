@@ -26,15 +26,29 @@ pub(crate) struct Gateway {
 impl Gateway {
     /// A main node on `data_dir`, every listener on a free loopback port.
     pub(crate) fn start(data_dir: &std::path::Path, extra: &[&str]) -> Self {
+        Self::start_on(data_dir, "127.0.0.1:0", "127.0.0.1:0", extra)
+    }
+
+    /// Stops this main node (SIGTERM, which must succeed) and starts it again on `data_dir`
+    /// with the same Kafka and MQTT addresses and `extra` arguments, as an operator's restart.
+    pub(crate) fn restart(self, data_dir: &std::path::Path, extra: &[&str]) -> Self {
+        let (kafka, mqtt) = (self.kafka.clone(), self.mqtt.clone());
+        let (status, log) = self.stop_with(libc::SIGTERM);
+        assert!(status.success(), "{log:#?}");
+        Self::start_on(data_dir, &kafka, &mqtt, extra)
+    }
+
+    /// A main node on `data_dir` with the given Kafka and MQTT listeners.
+    fn start_on(data_dir: &std::path::Path, kafka: &str, mqtt: &str, extra: &[&str]) -> Self {
         let mut args = vec![
             "--data-dir",
             data_dir.to_str().unwrap(),
             "--http-addr",
             "127.0.0.1:0",
             "--kafka-addr",
-            "127.0.0.1:0",
+            kafka,
             "--mqtt-addr",
-            "127.0.0.1:0",
+            mqtt,
         ];
         args.extend_from_slice(extra);
         Self::spawn(&args)
@@ -65,8 +79,15 @@ impl Gateway {
 
     /// Starts `sluice ARGS` and waits until it logs "ready".
     pub(crate) fn spawn(args: &[&str]) -> Self {
+        Self::spawn_with_env(args, &[])
+    }
+
+    /// Starts `sluice ARGS` with the environment variables `env` set and waits until it logs
+    /// "ready".
+    pub(crate) fn spawn_with_env(args: &[&str], env: &[(&str, &str)]) -> Self {
         let mut child = Command::new(BIN)
             .args(args)
+            .envs(env.iter().copied())
             .env_remove("RUST_LOG")
             // The worker-count test reads tokio's own default, which this would change.
             .env_remove("TOKIO_WORKER_THREADS")

@@ -7,6 +7,9 @@
 //! need a durable cursor are served by the upstream itself) except for the MQTT server's own
 //! state topics, which it copies from the start. After a lost connection it resumes from the
 //! next offset it has not appended, so a relay that stays up sees no gap.
+//!
+//! Each connection signs in with SASL/PLAIN first when the relay has a user of its own; an
+//! upstream without users answers the handshake with ILLEGAL_SASL_STATE and is read as is.
 
 use std::collections::{BTreeMap, HashSet};
 use std::future::Future;
@@ -21,7 +24,8 @@ use kafka_protocol::messages::list_offsets_request::{ListOffsetsPartition, ListO
 use kafka_protocol::messages::metadata_request::MetadataRequestTopic;
 use kafka_protocol::messages::{
     ApiKey, BrokerId, FetchRequest, FetchResponse, ListOffsetsRequest, ListOffsetsResponse,
-    MetadataRequest, MetadataResponse, RequestHeader, ResponseHeader, TopicName,
+    MetadataRequest, MetadataResponse, RequestHeader, ResponseHeader, SaslAuthenticateRequest,
+    SaslAuthenticateResponse, SaslHandshakeRequest, SaslHandshakeResponse, TopicName,
 };
 use kafka_protocol::protocol::{Decodable, Encodable, StrBytes};
 use parking_lot::Mutex;
@@ -37,6 +41,8 @@ use crate::errors;
 const METADATA_VERSION: i16 = 9;
 const LIST_OFFSETS_VERSION: i16 = 6;
 const FETCH_VERSION: i16 = 12;
+const SASL_HANDSHAKE_VERSION: i16 = 1;
+const SASL_AUTHENTICATE_VERSION: i16 = 2;
 /// Largest response frame accepted from the upstream.
 const MAX_FRAME: usize = 256 << 20;
 /// How long a request to the upstream may take beyond its own long-poll wait.
@@ -55,6 +61,8 @@ pub struct MirrorSettings {
     pub partition_max_bytes: i32,
     /// Policy of the local copies (no fsync; bounded by size).
     pub local_policy: TopicPolicy,
+    /// The relay's SASL/PLAIN user name and password on the upstream, if it has one.
+    pub credentials: Option<(String, String)>,
 }
 
 /// Counters of a mirror, rendered as `sluice_relay_*` metrics.
@@ -69,6 +77,8 @@ pub struct MirrorMetrics {
     /// Times a partition's position was no longer in the upstream's log and jumped to its
     /// latest offset (records in between were never seen here).
     pub resets: AtomicU64,
+    /// Times the upstream refused the relay's SASL user name or password.
+    pub auth_failures: AtomicU64,
 }
 
 /// Follows upstream topics on demand; install with [`Engine::set_topic_source`].
@@ -110,12 +120,23 @@ impl Mirror {
             .collect()
     }
 
+    /// A new connection to the upstream, signed in; refusals of the relay's user are counted.
+    async fn open(&self) -> std::io::Result<Conn> {
+        let r = Conn::open(&self.settings).await;
+        if let Err(e) = &r
+            && e.kind() == std::io::ErrorKind::PermissionDenied
+        {
+            self.metrics.auth_failures.fetch_add(1, Ordering::Relaxed);
+        }
+        r
+    }
+
     async fn follow(self: &Arc<Self>, topic: &str) -> Result<(), CoreError> {
         let mut followed = self.followed.lock().await;
         if followed.contains(topic) {
             return Ok(());
         }
-        let mut conn = Conn::open(&self.settings).await.map_err(upstream_error)?;
+        let mut conn = self.open().await.map_err(upstream_error)?;
         let partitions = conn.partitions(topic).await?;
         let from_start = topic.starts_with("__mqtt_");
         let starts = conn
@@ -162,7 +183,7 @@ impl Mirror {
             let failed = (backoff * 2).clamp(Duration::from_millis(100), Duration::from_secs(2));
             let c = match conn.as_mut() {
                 Some(c) => c,
-                None => match Conn::open(&self.settings).await {
+                None => match self.open().await {
                     Ok(c) => {
                         self.metrics
                             .upstream_reconnects
@@ -294,12 +315,66 @@ impl Conn {
                 std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out")
             })??;
         stream.set_nodelay(true)?;
-        Ok(Self {
+        let mut conn = Self {
             stream,
             client_id: StrBytes::from_string(settings.client_id.clone()),
             correlation: 0,
             inbuf: BytesMut::with_capacity(64 * 1024),
-        })
+        };
+        if let Some((user, password)) = &settings.credentials {
+            conn.sign_in(user, password).await?;
+        }
+        Ok(conn)
+    }
+
+    /// SASL/PLAIN: a refusal is an error of kind `PermissionDenied`.
+    async fn sign_in(&mut self, user: &str, password: &str) -> std::io::Result<()> {
+        let refused = |why: String| {
+            std::io::Error::new(
+                std::io::ErrorKind::PermissionDenied,
+                format!(
+                    "upstream refused the relay's SASL user {user:?}: {why} (relay.username, relay.password)"
+                ),
+            )
+        };
+        let mut req = SaslHandshakeRequest::default();
+        req.mechanism = StrBytes::from_static_str("PLAIN");
+        let resp: SaslHandshakeResponse = self
+            .call(
+                ApiKey::SaslHandshake,
+                SASL_HANDSHAKE_VERSION,
+                &req,
+                Duration::ZERO,
+            )
+            .await?;
+        match resp.error_code {
+            errors::NONE => {}
+            // The upstream has no users: nothing to sign in to.
+            errors::ILLEGAL_SASL_STATE => return Ok(()),
+            code => return Err(refused(format!("handshake error code {code}"))),
+        }
+        let mut auth = Vec::with_capacity(2 + user.len() + password.len());
+        auth.push(0);
+        auth.extend_from_slice(user.as_bytes());
+        auth.push(0);
+        auth.extend_from_slice(password.as_bytes());
+        let mut req = SaslAuthenticateRequest::default();
+        req.auth_bytes = Bytes::from(auth);
+        let resp: SaslAuthenticateResponse = self
+            .call(
+                ApiKey::SaslAuthenticate,
+                SASL_AUTHENTICATE_VERSION,
+                &req,
+                Duration::ZERO,
+            )
+            .await?;
+        if resp.error_code == errors::NONE {
+            return Ok(());
+        }
+        Err(refused(resp.error_message.map_or_else(
+            || format!("error code {}", resp.error_code),
+            |m| m.to_string(),
+        )))
     }
 
     /// Sends one request and reads its response.

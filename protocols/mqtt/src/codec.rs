@@ -379,6 +379,7 @@ pub(crate) const TOPIC_ALIAS_MAX: u16 = 64;
 /// Reason codes the server sends (MQTT 5 values; v4 maps them to its few return codes).
 pub(crate) mod reason {
     pub(crate) const SUCCESS: u8 = 0x00;
+    pub(crate) const NO_MATCHING_SUBSCRIBERS: u8 = 0x10;
     pub(crate) const UNSPECIFIED: u8 = 0x80;
     pub(crate) const MALFORMED: u8 = 0x81;
     pub(crate) const PROTOCOL_ERROR: u8 = 0x82;
@@ -386,10 +387,14 @@ pub(crate) mod reason {
     pub(crate) const CLIENT_ID_INVALID: u8 = 0x85;
     pub(crate) const TOPIC_FILTER_INVALID: u8 = 0x8F;
     pub(crate) const TOPIC_NAME_INVALID: u8 = 0x90;
+    pub(crate) const PACKET_ID_IN_USE: u8 = 0x91;
     pub(crate) const PACKET_ID_NOT_FOUND: u8 = 0x92;
+    pub(crate) const QUOTA_EXCEEDED: u8 = 0x97;
+    pub(crate) const PAYLOAD_FORMAT_INVALID: u8 = 0x99;
     pub(crate) const TOPIC_ALIAS_INVALID: u8 = 0x94;
     pub(crate) const PACKET_TOO_LARGE: u8 = 0x95;
     pub(crate) const BAD_USER_NAME_OR_PASSWORD: u8 = 0x86;
+    pub(crate) const NOT_AUTHORIZED: u8 = 0x87;
     pub(crate) const SESSION_TAKEN_OVER: u8 = 0x8E;
     pub(crate) const KEEP_ALIVE_TIMEOUT: u8 = 0x8D;
     pub(crate) const SERVER_SHUTTING_DOWN: u8 = 0x8B;
@@ -468,6 +473,24 @@ pub(crate) enum Ack {
     Pubcomp,
 }
 
+/// The PUBACK or PUBREC reason (the two share their codes) for `code`; one neither can carry
+/// is "unspecified error". A relay passes on its upstream's refusals through this.
+macro_rules! publish_reason {
+    ($kind:ident, $code:expr) => {
+        match $code {
+            reason::SUCCESS => v5::$kind::Success,
+            reason::NO_MATCHING_SUBSCRIBERS => v5::$kind::NoMatchingSubscribers,
+            reason::IMPLEMENTATION_SPECIFIC => v5::$kind::ImplementationSpecificError,
+            reason::NOT_AUTHORIZED => v5::$kind::NotAuthorized,
+            reason::TOPIC_NAME_INVALID => v5::$kind::TopicNameInvalid,
+            reason::PACKET_ID_IN_USE => v5::$kind::PacketIdentifierInUse,
+            reason::QUOTA_EXCEEDED => v5::$kind::QuotaExceeded,
+            reason::PAYLOAD_FORMAT_INVALID => v5::$kind::PayloadFormatInvalid,
+            _ => v5::$kind::UnspecifiedError,
+        }
+    };
+}
+
 pub(crate) fn ack(version: Version, kind: Ack, pkid: u16, code: u8, out: &mut BytesMut) {
     match version {
         Version::V4 => {
@@ -482,26 +505,12 @@ pub(crate) fn ack(version: Version, kind: Ack, pkid: u16, code: u8, out: &mut By
             let p = match kind {
                 Ack::Puback => v5::Packet::PubAck(v5::PubAck {
                     pkid,
-                    reason: match code {
-                        reason::SUCCESS => v5::PubAckReason::Success,
-                        reason::TOPIC_NAME_INVALID => v5::PubAckReason::TopicNameInvalid,
-                        reason::IMPLEMENTATION_SPECIFIC => {
-                            v5::PubAckReason::ImplementationSpecificError
-                        }
-                        _ => v5::PubAckReason::UnspecifiedError,
-                    },
+                    reason: publish_reason!(PubAckReason, code),
                     properties: None,
                 }),
                 Ack::Pubrec => v5::Packet::PubRec(v5::PubRec {
                     pkid,
-                    reason: match code {
-                        reason::SUCCESS => v5::PubRecReason::Success,
-                        reason::TOPIC_NAME_INVALID => v5::PubRecReason::TopicNameInvalid,
-                        reason::IMPLEMENTATION_SPECIFIC => {
-                            v5::PubRecReason::ImplementationSpecificError
-                        }
-                        _ => v5::PubRecReason::UnspecifiedError,
-                    },
+                    reason: publish_reason!(PubRecReason, code),
                     properties: None,
                 }),
                 Ack::Pubrel => v5::Packet::PubRel(v5::PubRel {

@@ -5,6 +5,10 @@
 //! own client's PUBACK no earlier. Connections that ask for a persistent session are spliced
 //! byte for byte to the upstream, which keeps their durable cursor: a relay holds no session
 //! state, and such a client resumes where it left off whichever relay it reaches next.
+//!
+//! The link signs in with the relay's own user when it has one. The upstream refusing it is
+//! a setting to fix, not a passing fault: the publishes waiting for the link fail at once with
+//! "not authorized" instead of waiting for a connection that would be refused again.
 
 use std::collections::VecDeque;
 use std::future::Future;
@@ -41,6 +45,8 @@ pub struct UpstreamMetrics {
     pub spliced_open: AtomicU64,
     /// Persistent-session connections spliced to the upstream, in all.
     pub spliced_total: AtomicU64,
+    /// Times the upstream refused the relay's user name or password.
+    pub auth_failures: AtomicU64,
 }
 
 /// The upstream of a relay.
@@ -62,18 +68,31 @@ struct Forward {
 
 impl Upstream {
     /// Starts the forwarding connection to `addr` (the upstream's MQTT listener), which
-    /// reconnects by itself until `stop` turns true.
-    pub fn start(addr: String, client_id: String, stop: watch::Receiver<bool>) -> Arc<Self> {
+    /// reconnects by itself until `stop` turns true. Fails only when the upstream refuses
+    /// `credentials` (or their absence): an upstream not reachable yet is tried again later.
+    pub async fn start(
+        addr: String,
+        client_id: String,
+        credentials: Option<(String, String)>,
+        stop: watch::Receiver<bool>,
+    ) -> std::io::Result<Arc<Self>> {
+        let link = Link {
+            addr: addr.clone(),
+            client_id,
+            credentials,
+        };
+        let first = match link.connect().await {
+            Ok(conn) => Some(conn),
+            Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => return Err(e),
+            Err(e) => {
+                warn!(upstream = addr, error = %e, "relay: upstream MQTT unreachable");
+                None
+            }
+        };
         let (tx, rx) = mpsc::channel(QUEUE);
         let metrics = Arc::new(UpstreamMetrics::default());
-        tokio::spawn(forward_loop(
-            addr.clone(),
-            client_id,
-            rx,
-            metrics.clone(),
-            stop,
-        ));
-        Arc::new(Self { addr, tx, metrics })
+        tokio::spawn(forward_loop(link, first, rx, metrics.clone(), stop));
+        Ok(Arc::new(Self { addr, tx, metrics }))
     }
 
     /// The upstream's MQTT address.
@@ -139,28 +158,46 @@ impl Upstream {
     }
 }
 
+/// Where and as whom the forwarding connection signs in.
+struct Link {
+    addr: String,
+    client_id: String,
+    credentials: Option<(String, String)>,
+}
+
 /// Keeps one MQTT 5 connection to the upstream and sends it every queued publish at QoS 1.
 /// Publishes unacknowledged when a connection drops are sent again (DUP) on the next one, in
 /// their order: at least once, like any QoS 1 sender.
 async fn forward_loop(
-    addr: String,
-    client_id: String,
+    link: Link,
+    mut first: Option<Conn>,
     mut rx: mpsc::Receiver<Forward>,
     metrics: Arc<UpstreamMetrics>,
     mut stop: watch::Receiver<bool>,
 ) {
+    let addr = &link.addr;
     let mut inflight: VecDeque<(u16, Forward)> = VecDeque::new();
     let mut next_pkid: u16 = 0;
     let mut backoff = Duration::from_millis(100);
-    let mut first = true;
+    let mut connected_before = first.is_some();
     loop {
         if *stop.borrow() {
             return;
         }
-        let mut conn = match connect(&addr, &client_id).await {
+        let connected = match first.take() {
+            Some(conn) => Ok(conn),
+            None => link.connect().await,
+        };
+        let mut conn = match connected {
             Ok(c) => c,
             Err(e) => {
-                warn!(upstream = addr, error = %e, "relay: upstream MQTT unreachable");
+                if e.kind() == std::io::ErrorKind::PermissionDenied {
+                    metrics.auth_failures.fetch_add(1, Ordering::Relaxed);
+                    warn!(upstream = addr, error = %e, "relay: upstream MQTT refused the relay's user");
+                    refuse_waiting(&mut inflight, &mut rx, &metrics);
+                } else {
+                    warn!(upstream = addr, error = %e, "relay: upstream MQTT unreachable");
+                }
                 tokio::select! {
                     () = tokio::time::sleep(backoff) => {}
                     () = stopped(&mut stop) => return,
@@ -169,11 +206,11 @@ async fn forward_loop(
                 continue;
             }
         };
-        if !first {
+        if connected_before {
             metrics.reconnects.fetch_add(1, Ordering::Relaxed);
             info!(upstream = addr, "relay: upstream MQTT connection restored");
         }
-        first = false;
+        connected_before = true;
         backoff = Duration::from_millis(100);
         let r = serve(
             &mut conn,
@@ -191,46 +228,91 @@ async fn forward_loop(
     }
 }
 
+/// Fails every publish waiting for the link, those sent on a lost connection included, with
+/// "not authorized": the upstream refused the relay itself.
+fn refuse_waiting(
+    inflight: &mut VecDeque<(u16, Forward)>,
+    rx: &mut mpsc::Receiver<Forward>,
+    metrics: &UpstreamMetrics,
+) {
+    let queued = std::iter::from_fn(|| rx.try_recv().ok());
+    for f in inflight.drain(..).map(|(_, f)| f).chain(queued) {
+        metrics.forward_refused.fetch_add(1, Ordering::Relaxed);
+        let _ = f.done.send(Err(reason::NOT_AUTHORIZED));
+    }
+}
+
 struct Conn {
     stream: TcpStream,
     inbuf: BytesMut,
 }
 
-async fn connect(addr: &str, client_id: &str) -> std::io::Result<Conn> {
-    let stream = tokio::time::timeout(Duration::from_secs(10), TcpStream::connect(addr))
-        .await
-        .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out"))??;
-    stream.set_nodelay(true)?;
-    let mut conn = Conn {
-        stream,
-        inbuf: BytesMut::with_capacity(4096),
-    };
-    // MQTT 5 CONNECT: clean start, no session to keep (what is in flight is resent by us).
-    let mut vh = BytesMut::new();
-    codec::put_str(&mut vh, b"MQTT");
-    vh.put_u8(5);
-    vh.put_u8(0x02);
-    vh.put_u16(KEEP_ALIVE.as_secs() as u16);
-    vh.put_u8(0);
-    codec::put_str(&mut vh, client_id.as_bytes());
-    let mut out = BytesMut::new();
-    out.put_u8(0x10);
-    codec::put_varint(&mut out, vh.len());
-    out.extend_from_slice(&vh);
-    conn.stream.write_all(&out).await?;
-    let (kind, body) = read_packet(&mut conn).await?;
-    if kind != 0x20 || body.len() < 2 {
-        return Err(std::io::Error::other(format!(
-            "expected CONNACK, got packet type {kind:#x}"
-        )));
+impl Link {
+    /// Opens the connection and signs in. A refusal for the user name or password (or for
+    /// lacking them) is an error of kind `PermissionDenied`.
+    async fn connect(&self) -> std::io::Result<Conn> {
+        let stream = tokio::time::timeout(Duration::from_secs(10), TcpStream::connect(&self.addr))
+            .await
+            .map_err(|_| {
+                std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out")
+            })??;
+        stream.set_nodelay(true)?;
+        let mut conn = Conn {
+            stream,
+            inbuf: BytesMut::with_capacity(4096),
+        };
+        conn.stream.write_all(&self.connect_packet()).await?;
+        let (kind, body) = read_packet(&mut conn).await?;
+        if kind != 0x20 || body.len() < 2 {
+            return Err(std::io::Error::other(format!(
+                "expected CONNACK, got packet type {kind:#x}"
+            )));
+        }
+        match body[1] {
+            reason::SUCCESS => Ok(conn),
+            code @ (reason::BAD_USER_NAME_OR_PASSWORD | reason::NOT_AUTHORIZED) => {
+                let why = match &self.credentials {
+                    Some((user, _)) => format!(
+                        "upstream refused the relay's user {user:?} with reason {code:#x} (relay.username, relay.password)"
+                    ),
+                    None => format!(
+                        "upstream refused the relay, which has no user, with reason {code:#x}: set relay.username and relay.password"
+                    ),
+                };
+                Err(std::io::Error::new(
+                    std::io::ErrorKind::PermissionDenied,
+                    why,
+                ))
+            }
+            code => Err(std::io::Error::other(format!(
+                "upstream refused the connection with reason {code:#x}"
+            ))),
+        }
     }
-    if body[1] != reason::SUCCESS {
-        return Err(std::io::Error::other(format!(
-            "upstream refused the connection with reason {:#x}",
-            body[1]
-        )));
+
+    /// MQTT 5 CONNECT: clean start, no session to keep (what is in flight is resent by us).
+    fn connect_packet(&self) -> BytesMut {
+        let mut flags = 0x02;
+        if self.credentials.is_some() {
+            flags |= 0x80 | 0x40;
+        }
+        let mut vh = BytesMut::new();
+        codec::put_str(&mut vh, b"MQTT");
+        vh.put_u8(5);
+        vh.put_u8(flags);
+        vh.put_u16(KEEP_ALIVE.as_secs() as u16);
+        vh.put_u8(0);
+        codec::put_str(&mut vh, self.client_id.as_bytes());
+        if let Some((user, password)) = &self.credentials {
+            codec::put_str(&mut vh, user.as_bytes());
+            codec::put_str(&mut vh, password.as_bytes());
+        }
+        let mut out = BytesMut::new();
+        out.put_u8(0x10);
+        codec::put_varint(&mut out, vh.len());
+        out.extend_from_slice(&vh);
+        out
     }
-    Ok(conn)
 }
 
 /// Reads one packet: its type nibble (shifted into the high bits, as on the wire) and body.
