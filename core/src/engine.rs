@@ -287,7 +287,7 @@ impl Engine {
                 .map_err(|_| CoreError::ShuttingDown)??
         };
         for meta in metas {
-            let topic = engine.open_topic(meta).await?;
+            let topic = engine.open_topic(meta, &[]).await?;
             let name = topic.meta.read().name.clone();
             engine.inner.topics.insert(name, topic);
         }
@@ -311,7 +311,9 @@ impl Engine {
         Ok(engine)
     }
 
-    async fn open_topic(&self, meta: TopicMeta) -> Result<Arc<Topic>> {
+    /// Opens the topic's partitions; a new partition `id` starts at `first_offsets[id]` (0 when
+    /// not given).
+    async fn open_topic(&self, meta: TopicMeta, first_offsets: &[u64]) -> Result<Arc<Topic>> {
         let inner = &self.inner;
         let mut partitions = Vec::with_capacity(meta.partitions as usize);
         let data = Arc::new(tokio::sync::Notify::new());
@@ -320,7 +322,11 @@ impl Engine {
             let storage = inner.storage.clone();
             let clock = inner.clock.clone();
             let log_config = meta.policy.log_config();
+            let first = first_offsets.get(id as usize).copied().unwrap_or(0);
             let (log, report) = tokio::task::spawn_blocking(move || {
+                if first > 0 {
+                    PartitionLog::create_at(storage.as_ref(), &dir, first)?;
+                }
                 PartitionLog::open(storage, &dir, log_config, clock)
             })
             .await
@@ -368,6 +374,19 @@ impl Engine {
         partitions: u32,
         policy: Option<TopicPolicy>,
     ) -> Result<TopicDescription> {
+        self.create_topic_at(name, partitions, policy, &[]).await
+    }
+
+    /// Creates a topic whose partition `i` gives its first record the offset
+    /// `first_offsets[i]` (0 when not given): a copy of another node's topic that keeps that
+    /// node's offsets, as a relay's does.
+    pub async fn create_topic_at(
+        &self,
+        name: &str,
+        partitions: u32,
+        policy: Option<TopicPolicy>,
+        first_offsets: &[u64],
+    ) -> Result<TopicDescription> {
         validate_topic_name(name)?;
         if partitions == 0 || partitions > MAX_PARTITIONS {
             return Err(CoreError::InvalidPartitionCount {
@@ -390,7 +409,7 @@ impl Engine {
         tokio::task::spawn_blocking(move || store.save_topic(&saved))
             .await
             .map_err(|_| CoreError::ShuttingDown)??;
-        let topic = self.open_topic(meta).await?;
+        let topic = self.open_topic(meta, first_offsets).await?;
         self.inner.topics.insert(name.to_owned(), topic);
         info!(topic = name, partitions, "topic created");
         self.describe_topic(name)

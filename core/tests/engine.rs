@@ -188,6 +188,45 @@ async fn produce_fetch_offsets_and_timestamps() {
 }
 
 #[tokio::test]
+async fn a_copy_of_another_topic_starts_at_its_offsets_and_keeps_them_after_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = open(dir.path()).await;
+    engine
+        .create_topic_at("copy", 3, None, &[1_000, 0, 7])
+        .await
+        .unwrap();
+    assert_eq!(engine.offsets("copy", 0).unwrap(), (1_000, 1_000));
+    assert_eq!(engine.offsets("copy", 1).unwrap(), (0, 0));
+    assert_eq!(engine.offsets("copy", 2).unwrap(), (7, 7));
+    for (partition, first) in [(0, 1_000), (2, 7)] {
+        let ack = engine
+            .produce(
+                "copy",
+                PartitionChoice::Id(partition),
+                &[record("k", b"one", now()), record("k", b"two", now())],
+            )
+            .await
+            .unwrap();
+        assert_eq!(ack.base_offset, first);
+    }
+    let offsets = |records: Vec<sluice_core::DecodedRecord>| {
+        records.iter().map(|r| r.offset).collect::<Vec<_>>()
+    };
+    assert_eq!(offsets(read_all(&engine, "copy", 0).await), [1_000, 1_001]);
+    assert!(matches!(
+        engine.fetch("copy", 0, 0, 1024).await,
+        Err(CoreError::OffsetOutOfRange { offset: 0, .. })
+    ));
+    engine.shutdown().await;
+
+    let engine = open(dir.path()).await;
+    assert_eq!(engine.offsets("copy", 0).unwrap(), (1_000, 1_002));
+    assert_eq!(engine.offsets("copy", 2).unwrap(), (7, 9));
+    assert_eq!(offsets(read_all(&engine, "copy", 2).await), [7, 8]);
+    engine.shutdown().await;
+}
+
+#[tokio::test]
 async fn ready_made_batches_are_stored_verbatim_and_bad_ones_rejected() {
     let dir = tempfile::tempdir().unwrap();
     let engine = open(dir.path()).await;

@@ -224,6 +224,28 @@ fn parse_segment_name(name: &str) -> Option<(u64, &str)> {
 }
 
 impl PartitionLog {
+    /// Prepares an empty log in `dir` whose first record will get `first_offset`, for a copy
+    /// of another log that starts where that one stands; [`Self::open`] opens it. A `dir` that
+    /// already holds a log is left as it is.
+    pub fn create_at(storage: &dyn Storage, dir: &Path, first_offset: u64) -> Result<()> {
+        let names = Self::list_created(storage, dir)?;
+        if names
+            .iter()
+            .any(|n| matches!(parse_segment_name(n), Some((_, "log"))))
+        {
+            return Ok(());
+        }
+        Self::create_segment(storage, dir, first_offset).map(drop)
+    }
+
+    /// The names in `dir`, created first if it does not exist.
+    fn list_created(storage: &dyn Storage, dir: &Path) -> Result<Vec<String>> {
+        storage
+            .create_dir_all(dir)
+            .map_err(StorageError::io("create directory", dir))?;
+        storage.list_dir(dir).map_err(StorageError::io("list", dir))
+    }
+
     /// Opens (or creates) the log in `dir`, recovering from whatever a crash left behind.
     pub fn open(
         storage: Arc<dyn Storage>,
@@ -231,12 +253,7 @@ impl PartitionLog {
         config: LogConfig,
         clock: Arc<dyn Clock>,
     ) -> Result<(Self, RecoveryReport)> {
-        storage
-            .create_dir_all(dir)
-            .map_err(StorageError::io("create directory", dir))?;
-        let names = storage
-            .list_dir(dir)
-            .map_err(StorageError::io("list", dir))?;
+        let names = Self::list_created(storage.as_ref(), dir)?;
         let mut bases = Vec::new();
         let mut orphans = Vec::new();
         for name in &names {

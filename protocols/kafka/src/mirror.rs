@@ -6,7 +6,9 @@
 //! It starts at the upstream's latest offsets (a relay serves live views; MQTT sessions that
 //! need a durable cursor are served by the upstream itself) except for the MQTT server's own
 //! state topics, which it copies from the start. After a lost connection it resumes from the
-//! next offset it has not appended, so a relay that stays up sees no gap.
+//! next offset it has not appended, so a relay that stays up sees no gap. The local copy
+//! starts at the same offsets, so each record keeps the upstream's offset, until a position
+//! that left the upstream's log skips ahead.
 //!
 //! Each connection signs in with SASL/PLAIN first when the relay has a user of its own; an
 //! upstream without users answers the handshake with ILLEGAL_SASL_STATE and is read as is.
@@ -142,9 +144,17 @@ impl Mirror {
         let starts = conn
             .list_offsets(topic, partitions, if from_start { -2 } else { -1 })
             .await?;
+        // The copy starts where the upstream stands, so its offsets are the upstream's: a
+        // reader of this relay can go on at the main node, or the other way round.
+        let first: Vec<u64> = starts.iter().map(|&o| o.max(0) as u64).collect();
         match self
             .engine
-            .create_topic(topic, partitions, Some(self.settings.local_policy.clone()))
+            .create_topic_at(
+                topic,
+                partitions,
+                Some(self.settings.local_policy.clone()),
+                &first,
+            )
             .await
         {
             Ok(_) | Err(CoreError::TopicExists { .. }) => {}
@@ -241,7 +251,8 @@ impl Mirror {
                         partition = slot,
                         from = next[slot],
                         to = latest[slot],
-                        "relay: position left the upstream's log; skipping to its latest offset"
+                        "relay: position left the upstream's log; skipping to its latest offset \
+                         (from here on this copy's offsets differ from the upstream's)"
                     );
                     next[slot] = latest[slot];
                     continue;
