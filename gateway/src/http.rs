@@ -38,6 +38,19 @@ pub(crate) struct Relay {
     pub(crate) upstream: Arc<sluice_mqtt::Upstream>,
 }
 
+impl Relay {
+    /// Why this relay cannot serve new clients now, if it cannot.
+    pub(crate) fn cut_off(&self) -> Option<&'static str> {
+        if !self.upstream.metrics.connected.load(Ordering::Relaxed) {
+            Some("not ready: the upstream's MQTT listener is not connected\n")
+        } else if self.mirror.metrics.links_down.load(Ordering::Relaxed) > 0 {
+            Some("not ready: following the upstream's Kafka listener is failing\n")
+        } else {
+            None
+        }
+    }
+}
+
 pub(crate) fn router(state: AppState) -> Router {
     let api = match state.relay {
         Some(_) => sluice_rest::relay_router(state.rest.clone()),
@@ -57,12 +70,16 @@ async fn healthz() -> &'static str {
     "ok\n"
 }
 
-/// Readiness: recovery is done, listeners are bound, and shutdown has not begun.
+/// Readiness: recovery is done, listeners are bound, and shutdown has not begun; on a relay,
+/// also both links to the upstream are up, so a load balancer sends new clients to relays
+/// that can serve them.
 async fn readyz(State(state): State<AppState>) -> impl IntoResponse {
-    if state.ready.load(Ordering::Acquire) {
-        (StatusCode::OK, "ready\n")
-    } else {
-        (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
+    if !state.ready.load(Ordering::Acquire) {
+        return (StatusCode::SERVICE_UNAVAILABLE, "not ready\n");
+    }
+    match state.relay.as_ref().and_then(Relay::cut_off) {
+        Some(why) => (StatusCode::SERVICE_UNAVAILABLE, why),
+        None => (StatusCode::OK, "ready\n"),
     }
 }
 

@@ -148,6 +148,22 @@ pub(crate) fn render_relay(body: &mut String, relay: &crate::http::Relay, engine
         o.header(name, kind, help);
         o.sample(name, &who, value);
     }
+    o.header(
+        "sluice_relay_upstream_links_down",
+        "gauge",
+        "Links to the upstream that are down now: the MQTT publish link (link=\"mqtt\") and followed topics' connections (link=\"kafka\"); /readyz answers 503 while any is.",
+    );
+    let links = [
+        ("mqtt", u64::from(!u.connected.load(Relaxed))),
+        ("kafka", m.links_down.load(Relaxed)),
+    ];
+    for (link, down) in links {
+        o.sample(
+            "sluice_relay_upstream_links_down",
+            &format!("{who},link=\"{link}\""),
+            down,
+        );
+    }
     let lag = relay.mirror.lag();
     o.header(
         "sluice_relay_lag_records",

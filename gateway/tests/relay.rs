@@ -182,6 +182,22 @@ async fn acknowledged_only_after_upstream(main: &Gateway, relay_mqtt: &str) {
     );
 }
 
+/// Polls the relay's `/readyz` until it answers `status`, and returns the answer's text.
+async fn readiness(relay: &Gateway, status: u16) -> String {
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    loop {
+        let (got, body) = get(&format!("{}/readyz", relay.http)).await;
+        if got == status {
+            return body;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "/readyz still answers {got} {body:?}, not {status}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 fn metric(text: &str, name: &str) -> u64 {
     text.lines()
         .find(|l| l.starts_with(name) && !l.starts_with('#'))
@@ -356,8 +372,21 @@ async fn a_relay_outlives_an_upstream_restart_and_its_subscribers_keep_receiving
     publish(&main.mqtt, "p1", "cars/news", payload(1), || ()).await;
     wait_for(&mut notes, 1, |n| matches!(n, Note::Received)).await;
 
-    // The main node restarts on the same addresses; the relay's subscriber stays connected.
-    let main = main.restart(dir.path(), &[]);
+    assert_eq!(readiness(&relay, 200).await, "ready\n");
+
+    // The main node restarts on the same addresses; the relay's subscriber stays connected,
+    // and while the main node is away the relay tells load balancers it is not ready.
+    let (kafka, mqtt) = (main.kafka.clone(), main.mqtt.clone());
+    let (status, _) = main.stop_with(libc::SIGTERM);
+    assert!(status.success());
+    assert!(readiness(&relay, 503).await.starts_with("not ready: "));
+    let (_, metrics) = get(&format!("{}/metrics", relay.http)).await;
+    assert!(
+        metrics.contains(r#"link="mqtt"} 1"#) || metrics.contains(r#"link="kafka"} 1"#),
+        "{metrics}"
+    );
+    let main = Gateway::start_on(dir.path(), &kafka, &mqtt, &[]);
+    assert_eq!(readiness(&relay, 200).await, "ready\n");
     publish(&main.mqtt, "p2", "cars/news", payload(2), || ()).await;
     let news = |i| ("cars/news".to_owned(), payload(i));
     assert_messages(

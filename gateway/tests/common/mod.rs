@@ -39,7 +39,12 @@ impl Gateway {
     }
 
     /// A main node on `data_dir` with the given Kafka and MQTT listeners.
-    fn start_on(data_dir: &std::path::Path, kafka: &str, mqtt: &str, extra: &[&str]) -> Self {
+    pub(crate) fn start_on(
+        data_dir: &std::path::Path,
+        kafka: &str,
+        mqtt: &str,
+        extra: &[&str],
+    ) -> Self {
         let mut args = vec![
             "--data-dir",
             data_dir.to_str().unwrap(),

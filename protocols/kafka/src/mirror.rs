@@ -81,6 +81,9 @@ pub struct MirrorMetrics {
     pub resets: AtomicU64,
     /// Times the upstream refused the relay's SASL user name or password.
     pub auth_failures: AtomicU64,
+    /// Followed topics whose connection to the upstream is down now (a relay is not ready
+    /// while any is).
+    pub links_down: AtomicU64,
 }
 
 /// Follows upstream topics on demand; install with [`Engine::set_topic_source`].
@@ -173,10 +176,25 @@ impl Mirror {
         Ok(())
     }
 
+    /// Counts a followed topic's connection going down or coming back (`down` is its state).
+    fn set_link(&self, down: &mut bool, now_down: bool) {
+        if *down != now_down {
+            *down = now_down;
+            if now_down {
+                self.metrics.links_down.fetch_add(1, Ordering::Relaxed);
+            } else {
+                self.metrics.links_down.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+    }
+
     /// Copies `topic` until the relay stops, reconnecting after failures.
     async fn run(self: Arc<Self>, topic: String, conn: Conn, mut next: Vec<i64>) {
         let mut stop = self.stop.clone();
         let mut conn = Some(conn);
+        // Only failures of the connection itself count as the link being down: an error
+        // answer about this topic (deleted upstream, say) is not the relay being cut off.
+        let mut down = false;
         // Grows with consecutive failures of any kind (a topic deleted upstream fails every
         // fetch), so a lasting problem is retried, and logged, at most every two seconds.
         let mut backoff = Duration::ZERO;
@@ -199,10 +217,12 @@ impl Mirror {
                             .upstream_reconnects
                             .fetch_add(1, Ordering::Relaxed);
                         info!(topic, "relay: upstream connection restored");
+                        self.set_link(&mut down, false);
                         conn.insert(c)
                     }
                     Err(e) => {
                         warn!(topic, error = %e, "relay: upstream unreachable");
+                        self.set_link(&mut down, true);
                         backoff = failed;
                         continue;
                     }
@@ -214,7 +234,10 @@ impl Mirror {
             };
             let applied = match fetched {
                 Ok(resp) => self.apply(&topic, &mut next, resp, c).await,
-                Err(e) => Err(upstream_error(e)),
+                Err(e) => {
+                    self.set_link(&mut down, true);
+                    Err(upstream_error(e))
+                }
             };
             match applied {
                 Ok(()) => backoff = Duration::ZERO,

@@ -14,7 +14,7 @@ use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
@@ -47,6 +47,8 @@ pub struct UpstreamMetrics {
     pub spliced_total: AtomicU64,
     /// Times the upstream refused the relay's user name or password.
     pub auth_failures: AtomicU64,
+    /// Whether the forwarding connection is up now (a relay is not ready while it is not).
+    pub connected: AtomicBool,
 }
 
 /// The upstream of a relay.
@@ -211,6 +213,7 @@ async fn forward_loop(
             info!(upstream = addr, "relay: upstream MQTT connection restored");
         }
         connected_before = true;
+        metrics.connected.store(true, Ordering::Relaxed);
         backoff = Duration::from_millis(100);
         let r = serve(
             &mut conn,
@@ -221,6 +224,7 @@ async fn forward_loop(
             &mut stop,
         )
         .await;
+        metrics.connected.store(false, Ordering::Relaxed);
         match r {
             Ok(()) => return,
             Err(e) => warn!(upstream = addr, error = %e, "relay: upstream MQTT connection lost"),
