@@ -11,6 +11,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
@@ -196,7 +197,7 @@ const FILE_HEADROOM: u64 = 64;
 async fn serve(config: Config) -> anyhow::Result<()> {
     // Installed before anything else, so a signal that arrives during start-up (or right after
     // "ready") is a clean shutdown rather than the default kill.
-    let signals = Signals::install()?;
+    let mut signals = Signals::install()?;
     let soft = process::raise_file_limit();
     let (_, hard) = process::file_limits();
     info!(
@@ -357,17 +358,22 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         .with_context(|| format!("binding the MQTT listener to {}", config.mqtt.addr))?;
     let mqtt_addr = mqtt_listener.local_addr()?;
     let mqtt = match &relay {
-        Some(r) => MqttServer::relay(engine.clone(), config.mqtt.clone(), r.upstream.clone()).await,
-        None => MqttServer::new(engine.clone(), config.mqtt.clone()).await,
-    }
-    .context("starting the MQTT server")?;
-    let _ = mqtt_metrics.set(mqtt.clone());
-    let mqtt_task = tokio::spawn(mqtt.clone().serve(mqtt_listener, stop_rx.clone()));
-    info!(protocol = "mqtt", addr = %mqtt_addr, routes = config.mqtt.routes.len(), default_topic = %config.mqtt.default_topic, "listening");
-    ready.store(true, Ordering::Release);
-    info!("ready");
-
-    let signal = signals.recv().await;
+        Some(r) => relay_mqtt_server(&engine, &config, r, &mut signals).await?,
+        None => Ok(MqttServer::new(engine.clone(), config.mqtt.clone())
+            .await
+            .context("starting the MQTT server")?),
+    };
+    let (mqtt_task, signal) = match mqtt {
+        Ok(mqtt) => {
+            let _ = mqtt_metrics.set(mqtt.clone());
+            let task = tokio::spawn(mqtt.clone().serve(mqtt_listener, stop_rx.clone()));
+            info!(protocol = "mqtt", addr = %mqtt_addr, routes = config.mqtt.routes.len(), default_topic = %config.mqtt.default_topic, "listening");
+            ready.store(true, Ordering::Release);
+            info!("ready");
+            (Some(task), signals.recv().await)
+        }
+        Err(signal) => (None, signal),
+    };
     info!(
         signal,
         "shutting down: draining connections and partition writers"
@@ -384,7 +390,9 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     {
         warn!(error = %e, "Kafka listener task failed");
     }
-    if let Err(e) = mqtt_task.await {
+    if let Some(task) = mqtt_task
+        && let Err(e) = task.await
+    {
         warn!(error = %e, "MQTT listener task failed");
     }
     engine.shutdown().await;
@@ -395,6 +403,41 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     }
     info!("stopped");
     Ok(())
+}
+
+/// A relay's MQTT server, built once the upstream's retained messages are followed. An
+/// upstream that does not answer yet is waited for, so relays may start before their main
+/// node (they stay not ready meanwhile); one that refuses the relay's user stops the start,
+/// since trying again cannot help. `Err(signal)` when a stop signal came first.
+async fn relay_mqtt_server(
+    engine: &Engine,
+    config: &Config,
+    relay: &http::Relay,
+    signals: &mut Signals,
+) -> anyhow::Result<Result<Arc<MqttServer>, &'static str>> {
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        let built =
+            MqttServer::relay(engine.clone(), config.mqtt.clone(), relay.upstream.clone()).await;
+        let e = match built {
+            Ok(mqtt) => return Ok(Ok(mqtt)),
+            Err(e) => e,
+        };
+        let refused = relay.mirror.metrics.auth_failures.load(Ordering::Relaxed) > 0;
+        if refused || !matches!(e, sluice_core::CoreError::Upstream { .. }) {
+            return Err(anyhow::Error::new(e).context("starting the MQTT server"));
+        }
+        warn!(
+            upstream = relay.mirror.upstream(),
+            error = %e,
+            "relay: waiting for the upstream to answer (not ready until it does)"
+        );
+        tokio::select! {
+            () = tokio::time::sleep(backoff) => {}
+            signal = signals.recv() => return Ok(Err(signal)),
+        }
+        backoff = (backoff * 2).min(Duration::from_secs(2));
+    }
 }
 
 /// What `/connections` lists for the Kafka and MQTT servers, once they are listening.
@@ -438,7 +481,7 @@ impl Signals {
     }
 
     /// Waits for either signal and names it.
-    async fn recv(mut self) -> &'static str {
+    async fn recv(&mut self) -> &'static str {
         tokio::select! {
             _ = self.term.recv() => "SIGTERM",
             _ = self.int.recv() => "SIGINT",

@@ -807,3 +807,55 @@ async fn a_relay_signs_in_to_an_upstream_with_users_and_is_refused_clearly_witho
     assert!(metric(&metrics, "sluice_relay_upstream_auth_failures_total") >= 1);
     assert!(metric(&metrics, "sluice_relay_forward_refused_total") >= 1);
 }
+
+/// A loopback address nothing listens on now (the port was free a moment ago).
+fn unused_addr() -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_started_before_its_main_node_waits_for_it_and_is_not_ready_meanwhile() {
+    let (kafka, mqtt) = (unused_addr(), unused_addr());
+    let relay_args = [
+        "relay",
+        "--upstream",
+        &kafka,
+        "--upstream-mqtt",
+        &mqtt,
+        "--http-addr",
+        "127.0.0.1:0",
+        "--mqtt-addr",
+        "127.0.0.1:0",
+    ];
+    let waiting = |l: &str| l.contains("waiting for the upstream to answer");
+
+    // A relay stopped while it waits stops cleanly.
+    let mut early = Gateway::launch(&relay_args, &[]);
+    early.read_until(waiting);
+    let (status, log) = early.stop_with(libc::SIGTERM);
+    assert!(status.success(), "{log:#?}");
+    assert!(log.iter().any(|l| l.ends_with(" stopped")), "{log:#?}");
+
+    let mut relay = Gateway::launch(&relay_args, &[]);
+    relay.read_until(waiting);
+    assert_eq!(get(&format!("{}/healthz", relay.http)).await.0, 200);
+    assert_eq!(
+        get(&format!("{}/readyz", relay.http)).await,
+        (503, "not ready\n".to_owned())
+    );
+
+    let dir = tempfile::tempdir().unwrap();
+    let main = Gateway::start_on(dir.path(), &kafka, &mqtt, &[]);
+    relay.read_until(|l| l.ends_with(" ready"));
+    assert_eq!(readiness(&relay, 200).await, "ready\n");
+    let (tx, mut notes) = mpsc::unbounded_channel();
+    let view = subscriber(&relay.mqtt, "view", true, Some("cars/#"), 1, tx);
+    wait_for_suback(&mut notes, 1).await;
+    publish(&main.mqtt, "p1", "cars/news", payload(1), || ()).await;
+    assert_messages(
+        &view.await.unwrap(),
+        &[("cars/news".to_owned(), payload(1))],
+        "relay subscriber",
+    );
+}

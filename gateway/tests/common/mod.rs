@@ -90,6 +90,13 @@ impl Gateway {
     /// Starts `sluice ARGS` with the environment variables `env` set and waits until it logs
     /// "ready".
     pub(crate) fn spawn_with_env(args: &[&str], env: &[(&str, &str)]) -> Self {
+        let mut g = Self::launch(args, env);
+        g.read_until(|l| l.ends_with(" ready") || l.contains(r#""message":"ready""#));
+        g
+    }
+
+    /// Starts `sluice ARGS` with `env` set, without waiting for anything.
+    pub(crate) fn launch(args: &[&str], env: &[(&str, &str)]) -> Self {
         let mut child = Command::new(BIN)
             .args(args)
             .envs(env.iter().copied())
@@ -109,37 +116,39 @@ impl Gateway {
                 }
             }
         });
-        let mut g = Self {
+        Self {
             child,
             lines,
             seen: Vec::new(),
             http: String::new(),
             mqtt: String::new(),
             kafka: String::new(),
-        };
+        }
+    }
+
+    /// Reads the log up to the first line `stop` accepts, and returns it, taking each
+    /// listener's address from the lines on the way.
+    pub(crate) fn read_until(&mut self, stop: impl Fn(&str) -> bool) -> String {
         loop {
-            let line = g.wait_for_line(|l| {
-                l.contains("listening")
-                    || l.ends_with(" ready")
-                    || l.contains(r#""message":"ready""#)
-            });
-            if !line.contains("listening") {
-                break;
+            let line = self.wait_for_line(|l| l.contains("listening") || stop(l));
+            if line.contains("listening") {
+                let addr = listen_addr(&line);
+                let is = |p: &str| {
+                    line.contains(&format!("protocol=\"{p}\""))
+                        || line.contains(&format!(r#""protocol":"{p}""#))
+                };
+                if is("http") {
+                    self.http = format!("http://{addr}");
+                } else if is("mqtt") {
+                    self.mqtt = addr;
+                } else if is("kafka") {
+                    self.kafka = addr;
+                }
             }
-            let addr = listen_addr(&line);
-            let is = |p: &str| {
-                line.contains(&format!("protocol=\"{p}\""))
-                    || line.contains(&format!(r#""protocol":"{p}""#))
-            };
-            if is("http") {
-                g.http = format!("http://{addr}");
-            } else if is("mqtt") {
-                g.mqtt = addr;
-            } else if is("kafka") {
-                g.kafka = addr;
+            if stop(&line) {
+                return line;
             }
         }
-        g
     }
 
     pub(crate) fn wait_for_line(&mut self, f: impl Fn(&str) -> bool) -> String {
