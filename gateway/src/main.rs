@@ -144,7 +144,12 @@ fn main() -> ExitCode {
         return ExitCode::from(2);
     }
     if print_only {
-        match toml::to_string(&config) {
+        // A secret stays out of terminals and pasted output; whether one is set still shows.
+        let mut shown = config.clone();
+        if !shown.relay.password.is_empty() {
+            shown.relay.password = "<hidden>".into();
+        }
+        match toml::to_string(&shown) {
             Ok(text) => {
                 print!("{text}");
                 return ExitCode::SUCCESS;

@@ -368,10 +368,16 @@ fn default_and_effective_configuration_can_be_printed() {
     let out = Command::new(BIN)
         .args(["print-config", "--kafka-addr", "127.0.0.1:19092"])
         .env("SLUICE_TOPICS__DEFAULT_PARTITIONS", "6")
+        .env("SLUICE_RELAY__UPSTREAM", "main:9092")
+        .env("SLUICE_RELAY__USERNAME", "relay-1")
+        .env("SLUICE_RELAY__PASSWORD", "s3cret")
         .output()
         .unwrap();
     assert!(out.status.success());
-    let effective: toml::Table = toml::from_str(&String::from_utf8(out.stdout).unwrap()).unwrap();
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(!text.contains("s3cret"), "the password is printed: {text}");
+    let effective: toml::Table = toml::from_str(&text).unwrap();
+    assert_eq!(effective["relay"]["password"].as_str(), Some("<hidden>"));
     assert_eq!(effective["kafka"]["addr"].as_str(), Some("127.0.0.1:19092"));
     assert_eq!(
         effective["topics"]["default_partitions"].as_integer(),
