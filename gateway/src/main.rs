@@ -358,10 +358,6 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         None
     };
 
-    let mqtt_listener = sluice_mqtt::bind_listener(&config.mqtt.addr, relay.is_some())
-        .await
-        .with_context(|| format!("binding the MQTT listener to {}", config.mqtt.addr))?;
-    let mqtt_addr = mqtt_listener.local_addr()?;
     let mqtt = match &relay {
         Some(r) => relay_mqtt_server(&engine, &config, r, &mut signals).await?,
         None => Ok(MqttServer::new(engine.clone(), config.mqtt.clone())
@@ -370,6 +366,12 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     };
     let (mqtt_task, signal) = match mqtt {
         Ok(mqtt) => {
+            // Bound only now: relays sharing the port through SO_REUSEPORT would otherwise
+            // hand new clients to one still waiting for its upstream.
+            let mqtt_listener = sluice_mqtt::bind_listener(&config.mqtt.addr, relay.is_some())
+                .await
+                .with_context(|| format!("binding the MQTT listener to {}", config.mqtt.addr))?;
+            let mqtt_addr = mqtt_listener.local_addr()?;
             let _ = mqtt_metrics.set(mqtt.clone());
             let task = tokio::spawn(mqtt.clone().serve(mqtt_listener, stop_rx.clone()));
             info!(protocol = "mqtt", addr = %mqtt_addr, routes = config.mqtt.routes.len(), default_topic = %config.mqtt.default_topic, "listening");

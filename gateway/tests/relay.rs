@@ -816,7 +816,7 @@ fn unused_addr() -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_started_before_its_main_node_waits_for_it_and_is_not_ready_meanwhile() {
-    let (kafka, mqtt) = (unused_addr(), unused_addr());
+    let (kafka, mqtt, relay_mqtt) = (unused_addr(), unused_addr(), unused_addr());
     let relay_args = [
         "relay",
         "--upstream",
@@ -826,7 +826,7 @@ async fn a_relay_started_before_its_main_node_waits_for_it_and_is_not_ready_mean
         "--http-addr",
         "127.0.0.1:0",
         "--mqtt-addr",
-        "127.0.0.1:0",
+        &relay_mqtt,
     ];
     let waiting = |l: &str| l.contains("waiting for the upstream to answer");
 
@@ -844,6 +844,9 @@ async fn a_relay_started_before_its_main_node_waits_for_it_and_is_not_ready_mean
         get(&format!("{}/readyz", relay.http)).await,
         (503, "not ready\n".to_owned())
     );
+    // Its MQTT port is not open yet: relays sharing it would hand it clients it cannot serve.
+    let refused = std::net::TcpStream::connect(&relay_mqtt).unwrap_err();
+    assert_eq!(refused.kind(), std::io::ErrorKind::ConnectionRefused);
 
     let dir = tempfile::tempdir().unwrap();
     let main = Gateway::start_on(dir.path(), &kafka, &mqtt, &[]);

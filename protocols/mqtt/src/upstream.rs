@@ -233,7 +233,8 @@ async fn forward_loop(
 }
 
 /// Fails every publish waiting for the link, those sent on a lost connection included, with
-/// "not authorized": the upstream refused the relay itself.
+/// "not authorized": the upstream refused the relay itself. One of those may have been stored
+/// before the connection dropped; its client hears of a failure, never of a false success.
 fn refuse_waiting(
     inflight: &mut VecDeque<(u16, Forward)>,
     rx: &mut mpsc::Receiver<Forward>,
