@@ -715,12 +715,13 @@ async fn a_relay_signs_in_to_an_upstream_with_users_and_is_refused_clearly_witho
         ("SLUICE_RELAY__USERNAME", "relay-1"),
         ("SLUICE_RELAY__PASSWORD", "relay secret"),
     ];
-    // The MQTT link is let in but the Kafka follower is not: the Kafka user's password differs.
+    // A main node with Kafka users only: the MQTT link is let in, the Kafka follower is not,
+    // with a password that differs there or with no user at all.
     let other_main = dir.path().join("other");
     let split = users_file(
         dir.path(),
         "split.toml",
-        &users,
+        &[],
         &[("relay-1", "another secret")],
     );
     let other = Gateway::start(&other_main, &["--config", &split]);
@@ -738,6 +739,12 @@ async fn a_relay_signs_in_to_an_upstream_with_users_and_is_refused_clearly_witho
     let (code, out) = start_failure(&other_args, &signed_in);
     assert_ne!(code, Some(0), "{out}");
     assert!(out.contains("refused the relay's SASL user"), "{out}");
+    let (code, out) = start_failure(&other_args, &[]);
+    assert_ne!(code, Some(0), "{out}");
+    assert!(
+        out.contains("has SASL users and the relay has none"),
+        "{out}"
+    );
     drop(other);
 
     // With its user the relay follows and forwards as usual.

@@ -10,8 +10,9 @@
 //! starts at the same offsets, so each record keeps the upstream's offset, until a position
 //! that left the upstream's log skips ahead.
 //!
-//! Each connection signs in with SASL/PLAIN first when the relay has a user of its own; an
-//! upstream without users answers the handshake with ILLEGAL_SASL_STATE and is read as is.
+//! Each connection starts with a SASL handshake and signs in with PLAIN when the upstream has
+//! users; an upstream without users answers the handshake with ILLEGAL_SASL_STATE and is read
+//! as is.
 
 use std::collections::{BTreeMap, HashSet};
 use std::future::Future;
@@ -355,22 +356,14 @@ impl Conn {
             correlation: 0,
             inbuf: BytesMut::with_capacity(64 * 1024),
         };
-        if let Some((user, password)) = &settings.credentials {
-            conn.sign_in(user, password).await?;
-        }
+        conn.sign_in(settings.credentials.as_ref()).await?;
         Ok(conn)
     }
 
-    /// SASL/PLAIN: a refusal is an error of kind `PermissionDenied`.
-    async fn sign_in(&mut self, user: &str, password: &str) -> std::io::Result<()> {
-        let refused = |why: String| {
-            std::io::Error::new(
-                std::io::ErrorKind::PermissionDenied,
-                format!(
-                    "upstream refused the relay's SASL user {user:?}: {why} (relay.username, relay.password)"
-                ),
-            )
-        };
+    /// SASL/PLAIN. The handshake goes first even without a user: an upstream that has users
+    /// accepts it, and a relay without one can then say so instead of having its first
+    /// request cut off. A refusal is an error of kind `PermissionDenied`.
+    async fn sign_in(&mut self, credentials: Option<&(String, String)>) -> std::io::Result<()> {
         let mut req = SaslHandshakeRequest::default();
         req.mechanism = StrBytes::from_static_str("PLAIN");
         let resp: SaslHandshakeResponse = self
@@ -381,12 +374,32 @@ impl Conn {
                 Duration::ZERO,
             )
             .await?;
-        match resp.error_code {
-            errors::NONE => {}
+        let user = match (resp.error_code, credentials) {
             // The upstream has no users: nothing to sign in to.
-            errors::ILLEGAL_SASL_STATE => return Ok(()),
-            code => return Err(refused(format!("handshake error code {code}"))),
-        }
+            (errors::ILLEGAL_SASL_STATE, _) => return Ok(()),
+            (errors::NONE, Some(user)) => user,
+            (errors::NONE, None) => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::PermissionDenied,
+                    "the upstream has SASL users and the relay has none: set relay.username and relay.password",
+                ));
+            }
+            (code, _) => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::PermissionDenied,
+                    format!("upstream SaslHandshake error code {code}"),
+                ));
+            }
+        };
+        let (user, password) = (user.0.as_str(), user.1.as_str());
+        let refused = |why: String| {
+            std::io::Error::new(
+                std::io::ErrorKind::PermissionDenied,
+                format!(
+                    "upstream refused the relay's SASL user {user:?}: {why} (relay.username, relay.password)"
+                ),
+            )
+        };
         let mut auth = Vec::with_capacity(2 + user.len() + password.len());
         auth.push(0);
         auth.extend_from_slice(user.as_bytes());
