@@ -815,9 +815,12 @@ async fn a_relay_signs_in_to_an_upstream_with_users_and_is_refused_clearly_witho
     assert!(metric(&metrics, "sluice_relay_forward_refused_total") >= 1);
 }
 
-/// A loopback address nothing listens on now (the port was free a moment ago).
+/// A loopback address nothing listens on now (the port was free a moment ago). It is on
+/// 127.0.0.2, which no other test uses: the many client connections of the tests running
+/// beside this one take their source ports on 127.0.0.1, and one could take this port there
+/// before the process meant to listen on it binds it.
 fn unused_addr() -> String {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let l = std::net::TcpListener::bind("127.0.0.2:0").unwrap();
     l.local_addr().unwrap().to_string()
 }
 
