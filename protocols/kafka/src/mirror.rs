@@ -392,14 +392,6 @@ impl Conn {
             }
         };
         let (user, password) = (user.0.as_str(), user.1.as_str());
-        let refused = |why: String| {
-            std::io::Error::new(
-                std::io::ErrorKind::PermissionDenied,
-                format!(
-                    "upstream refused the relay's SASL user {user:?}: {why} (relay.username, relay.password)"
-                ),
-            )
-        };
         let mut auth = Vec::with_capacity(2 + user.len() + password.len());
         auth.push(0);
         auth.extend_from_slice(user.as_bytes());
@@ -418,10 +410,16 @@ impl Conn {
         if resp.error_code == errors::NONE {
             return Ok(());
         }
-        Err(refused(resp.error_message.map_or_else(
+        let why = resp.error_message.map_or_else(
             || format!("error code {}", resp.error_code),
             |m| m.to_string(),
-        )))
+        );
+        Err(std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            format!(
+                "upstream refused the relay's SASL user {user:?}: {why} (relay.username, relay.password)"
+            ),
+        ))
     }
 
     /// Sends one request and reads its response.
