@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use bytes::BytesMut;
 use dashmap::DashMap;
 use sluice_storage::{Clock, Fetched, PartitionLog, ProducerInfo, Record, Storage, ValidatedBatch};
-use tracing::info;
+use tracing::{info, warn};
 
 use crate::error::{CoreError, Result};
 use crate::groups::{CommittedOffset, GroupOffsets, OffsetCommit};
@@ -315,7 +315,7 @@ impl Engine {
     /// not given).
     async fn open_topic(&self, meta: TopicMeta, first_offsets: &[u64]) -> Result<Arc<Topic>> {
         let inner = &self.inner;
-        let mut partitions = Vec::with_capacity(meta.partitions as usize);
+        let mut partitions: Vec<Partition> = Vec::with_capacity(meta.partitions as usize);
         let data = Arc::new(tokio::sync::Notify::new());
         for id in 0..meta.partitions {
             let dir = inner.store.partition_dir(&meta.name, id);
@@ -323,15 +323,26 @@ impl Engine {
             let clock = inner.clock.clone();
             let log_config = meta.policy.log_config();
             let first = first_offsets.get(id as usize).copied().unwrap_or(0);
-            let (log, report) = tokio::task::spawn_blocking(move || {
+            let opened = tokio::task::spawn_blocking(move || {
                 if first > 0 {
                     PartitionLog::create_at(storage.as_ref(), &dir, first)?;
                 }
                 PartitionLog::open(storage, &dir, log_config, clock)
             })
             .await
-            .map_err(|_| CoreError::ShuttingDown)?
-            .map_err(|e| CoreError::storage(&meta.name, id, e))?;
+            .map_err(|_| CoreError::ShuttingDown)
+            .and_then(|r| r.map_err(|e| CoreError::storage(&meta.name, id, e)));
+            let (log, report) = match opened {
+                Ok(opened) => opened,
+                Err(e) => {
+                    // The partitions opened so far hold files (and writers) that nothing
+                    // else would release.
+                    for p in &partitions {
+                        p.shutdown().await;
+                    }
+                    return Err(e);
+                }
+            };
             if report.truncated_bytes > 0 {
                 info!(
                     topic = meta.name,
@@ -409,7 +420,22 @@ impl Engine {
         tokio::task::spawn_blocking(move || store.save_topic(&saved))
             .await
             .map_err(|_| CoreError::ShuttingDown)??;
-        let topic = self.open_topic(meta, first_offsets).await?;
+        let topic = match self.open_topic(meta, first_offsets).await {
+            Ok(topic) => topic,
+            Err(e) => {
+                // Nothing of a topic that could not be opened stays behind, so the name is
+                // free again and a restart does not try to recover it.
+                warn!(topic = name, partitions, error = %e, "topic not created");
+                let store = self.inner.store.clone();
+                let owned = name.to_owned();
+                if let Ok(Err(undo)) =
+                    tokio::task::spawn_blocking(move || store.delete_topic(&owned)).await
+                {
+                    warn!(topic = name, error = %undo, "a topic that was not created left files behind");
+                }
+                return Err(e);
+            }
+        };
         self.inner.topics.insert(name.to_owned(), topic);
         info!(topic = name, partitions, "topic created");
         self.describe_topic(name)

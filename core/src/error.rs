@@ -98,6 +98,20 @@ impl CoreError {
         }
     }
 
+    /// True when the process (or the system) ran out of open files: the request may succeed
+    /// once others close, so protocols answer with their "try again" error.
+    pub fn is_out_of_files(&self) -> bool {
+        let io = match self {
+            Self::Storage { source, .. } => match &**source {
+                StorageError::Io { source, .. } => source,
+                _ => return false,
+            },
+            Self::Metadata { source, .. } => &**source,
+            _ => return false,
+        };
+        matches!(io.raw_os_error(), Some(libc::EMFILE | libc::ENFILE))
+    }
+
     /// True when the partition refuses writes after a failed fsync.
     pub fn is_poisoned(&self) -> bool {
         matches!(self, Self::Storage { source, .. } if matches!(**source, StorageError::Poisoned { .. }))

@@ -384,3 +384,69 @@ fn default_and_effective_configuration_can_be_printed() {
         Some(6)
     );
 }
+
+/// Creates a topic over REST and returns the status and body of the answer.
+async fn create_topic(http: &str, name: &str, partitions: u32) -> (u16, String, bool) {
+    let resp = reqwest::Client::new()
+        .post(format!("{http}/topics"))
+        .header("content-type", "application/json")
+        .body(format!(r#"{{"name":"{name}","partitions":{partitions}}}"#))
+        .send()
+        .await
+        .unwrap();
+    let retry_after = resp.headers().contains_key("retry-after");
+    (
+        resp.status().as_u16(),
+        resp.text().await.unwrap(),
+        retry_after,
+    )
+}
+
+/// A topic whose partitions need more files than the process may open is refused as "try
+/// again" (503), not as a server fault, and leaves nothing behind: the name stays free, the
+/// files it opened are closed again, and a restart does not find it.
+#[tokio::test]
+async fn a_topic_beyond_the_open_file_limit_is_refused_and_leaves_nothing_behind() {
+    let dir = tempfile::tempdir().unwrap();
+    let args = [
+        "--data-dir",
+        dir.path().to_str().unwrap(),
+        "--http-addr",
+        "127.0.0.1:0",
+        "--kafka-addr",
+        "127.0.0.1:0",
+        "--mqtt-addr",
+        "127.0.0.1:0",
+    ];
+    let ready = |l: &str| l.ends_with(" ready");
+    let mut g = Gateway::launch_with(&args, &[], Some(256));
+    g.read_until(ready);
+
+    let (status, body, retry_after) = create_topic(&g.http, "wide", 400).await;
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("urn:sluice:problem:out-of-files"), "{body}");
+    assert!(body.contains("Too many open files"), "{body}");
+    assert!(retry_after, "503 comes with Retry-After");
+    assert_eq!(get(&format!("{}/topics/wide", g.http)).await.0, 404);
+    // The files of the partitions it did open were closed: this needs them.
+    let (status, body, _) = create_topic(&g.http, "narrow", 100).await;
+    assert_eq!(status, 201, "{body}");
+
+    // A restart does not try to recover the topic that was refused (it could not open it).
+    let (status, log) = g.stop_with(libc::SIGTERM);
+    assert!(status.success(), "{log:#?}");
+    let mut g = Gateway::launch_with(&args, &[], Some(256));
+    g.read_until(ready);
+    let (status, body, _) = create_topic(&g.http, "wide", 2).await;
+    assert_eq!(status, 201, "the name is free again: {body}");
+    let (_, topics) = get(&format!("{}/topics", g.http)).await;
+    let topics: serde_json::Value = serde_json::from_str(&topics).unwrap();
+    let names: Vec<&str> = topics["topics"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|t| t.as_str())
+        .filter(|n| !n.starts_with("__"))
+        .collect();
+    assert_eq!(names, ["narrow", "wide"]);
+}

@@ -97,16 +97,39 @@ impl Gateway {
 
     /// Starts `sluice ARGS` with `env` set, without waiting for anything.
     pub(crate) fn launch(args: &[&str], env: &[(&str, &str)]) -> Self {
-        let mut child = Command::new(BIN)
+        Self::launch_with(args, env, None)
+    }
+
+    /// Like [`Self::launch`], with the process's open-file limit (soft and hard) set to
+    /// `max_files` when given: the gateway may raise only its soft limit, up to the hard one.
+    pub(crate) fn launch_with(args: &[&str], env: &[(&str, &str)], max_files: Option<u64>) -> Self {
+        let mut command = Command::new(BIN);
+        command
             .args(args)
             .envs(env.iter().copied())
             .env_remove("RUST_LOG")
             // The worker-count test reads tokio's own default, which this would change.
             .env_remove("TOKIO_WORKER_THREADS")
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap();
+            .stderr(Stdio::inherit());
+        if let Some(n) = max_files {
+            use std::os::unix::process::CommandExt;
+            let limit = libc::rlimit {
+                rlim_cur: n,
+                rlim_max: n,
+            };
+            // SAFETY: setrlimit is async-signal-safe and touches only the child being started.
+            unsafe {
+                command.pre_exec(move || {
+                    if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) == 0 {
+                        Ok(())
+                    } else {
+                        Err(std::io::Error::last_os_error())
+                    }
+                });
+            }
+        }
+        let mut child = command.spawn().unwrap();
         let (tx, lines) = mpsc::channel();
         let stdout = child.stdout.take().unwrap();
         std::thread::spawn(move || {
