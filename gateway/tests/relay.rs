@@ -43,7 +43,17 @@ fn subscriber(
     want: usize,
     notes: mpsc::UnboundedSender<Note>,
 ) -> JoinHandle<Vec<(String, Bytes)>> {
-    let (client, mut events) = AsyncClient::new(options(addr, id, clean), 16);
+    subscriber_with(options(addr, id, clean), filter, want, notes)
+}
+
+/// [`subscriber`] with its connection's options given (credentials, say).
+fn subscriber_with(
+    options: MqttOptions,
+    filter: Option<&'static str>,
+    want: usize,
+    notes: mpsc::UnboundedSender<Note>,
+) -> JoinHandle<Vec<(String, Bytes)>> {
+    let (client, mut events) = AsyncClient::new(options, 16);
     tokio::spawn(async move {
         let mut got = Vec::new();
         while got.len() < want {
@@ -752,26 +762,7 @@ async fn a_relay_signs_in_to_an_upstream_with_users_and_is_refused_clearly_witho
     let (tx, mut notes) = mpsc::unbounded_channel();
     let mut o = options(&relay.mqtt, "viewer", true);
     o.set_credentials("device", "device secret");
-    let view = {
-        let (client, mut events) = AsyncClient::new(o, 16);
-        tokio::spawn(async move {
-            let mut got = Vec::new();
-            while got.len() < 2 {
-                match tokio::time::timeout(PATIENCE, events.poll()).await {
-                    Ok(Ok(Event::Incoming(Packet::ConnAck(_)))) => {
-                        client.subscribe("cars/#", QoS::AtLeastOnce).await.unwrap();
-                    }
-                    Ok(Ok(Event::Incoming(Packet::SubAck(_)))) => {
-                        let _ = tx.send(Note::SubAck);
-                    }
-                    Ok(Ok(Event::Incoming(Packet::Publish(p)))) => got.push(p.payload),
-                    Ok(Ok(_)) => {}
-                    other => panic!("viewer on the relay: {other:?}"),
-                }
-            }
-            got
-        })
-    };
+    let view = subscriber_with(o, Some("cars/#"), 2, tx);
     wait_for_suback(&mut notes, 1).await;
     let (relay_mqtt, main_mqtt) = (relay.mqtt.clone(), main.mqtt.clone());
     let acks = tokio::task::spawn_blocking(move || {
@@ -787,7 +778,8 @@ async fn a_relay_signs_in_to_an_upstream_with_users_and_is_refused_clearly_witho
         [(0, Some(0)), (0, Some(0))],
         "both durable on the main node"
     );
-    assert_eq!(view.await.unwrap(), vec![Bytes::from("hello"); 2]);
+    let hello = |topic: &str| (topic.to_owned(), Bytes::from("hello"));
+    assert_eq!(view.await.unwrap(), [hello("cars/1"), hello("cars/2")]);
     let (_, metrics) = get(&format!("{}/metrics", relay.http)).await;
     assert_eq!(
         metric(&metrics, "sluice_relay_upstream_auth_failures_total"),
