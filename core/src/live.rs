@@ -60,16 +60,11 @@ impl LiveBatch {
 
     /// What a protocol works out from this batch once (parsed headers, encoded packet headers)
     /// and shares between every subscriber that delivers it. `None` when another type was
-    /// stored first (one protocol per process uses this).
-    pub fn shared<T: std::any::Any + Send + Sync>(
-        &self,
-        init: impl FnOnce() -> T,
-    ) -> Option<Arc<T>> {
-        self.shared
-            .get_or_init(|| Arc::new(init()))
-            .clone()
-            .downcast()
-            .ok()
+    /// stored first (one protocol per process uses this). A reference, not a clone of the
+    /// `Arc`: every subscriber of a broadcast asks for it, from every core, and a reference
+    /// count changed by all of them would move its cache line between cores at each delivery.
+    pub fn shared<T: std::any::Any + Send + Sync>(&self, init: impl FnOnce() -> T) -> Option<&T> {
+        self.shared.get_or_init(|| Arc::new(init())).downcast_ref()
     }
 
     /// The batch's records, decoded on first use and shared afterwards. Keys, values and
@@ -846,10 +841,7 @@ mod tests {
             vec![8u32]
         });
         assert_eq!(built, 1);
-        assert!(Arc::ptr_eq(
-            first.as_ref().unwrap(),
-            second.as_ref().unwrap()
-        ));
+        assert!(std::ptr::eq(first.unwrap(), second.unwrap()));
         assert_eq!(*second.unwrap(), vec![7]);
         // Another type is not handed out as this one.
         assert!(batch.shared(|| 0u8).is_none());

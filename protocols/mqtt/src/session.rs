@@ -133,12 +133,20 @@ impl RecordShare {
 #[derive(Debug)]
 struct BatchShare(Box<[std::sync::OnceLock<Arc<RecordShare>>]>);
 
+/// Where a delivery's name and properties come from.
+#[derive(Debug)]
+enum Source {
+    /// A live record's work shared by every subscriber (its name among it), so a delivery
+    /// changes no reference count but the share's own.
+    Shared(Arc<RecordShare>),
+    /// The name it goes out under; its properties are parsed from the record's headers.
+    Named(Arc<str>),
+}
+
 #[derive(Debug)]
 struct Delivery {
-    name: Arc<str>,
+    source: Source,
     record: SharedRecord,
-    /// Shared per-record work, for live deliveries.
-    share: Option<Arc<RecordShare>>,
     /// The subscription's granted QoS.
     qos: u8,
     subscription_id: Option<usize>,
@@ -176,9 +184,9 @@ struct Feeds {
     lives: Vec<LiveFeed>,
 }
 
-/// The deliveries of the next batch any live feed of the connection has; pending while there
-/// is no live feed. Cancel-safe: nothing is taken from a feed until it is returned.
-async fn next_live(subs: &mut HashMap<String, Subscription>) -> Vec<Delivery> {
+/// Queues the deliveries of the next batch any live feed of the connection has; pending while
+/// there is no live feed. Cancel-safe: what is taken from a feed is queued in the same poll.
+async fn next_live(subs: &mut HashMap<String, Subscription>, queue: &mut VecDeque<Delivery>) {
     loop {
         let following = subs
             .values()
@@ -209,9 +217,8 @@ async fn next_live(subs: &mut HashMap<String, Subscription>) -> Vec<Delivery> {
         };
         match item {
             Ok(item) => {
-                let deliveries = feed.feed.deliveries(&item);
-                if !deliveries.is_empty() {
-                    return deliveries;
+                if feed.feed.deliveries(&item, queue) > 0 {
+                    return;
                 }
             }
             Err(_) => feed.ended = true,
@@ -921,8 +928,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
                     }
                 }
                 Some(d) = forwarded(&mut self.forwarded), if can_forward => self.deliver(d).await?,
-                d = next_live(&mut self.subs), if can_take_live => {
-                    self.live_queue.extend(d);
+                () = next_live(&mut self.subs, &mut self.live_queue), if can_take_live => {
                     // The PUBACKs held in the socket, every few deliveries (`acks`), and before
                     // the window would turn these away: reading them makes room in it.
                     let owed = self.inflight.len();
@@ -1346,9 +1352,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
                     },
                 };
                 self.deliver(Delivery {
-                    name: name.into(),
+                    source: Source::Named(name.into()),
                     record: SharedRecord::Owned(record),
-                    share: None,
                     qos,
                     subscription_id: id,
                     retain: true,
@@ -1473,11 +1478,11 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
     /// Writes one PUBLISH: a header encoded here, then the shared payload, in one vectored write.
     async fn deliver(&mut self, d: Delivery) -> std::io::Result<()> {
         let parsed;
-        let (props, origin) = match &d.share {
-            Some(s) => (&s.props, &s.origin),
-            None => {
+        let (name, props, origin) = match &d.source {
+            Source::Shared(s) => (&*s.name, &s.props, &s.origin),
+            Source::Named(name) => {
                 parsed = message::from_headers(&d.record.record.headers);
-                (&parsed.0, &parsed.1)
+                (&**name, &parsed.0, &parsed.1)
             }
         };
         if d.no_local && origin.client.as_deref() == Some(self.client_id.as_str()) {
@@ -1502,15 +1507,19 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
         // The minimum of the published QoS and the granted QoS.
         let qos = d.qos.min(origin.qos.unwrap_or(2));
         let retain = d.retain || (d.retain_as_published && origin.retain);
-        let payload = d.record.record.value.clone().unwrap_or_default();
+        // Borrowed, not cloned: the payload and a plain header are shared by every subscriber,
+        // and a reference count all of them change moves between cores at each delivery.
+        let payload: &[u8] = d.record.record.value.as_deref().unwrap_or_default();
         let pkid = if qos > 0 { self.next_pkid() } else { 0 };
         let version_slot = usize::from(self.version == Version::V5);
-        let plain = d
-            .share
-            .as_ref()
-            .and_then(|s| s.plain[version_slot].clone())
-            .filter(|_| qos == 0 && !retain && d.subscription_id.is_none());
-        let head = match plain {
+        let plain = match &d.source {
+            Source::Shared(s) if qos == 0 && !retain && d.subscription_id.is_none() => {
+                s.plain[version_slot].as_deref()
+            }
+            _ => None,
+        };
+        let built;
+        let head: &[u8] = match plain {
             // The same header bytes every plain QoS 0 subscriber of this record gets.
             Some(h) => h,
             None => {
@@ -1522,10 +1531,10 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
                         ..props.clone()
                     },
                 };
-                let mut head = BytesMut::with_capacity(64 + d.name.len());
+                let mut head = BytesMut::with_capacity(64 + name.len());
                 codec::publish_header(
                     self.version,
-                    &d.name,
+                    name,
                     qos,
                     retain,
                     pkid,
@@ -1534,7 +1543,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
                     payload.len(),
                     &mut head,
                 );
-                head.freeze()
+                built = head;
+                &built
             }
         };
         let size = head.len() + payload.len();
@@ -1560,7 +1570,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
         } else {
             None
         };
-        write_all_vectored(&mut self.stream, &head, &payload).await?;
+        write_all_vectored(&mut self.stream, head, payload).await?;
         if qos > 0 {
             self.inflight.insert(pkid, (qos == 2, d.ack));
             if qos == 2 {
@@ -1710,11 +1720,10 @@ struct Feed {
 }
 
 impl Feed {
-    fn delivery(&self, name: Arc<str>, record: SharedRecord, ack: Option<Acker>) -> Delivery {
+    fn delivery(&self, source: Source, record: SharedRecord, ack: Option<Acker>) -> Delivery {
         Delivery {
-            name,
+            source,
             record,
-            share: None,
             qos: self.sub.qos,
             subscription_id: self.sub.id,
             retain: false,
@@ -1724,12 +1733,13 @@ impl Feed {
         }
     }
 
-    /// The deliveries a live batch makes for this subscription, each sharing the batch's
-    /// decoded record.
-    fn deliveries(&self, item: &sluice_core::LiveItem) -> Vec<Delivery> {
+    /// Queues the deliveries a live batch makes for this subscription, each sharing the
+    /// batch's decoded record, and says how many. Straight into the connection's queue: a
+    /// vector of its own per delivery was an allocation and a copy of each delivery.
+    fn deliveries(&self, item: &sluice_core::LiveItem, out: &mut VecDeque<Delivery>) -> usize {
         let Ok(records) = item.records() else {
             // Compressed Kafka batches are not decoded for MQTT delivery yet.
-            return Vec::new();
+            return 0;
         };
         let Some(batch) = item.batch.shared(|| {
             BatchShare(
@@ -1738,9 +1748,9 @@ impl Feed {
                     .collect(),
             )
         }) else {
-            return Vec::new();
+            return 0;
         };
-        let mut out = Vec::new();
+        let queued = out.len();
         for (i, r) in records.iter().enumerate() {
             let share = batch.0[records.batch_index(i)]
                 .get_or_init(|| {
@@ -1752,16 +1762,14 @@ impl Feed {
                 })
                 .clone();
             if topic::matches(&self.filter, &share.name) {
-                let mut d = self.delivery(
-                    share.name.clone(),
+                out.push_back(self.delivery(
+                    Source::Shared(share),
                     SharedRecord::Live(records.clone(), i),
                     None,
-                );
-                d.share = Some(share);
-                out.push(d);
+                ));
             }
         }
-        out
+        out.len() - queued
     }
 
     /// Follows a named subscription; every record is acknowledged once handled. Each delivery
@@ -1791,7 +1799,11 @@ impl Feed {
                     continue;
                 }
                 if tx
-                    .send(self.delivery(name.into(), SharedRecord::Owned(m.record), Some(acker)))
+                    .send(self.delivery(
+                        Source::Named(name.into()),
+                        SharedRecord::Owned(m.record),
+                        Some(acker),
+                    ))
                     .await
                     .is_err()
                 {
@@ -1834,7 +1846,7 @@ async fn read_some<S: AsyncRead + Unpin>(
 async fn write_all_vectored<S: AsyncWrite + Unpin>(
     stream: &mut S,
     head: &[u8],
-    body: &Bytes,
+    body: &[u8],
 ) -> std::io::Result<()> {
     let total = head.len() + body.len();
     let mut written = 0;
