@@ -836,7 +836,15 @@ fn varint(mut n: usize, out: &mut Vec<u8>) {
 
 /// An MQTT 3.1.1 CONNECT (clean session) for `client`.
 fn connect(client: &str) -> Vec<u8> {
-    let mut body = vec![0, 4, b'M', b'Q', b'T', b'T', 4, 0x02, 0, 60];
+    connect_at(4, client)
+}
+
+/// A CONNECT (clean session) for `client` at protocol level 4 (3.1.1) or 5 (no properties).
+fn connect_at(level: u8, client: &str) -> Vec<u8> {
+    let mut body = vec![0, 4, b'M', b'Q', b'T', b'T', level, 0x02, 0, 60];
+    if level == 5 {
+        body.push(0);
+    }
     body.extend_from_slice(&(client.len() as u16).to_be_bytes());
     body.extend_from_slice(client.as_bytes());
     let mut p = vec![0x10];
@@ -1260,7 +1268,15 @@ async fn read_packet(s: &mut TcpStream) -> (u8, Vec<u8>) {
 
 /// An MQTT 3.1.1 SUBSCRIBE of `filter` at `qos`.
 fn subscribe(pkid: u16, filter: &str, qos: u8) -> Vec<u8> {
+    subscribe_at(4, pkid, filter, qos)
+}
+
+/// A SUBSCRIBE of `filter` at `qos`, at protocol level 4 or 5 (no properties).
+fn subscribe_at(level: u8, pkid: u16, filter: &str, qos: u8) -> Vec<u8> {
     let mut body = pkid.to_be_bytes().to_vec();
+    if level == 5 {
+        body.push(0);
+    }
     body.extend_from_slice(&(filter.len() as u16).to_be_bytes());
     body.extend_from_slice(filter.as_bytes());
     body.push(qos);
@@ -1320,4 +1336,47 @@ async fn relayed(
     assert_eq!(first, 0x32, "a QoS 1 delivery");
     assert!(body.ends_with(payload));
     [body[8], body[9]]
+}
+
+#[tokio::test]
+async fn stopping_the_server_tells_mqtt5_subscribers_and_closes_every_connection() {
+    let dir = tempfile::tempdir().unwrap();
+    let gw = start(dir.path()).await;
+    let mut v5 = TcpStream::connect(("127.0.0.1", gw.port)).await.unwrap();
+    v5.write_all(&connect_at(5, "v5-viewer")).await.unwrap();
+    let (kind, connack) = read_packet(&mut v5).await;
+    assert_eq!((kind, connack[1]), (0x20, 0), "CONNACK, success");
+    v5.write_all(&subscribe_at(5, 1, "news/#", 0))
+        .await
+        .unwrap();
+    assert_eq!(read_packet(&mut v5).await.0, 0x90);
+    let mut v4 = raw_client(gw.port, "v4-viewer").await;
+    v4.write_all(&subscribe(1, "news/#", 0)).await.unwrap();
+    assert_eq!(read_packet(&mut v4).await.0, 0x90);
+    // Both follow the live tail before the stop: one delivery each.
+    let mut publisher = raw_client(gw.port, "publisher").await;
+    publisher
+        .write_all(&publish(0, 0, "news/1", b"first"))
+        .await
+        .unwrap();
+    assert_eq!(read_packet(&mut v5).await.0 & 0xf0, 0x30);
+    assert_eq!(read_packet(&mut v4).await.0 & 0xf0, 0x30);
+
+    gw.stop.send(true).unwrap();
+    // MQTT 5: DISCONNECT with reason 0x8B (server shutting down), then the close.
+    let (kind, body) = tokio::time::timeout(PATIENCE, read_packet(&mut v5))
+        .await
+        .unwrap();
+    assert_eq!((kind, body.first().copied()), (0xE0, Some(0x8B)));
+    // Every connection closes; MQTT 3.1.1 has no DISCONNECT from the server, so nothing comes
+    // before the close.
+    for s in [&mut v5, &mut v4, &mut publisher] {
+        let mut rest = Vec::new();
+        tokio::time::timeout(PATIENCE, s.read_to_end(&mut rest))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(rest.is_empty());
+    }
+    gw.engine.shutdown().await;
 }
