@@ -136,8 +136,8 @@ struct BatchShare(Box<[std::sync::OnceLock<Arc<RecordShare>>]>);
 /// Where a delivery's name and properties come from.
 #[derive(Debug)]
 enum Source {
-    /// A live record's work shared by every subscriber (its name among it), so a delivery
-    /// changes no reference count but the share's own.
+    /// A live record's work shared by every subscriber: a delivery holds the share and
+    /// borrows what is in it (the name, the plain header) instead of cloning each.
     Shared(Arc<RecordShare>),
     /// The name it goes out under; its properties are parsed from the record's headers.
     Named(Arc<str>),
