@@ -27,7 +27,8 @@ pub use engine::{
 pub use error::{CoreError, Result};
 pub use groups::{CommittedOffset, OffsetCommit};
 pub use live::{
-    LiveBatch, LiveItem, LiveOptions, LiveRecords, LiveSubscriber, SlowPolicy, StartAt,
+    Delivered, DirectSink, LiveBatch, LiveItem, LiveOptions, LiveRecords, LiveSubscriber,
+    SlowPolicy, StartAt,
 };
 pub use meta::{FileMetadataStore, MetadataStore, TopicMeta};
 pub use metrics::{

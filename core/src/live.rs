@@ -17,10 +17,14 @@
 //! one engine-wide budget ([`LagBudget`]). Segments are written with O_DIRECT, so nothing else
 //! keeps the tail in memory: without this, a QoS 1 subscriber a few images behind during a
 //! flood fell off the ring and read every image back from a disk busy with the writes.
+//!
+//! A subscriber with nothing queued may also park a [`DirectSink`] in its slot: the ring's
+//! fan-out task then hands it each new batch itself, and the subscriber's own task is not woken
+//! at all until the sink gives the delivery back (see [`LiveSubscriber::park`]).
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock, Weak};
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
@@ -29,7 +33,7 @@ use parking_lot::{Mutex, RwLock};
 use sluice_storage::{
     BatchError, BatchHeader, DecodedRecord, Fetched, LogReader, decode_records, split_batches,
 };
-use tokio::sync::Semaphore;
+use tokio::sync::{Notify, Semaphore};
 
 use crate::error::{CoreError, Result};
 
@@ -225,6 +229,12 @@ struct Slot {
     /// The oldest offset this subscriber still needs from the ring, kept by catch-up
     /// subscribers only (`u64::MAX` for the others, which never hold the ring back).
     needs: AtomicU64,
+    /// A sink is parked in `direct`: a push hands this slot to the fan-out task instead of
+    /// waking the subscriber. Changed only under `direct`'s lock.
+    parked: AtomicBool,
+    /// Already in the fan-out's list (a flood of pushes lists it once).
+    listed: AtomicBool,
+    direct: Mutex<Option<Parked>>,
 }
 
 impl Slot {
@@ -232,8 +242,49 @@ impl Slot {
         Self {
             waker: AtomicWaker::new(),
             needs: AtomicU64::new(needs),
+            parked: AtomicBool::new(false),
+            listed: AtomicBool::new(false),
+            direct: Mutex::new(None),
         }
     }
+}
+
+/// Writes a live subscriber's records to its client without its task: what a protocol parks in
+/// the subscriber's slot while the subscriber has nothing else to do.
+pub trait DirectSink: std::fmt::Debug + Send + 'static {
+    /// Delivers what it can of `item`'s records (from `item.from_offset` on) without blocking.
+    fn deliver(&mut self, item: &LiveItem) -> Delivered;
+
+    /// For the owner to get its own type back after [`LiveSubscriber::unpark`].
+    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any + Send>;
+}
+
+/// How far a [`DirectSink`] got with an item.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Delivered {
+    /// The first offset it did not deliver (or skip).
+    pub next_offset: u64,
+    /// The sink stops here and the owner takes over (a full socket, a record it cannot
+    /// deliver on its own): the fan-out wakes the owner instead of going on.
+    pub hand_back: bool,
+}
+
+/// A sink parked in a slot, with the cursor it delivers from.
+#[derive(Debug)]
+struct Parked {
+    sink: Box<dyn DirectSink>,
+    cursor: u64,
+    max_lag: u64,
+    /// The sink stopped and the owner was woken to take over.
+    handed_back: bool,
+}
+
+/// The slots a push found parked, for the ring's fan-out task.
+#[derive(Debug, Default)]
+struct FanOut {
+    due: Mutex<Vec<Arc<Slot>>>,
+    notify: Notify,
+    started: AtomicBool,
 }
 
 impl Wakers {
@@ -293,6 +344,9 @@ pub(crate) struct LiveRing {
     wakers: Mutex<Wakers>,
     lag: Arc<LagBudget>,
     pub(crate) counters: LiveCounters,
+    /// Its own task, started when the first sink parks: the pusher (the partition's writer,
+    /// which acknowledges publishes) never writes to subscribers' sockets itself.
+    fanout: Arc<FanOut>,
 }
 
 impl LiveRing {
@@ -309,6 +363,7 @@ impl LiveRing {
             wakers: Mutex::new(Wakers::default()),
             lag,
             counters: LiveCounters::default(),
+            fanout: Arc::default(),
         }
     }
 
@@ -340,10 +395,120 @@ impl LiveRing {
             st.next_offset = next_offset;
         }
         // After the state is released: a subscriber registers its waker before it looks, so
-        // either it sees these batches or its waker is taken here.
+        // either it sees these batches or its waker is taken here. A subscriber parks or
+        // unparks before it looks at the state too, so one this push sees as parked either
+        // sees these batches itself or is the fan-out's to serve; the fan-out wakes whatever
+        // it cannot serve.
+        let mut due = None;
         for s in wakers.slots.iter().flatten() {
-            s.waker.wake();
+            if !s.parked.load(Ordering::Acquire) {
+                s.waker.wake();
+                continue;
+            }
+            // Looked at under the list's lock, which the fan-out takes before it reads the
+            // state: a slot already listed is in a list the fan-out has yet to take, so it
+            // will see this push's batches.
+            let due = due.get_or_insert_with(|| self.fanout.due.lock());
+            if !s.listed.swap(true, Ordering::Relaxed) {
+                due.push(s.clone());
+            }
         }
+        if due.take().is_some() {
+            self.fanout.notify.notify_one();
+        }
+    }
+
+    /// Takes the slots the pushes since the last call found parked.
+    fn take_due(&self, slots: &mut Vec<Arc<Slot>>) {
+        let mut due = self.fanout.due.lock();
+        std::mem::swap(slots, &mut due);
+        // A push from here on lists these slots again.
+        for slot in slots.iter() {
+            slot.listed.store(false, Ordering::Relaxed);
+        }
+    }
+
+    /// Gives each parked sink of `slots` everything new, in order, until it is up to date or
+    /// hands back; wakes the subscribers it cannot serve.
+    fn serve(&self, slots: &[Arc<Slot>]) {
+        for slot in slots {
+            // Held by its subscriber parking or unparking: that subscriber looks at the ring
+            // itself once woken.
+            let Some(mut direct) = slot.direct.try_lock() else {
+                slot.waker.wake();
+                continue;
+            };
+            let Some(p) = direct.as_mut() else {
+                drop(direct);
+                slot.waker.wake();
+                continue;
+            };
+            if p.handed_back {
+                continue;
+            }
+            while let Some(item) = self.take_dropping(&mut p.cursor, p.max_lag) {
+                let done = p.sink.deliver(&item);
+                p.cursor = done.next_offset.max(item.from_offset);
+                if done.hand_back {
+                    p.handed_back = true;
+                    drop(direct);
+                    slot.waker.wake();
+                    break;
+                }
+            }
+        }
+    }
+
+    /// Starts the fan-out task once, on the caller's runtime. It holds the ring weakly and
+    /// ends with it (the ring's drop wakes it to find that out). It yields between chunks of
+    /// slots, so a large broadcast does not hold a worker thread for the whole of it.
+    fn start_fanout(self: &Arc<Self>) {
+        if self.fanout.started.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let ring = Arc::downgrade(self);
+        let fanout = self.fanout.clone();
+        tokio::spawn(async move {
+            let mut slots = Vec::new();
+            loop {
+                fanout.notify.notified().await;
+                let Some(ring) = Weak::upgrade(&ring) else {
+                    return;
+                };
+                ring.take_due(&mut slots);
+                for chunk in slots.chunks(FANOUT_CHUNK) {
+                    ring.serve(chunk);
+                    tokio::task::yield_now().await;
+                }
+                slots.clear();
+            }
+        });
+    }
+
+    /// The batch a drop-oldest subscriber at `*cursor` delivers next, after moving the cursor
+    /// past what it fell too far behind for (counted as dropped); `None` when it is at the
+    /// head.
+    fn take_dropping(&self, cursor: &mut u64, max_lag: u64) -> Option<LiveItem> {
+        let st = self.state.read();
+        if *cursor >= st.next_offset {
+            return None;
+        }
+        let to = drop_oldest_to(&st, *cursor, max_lag);
+        if to > *cursor {
+            self.counters
+                .dropped_records
+                .fetch_add(to - *cursor, Ordering::Relaxed);
+            *cursor = to;
+        }
+        let i = st.batches.partition_point(|b| b.last_offset < *cursor);
+        let b = st.batches.get(i)?;
+        let item = LiveItem {
+            batch: b.clone(),
+            from_offset: (*cursor).max(b.base_offset),
+            from_log: false,
+        };
+        *cursor = b.last_offset + 1;
+        Some(item)
     }
 
     /// Drops what the ring holds past `max_bytes` for lagging subscribers and returns it to
@@ -452,6 +617,21 @@ impl LiveRing {
     }
 }
 
+impl Drop for LiveRing {
+    fn drop(&mut self) {
+        // Lets the fan-out task find the ring gone and end.
+        self.fanout.notify.notify_one();
+    }
+}
+
+/// Where a drop-oldest subscriber at `cursor` goes on from: past what is no longer in the ring
+/// and past all but its last `max_lag` records.
+fn drop_oldest_to(st: &RingState, cursor: u64, max_lag: u64) -> u64 {
+    st.front()
+        .max(st.next_offset.saturating_sub(max_lag))
+        .max(cursor)
+}
+
 /// What a subscriber delivers next: a shared batch and the first offset in it not delivered
 /// before (earlier records of the batch are to be skipped).
 #[derive(Debug, Clone)]
@@ -528,6 +708,9 @@ struct ReadAhead {
     read: tokio::task::JoinHandle<sluice_storage::Result<Fetched>>,
 }
 
+/// Slots the fan-out serves between yields: at a few microseconds a write, about 20 ms.
+const FANOUT_CHUNK: usize = 4096;
+
 /// Largest single catch-up read.
 const CATCHUP_READ_BYTES: usize = 1024 * 1024;
 
@@ -583,6 +766,11 @@ impl LiveSubscriber {
         self.cursor
     }
 
+    /// Whether it has taken everything committed so far (and nothing read from the files waits).
+    pub fn caught_up(&self) -> bool {
+        self.pending.is_empty() && self.cursor >= self.ring.state.read().next_offset
+    }
+
     pub fn partition(&self) -> u32 {
         self.partition
     }
@@ -609,9 +797,61 @@ impl LiveSubscriber {
         }
     }
 
+    /// Hands this subscriber's delivery to `sink`, which the ring's fan-out task calls with
+    /// every new batch from the cursor on, without waking the caller's task. The caller must
+    /// not call [`Self::next`] until [`Self::unpark`], and waits with [`Self::poll_handback`]
+    /// for the sink to give up (or for something it must see itself). Only a drop-oldest
+    /// subscriber with nothing read from the files pending parks: the sink comes back as the
+    /// error otherwise.
+    pub fn park(&mut self, sink: Box<dyn DirectSink>) -> Result<(), Box<dyn DirectSink>> {
+        if self.policy != SlowPolicy::DropOldest || !self.pending.is_empty() {
+            return Err(sink);
+        }
+        self.ring.start_fanout();
+        let mut direct = self.slot.direct.lock();
+        *direct = Some(Parked {
+            sink,
+            cursor: self.cursor,
+            max_lag: self.max_lag,
+            handed_back: false,
+        });
+        self.slot.parked.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// Ready when the owner of a parked sink must take over: the sink handed back, or the ring
+    /// has batches the fan-out has not given it (it was pushed while the slot was being
+    /// parked). Pending, with the waker in the slot, while the sink is up to date. Ready at
+    /// once when nothing is parked.
+    pub fn poll_handback(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        self.slot.waker.register(cx.waker());
+        let direct = self.slot.direct.lock();
+        match &*direct {
+            Some(p) if !p.handed_back && p.cursor >= self.ring.state.read().next_offset => {
+                Poll::Pending
+            }
+            _ => Poll::Ready(()),
+        }
+    }
+
+    /// Takes back the parked sink (`None` when nothing is parked), and the cursor it got to.
+    pub fn unpark(&mut self) -> Option<Box<dyn DirectSink>> {
+        let p = {
+            let mut direct = self.slot.direct.lock();
+            self.slot.parked.store(false, Ordering::Release);
+            direct.take()?
+        };
+        self.set_cursor(p.cursor);
+        Some(p.sink)
+    }
+
     /// The next item from the ring, or `None` when the subscriber is behind it and reads the
     /// files next; pending (with its waker in its slot) while the ring has nothing new.
     fn poll_ring(&mut self, cx: &mut Context<'_>) -> Poll<Result<Option<LiveItem>>> {
+        debug_assert!(
+            !self.slot.parked.load(Ordering::Relaxed),
+            "a parked subscriber is polled"
+        );
         // Registered before looking, so a push in between is not missed.
         self.slot.waker.register(cx.waker());
         match self.take_from_ring() {
@@ -641,9 +881,7 @@ impl LiveSubscriber {
             let counters = &self.ring.counters;
             match self.policy {
                 SlowPolicy::DropOldest => {
-                    let to = front
-                        .max(head.saturating_sub(self.max_lag))
-                        .max(self.cursor);
+                    let to = drop_oldest_to(&st, self.cursor, self.max_lag);
                     counters
                         .dropped_records
                         .fetch_add(to - self.cursor, Ordering::Relaxed);
@@ -753,6 +991,9 @@ enum Step {
 
 impl Drop for LiveSubscriber {
     fn drop(&mut self) {
+        // A sink still parked goes now, not when the fan-out lets go of the slot: it may hold
+        // the client's socket.
+        drop(self.unpark());
         self.ring.wakers.lock().remove(self.slot_index);
         self.ring
             .counters
