@@ -382,6 +382,12 @@ pub(crate) fn render_mqtt(body: &mut String, server: &sluice_mqtt::MqttServer) {
         m.deliveries.load(Relaxed),
     );
     o.single(
+        "sluice_mqtt_direct_deliveries_total",
+        "counter",
+        "Of the deliveries, those the live fan-out wrote to an idle subscriber's socket itself.",
+        m.direct_deliveries.load(Relaxed),
+    );
+    o.single(
         "sluice_mqtt_deliveries_too_large_total",
         "counter",
         "Deliveries skipped: larger than the client's maximum packet size.",

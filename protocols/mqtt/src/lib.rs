@@ -9,6 +9,7 @@
 
 mod acks;
 mod codec;
+mod direct;
 mod message;
 mod retained;
 mod routes;

@@ -12,6 +12,7 @@ use tokio::sync::{Notify, watch};
 use tracing::{debug, info, warn};
 
 use crate::MqttSettings;
+use crate::direct::{Plain, TcpConn};
 use crate::retained::Retained;
 use crate::routes::Routes;
 use crate::session;
@@ -41,6 +42,8 @@ pub struct MqttMetrics {
     /// ones; see `session::LAND_MIN`).
     pub publishes_landed: AtomicU64,
     pub deliveries: AtomicU64,
+    /// Of `deliveries`, those the live fan-out wrote itself, without waking the connection.
+    pub direct_deliveries: AtomicU64,
     /// Deliveries skipped because they exceed the client's maximum packet size.
     pub deliveries_too_large: AtomicU64,
     pub takeovers: AtomicU64,
@@ -232,7 +235,7 @@ impl MqttServer {
         self.metrics
             .connections_open
             .fetch_add(1, Ordering::Relaxed);
-        if let Err(e) = session::run(self, stream, None, peer.clone(), shutdown).await {
+        if let Err(e) = session::run(self, Plain(stream), None, peer.clone(), shutdown).await {
             debug!(peer, error = %e, "mqtt connection ended");
         }
         self.metrics
@@ -270,9 +273,14 @@ impl MqttServer {
                             .metrics
                             .connections_open
                             .fetch_add(1, Ordering::Relaxed);
-                        if let Err(e) =
-                            session::run(&server, stream, Some(fd), peer.to_string(), shutdown)
-                                .await
+                        if let Err(e) = session::run(
+                            &server,
+                            TcpConn::new(stream),
+                            Some(fd),
+                            peer.to_string(),
+                            shutdown,
+                        )
+                        .await
                         {
                             debug!(%peer, error = %e, "mqtt connection ended");
                         }

@@ -11,7 +11,9 @@
 //!
 //! Small forwarding tasks pass matching records to the connection, which writes each PUBLISH as
 //! a header it encodes plus the record's payload `Bytes`, shared with every other subscriber, in
-//! one vectored write.
+//! one vectored write. A TCP connection that follows one plain QoS 0 live feed and has nothing
+//! else to do lends its write half to the feed while it sleeps, and the ring's fan-out task
+//! writes those deliveries itself (`direct`).
 
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
@@ -38,6 +40,7 @@ use crate::acks::{self, HeldAcks, Waiting};
 use crate::codec::{
     self, Ack, Connect, DecodeError, Head, In, Props, Publish, SubFilter, Version, reason,
 };
+use crate::direct::{Conn, DirectWriter};
 use crate::message::{self, Origin};
 use crate::retained::RetainedMsg;
 use crate::server::{EGRESS_BUDGET, EGRESS_UNIT, LARGE_PAYLOAD, MqttServer, Registered};
@@ -94,13 +97,13 @@ impl std::ops::Deref for SharedRecord {
 /// PUBLISH header of a plain QoS 0 delivery (not retained, no subscription identifier, no
 /// expiry to count down), which is the same bytes for every subscriber of a protocol version.
 #[derive(Debug)]
-struct RecordShare {
-    name: Arc<str>,
+pub(crate) struct RecordShare {
+    pub(crate) name: Arc<str>,
     props: Props,
-    origin: message::Origin,
+    pub(crate) origin: message::Origin,
     /// The plain QoS 0 header for MQTT 3.1.1 and for MQTT 5 (`None` when the record has an
     /// expiry, which each delivery counts down).
-    plain: [Option<Bytes>; 2],
+    pub(crate) plain: [Option<Bytes>; 2],
 }
 
 impl RecordShare {
@@ -131,7 +134,7 @@ impl RecordShare {
 
 /// A live batch's [`RecordShare`]s, one per record, each made when first needed.
 #[derive(Debug)]
-struct BatchShare(Box<[std::sync::OnceLock<Arc<RecordShare>>]>);
+pub(crate) struct BatchShare(Box<[std::sync::OnceLock<Arc<RecordShare>>]>);
 
 /// Where a delivery's name and properties come from.
 #[derive(Debug)]
@@ -175,6 +178,11 @@ struct LiveFeed {
     /// The subscriber failed (its topic was deleted, or it lagged past its policy): no longer
     /// polled.
     ended: bool,
+    /// The writer this feed parks while its connection sleeps, made at its first park and kept
+    /// for the next ones.
+    direct: Option<Box<DirectWriter>>,
+    /// The writer is parked in the live subscriber's slot, with the stream's write half.
+    parked: bool,
 }
 
 /// What `attach` starts for a subscription.
@@ -186,7 +194,22 @@ struct Feeds {
 
 /// Queues the deliveries of the next batch any live feed of the connection has; pending while
 /// there is no live feed. Cancel-safe: what is taken from a feed is queued in the same poll.
-async fn next_live(subs: &mut HashMap<String, Subscription>, queue: &mut VecDeque<Delivery>) {
+/// With a feed `parked`, waits instead for its writer to hand back (and queues nothing).
+async fn next_live(
+    subs: &mut HashMap<String, Subscription>,
+    queue: &mut VecDeque<Delivery>,
+    parked: bool,
+) {
+    if parked {
+        if let Some(feed) = subs
+            .values_mut()
+            .flat_map(|s| s.lives.iter_mut())
+            .find(|f| f.parked)
+        {
+            std::future::poll_fn(|cx| feed.live.poll_handback(cx)).await;
+        }
+        return;
+    }
     loop {
         let following = subs
             .values()
@@ -320,6 +343,9 @@ struct Session<'a, S> {
     /// Live deliveries taken from a feed and not written yet (a batch may hold several, and
     /// QoS 1/2 ones wait for room in the client's receive window).
     live_queue: VecDeque<Delivery>,
+    /// A live feed's writer is parked with the stream's write half (`direct`): the connection
+    /// takes it back before it writes anything.
+    parked: bool,
     out: BytesMut,
     /// A large publish whose payload is being read straight into its ledger batch.
     landing: Option<Landing>,
@@ -412,16 +438,13 @@ const MAX_PENDING_BYTES: usize = 64 << 20;
 /// Serves one connection (TCP or WebSocket) to its end.
 /// `fd` is the socket of a TCP connection (none for other streams): its PUBACKs may wait in it
 /// (see `acks`).
-pub(crate) async fn run<S>(
+pub(crate) async fn run<S: Conn>(
     server: &Arc<MqttServer>,
     mut stream: S,
     fd: Option<RawFd>,
     peer: String,
     mut shutdown: watch::Receiver<bool>,
-) -> std::io::Result<()>
-where
-    S: AsyncRead + AsyncWrite + Unpin + Send,
-{
+) -> std::io::Result<()> {
     let max = server.settings.max_packet_bytes;
     let mut inbuf = BytesMut::with_capacity(INBUF_START);
     let connect_deadline =
@@ -517,6 +540,7 @@ where
         pending_bytes: 0,
         paused: false,
         live_queue: VecDeque::new(),
+        parked: false,
         out: BytesMut::with_capacity(256),
         landing: None,
     };
@@ -598,7 +622,7 @@ async fn reject<S: AsyncWrite + Unpin>(
     stream.write_all(&out).await
 }
 
-impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
+impl<S: Conn> Session<'_, S> {
     /// Validates CONNECT, restores or clears a persistent session, and answers CONNACK;
     /// `None` when the connection was refused.
     async fn accept(&mut self, c: Connect) -> std::io::Result<Option<Arc<Notify>>> {
@@ -897,8 +921,13 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
             if due != timer.deadline() {
                 timer.as_mut().reset(due);
             }
+            if can_take_live && inbuf.is_empty() {
+                self.park();
+            }
+            let parked = self.parked;
             tokio::select! {
                 Some(done) = first_done(&mut self.pending), if !self.pending.is_empty() => {
+                    self.unpark().await?;
                     // Every publish stored by now is acknowledged in the same write: one write
                     // per PUBACK cost a system call per image while the socket went unread.
                     let mut acked = self.acknowledge(done);
@@ -913,6 +942,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
                     acked?;
                 }
                 r = read_some(&mut self.stream, &mut inbuf, &mut self.landing), if can_read => {
+                    self.unpark().await?;
                     let n = r?;
                     if n == 0 {
                         return Ok(End::Abrupt("connection closed without DISCONNECT".into()));
@@ -927,8 +957,12 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
                         Box::pin(self.publish_landed(landed)).await;
                     }
                 }
-                Some(d) = forwarded(&mut self.forwarded), if can_forward => self.deliver(d).await?,
-                () = next_live(&mut self.subs, &mut self.live_queue), if can_take_live => {
+                Some(d) = forwarded(&mut self.forwarded), if can_forward => {
+                    self.unpark().await?;
+                    self.deliver(d).await?;
+                }
+                () = next_live(&mut self.subs, &mut self.live_queue, parked), if can_take_live => {
+                    self.unpark().await?;
                     // The PUBACKs held in the socket, every few deliveries (`acks`), and before
                     // the window would turn these away: reading them makes room in it.
                     let owed = self.inflight.len();
@@ -942,6 +976,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
                     }
                 }
                 () = &mut timer, if deadline.is_some() || hold_until.is_some() => {
+                    self.unpark().await?;
                     // Held as long as allowed: read what waits, and handle it before anything
                     // else (it may be the PINGREQ that keeps the connection alive).
                     match self.read_held(&mut inbuf)? {
@@ -960,16 +995,91 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
                     return Ok(End::Abrupt("keep-alive timeout".into()));
                 }
                 () = &mut kicked => {
+                    let _ = self.unpark().await;
                     codec::disconnect(self.version, reason::SESSION_TAKEN_OVER, &mut self.out);
                     let _ = self.flush().await;
                     return Ok(End::Abrupt("taken over by a new connection".into()));
                 }
                 () = &mut stop => {
+                    let _ = self.unpark().await;
                     codec::disconnect(self.version, reason::SERVER_SHUTTING_DOWN, &mut self.out);
                     let _ = self.flush().await;
                     return Ok(End::Shutdown);
                 }
             }
+        }
+    }
+
+    /// Lends the stream's write half to the one live feed's writer, parked in its subscriber's
+    /// slot, when that is all the connection follows, the feed is plain QoS 0 and up to date,
+    /// and nothing else is owed: until the connection wakes, the ring's fan-out task writes its
+    /// deliveries (see `direct`). The caller knows the live queue is empty and the window open.
+    fn park(&mut self) {
+        if self.forwarded.is_some()
+            || !self.pending.is_empty()
+            || self.landing.is_some()
+            || !self.inflight.is_empty()
+        {
+            return;
+        }
+        let mut lives = self.subs.values_mut().flat_map(|s| s.lives.iter_mut());
+        let (Some(feed), None) = (lives.next(), lives.next()) else {
+            return;
+        };
+        if feed.ended || !feed.live.caught_up() || !DirectWriter::suits(&feed.feed) {
+            return;
+        }
+        let Some(writer) = self.stream.lend() else {
+            return;
+        };
+        let version_slot = usize::from(self.version == Version::V5);
+        let mut sink = feed.direct.take().unwrap_or_else(|| {
+            Box::new(DirectWriter::new(
+                feed.feed.clone(),
+                version_slot,
+                self.client_max_packet,
+            ))
+        });
+        sink.writer = Some(writer);
+        match feed.live.park(sink) {
+            Ok(()) => {
+                feed.parked = true;
+                self.parked = true;
+            }
+            Err(sink) => {
+                let mut sink = writer_of(sink);
+                if let Some(w) = sink.writer.take() {
+                    self.stream.restore(w);
+                }
+                feed.direct = Some(sink);
+            }
+        }
+    }
+
+    /// Takes back the parked writer and the stream's write half, and writes first what the
+    /// fan-out left of a PUBLISH. Every wake-up of the loop starts here: nothing else writes
+    /// while the half is lent.
+    async fn unpark(&mut self) -> std::io::Result<()> {
+        if !std::mem::take(&mut self.parked) {
+            return Ok(());
+        }
+        let mut rest = None;
+        for feed in self.subs.values_mut().flat_map(|s| s.lives.iter_mut()) {
+            if !std::mem::take(&mut feed.parked) {
+                continue;
+            }
+            if let Some(sink) = feed.live.unpark() {
+                let mut sink = writer_of(sink);
+                if let Some(w) = sink.writer.take() {
+                    self.stream.restore(w);
+                }
+                rest = sink.rest.take();
+                feed.direct = Some(sink);
+            }
+        }
+        match rest {
+            Some((head, body)) => write_all_vectored(&mut self.stream, &head, &body).await,
+            None => Ok(()),
         }
     }
 
@@ -1429,6 +1539,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Send> Session<'_, S> {
                             feed: feed.clone(),
                             live,
                             ended: false,
+                            direct: None,
+                            parked: false,
                         });
                     }
                 }
@@ -1712,11 +1824,11 @@ fn stored(
 
 /// What a forwarding task needs to turn ledger records into deliveries for one subscription.
 #[derive(Debug, Clone)]
-struct Feed {
-    server: Arc<MqttServer>,
+pub(crate) struct Feed {
+    pub(crate) server: Arc<MqttServer>,
     ledger_topic: String,
-    filter: String,
-    sub: SavedSub,
+    pub(crate) filter: String,
+    pub(crate) sub: SavedSub,
 }
 
 impl Feed {
@@ -1737,39 +1849,55 @@ impl Feed {
     /// batch's decoded record, and says how many. Straight into the connection's queue: a
     /// vector of its own per delivery was an allocation and a copy of each delivery.
     fn deliveries(&self, item: &sluice_core::LiveItem, out: &mut VecDeque<Delivery>) -> usize {
-        let Ok(records) = item.records() else {
-            // Compressed Kafka batches are not decoded for MQTT delivery yet.
-            return 0;
-        };
-        let Some(batch) = item.batch.shared(|| {
-            BatchShare(
-                (0..records.batch_len())
-                    .map(|_| Default::default())
-                    .collect(),
-            )
-        }) else {
+        let Some((records, batch)) = self.shares(item) else {
             return 0;
         };
         let queued = out.len();
         for (i, r) in records.iter().enumerate() {
-            let share = batch.0[records.batch_index(i)]
-                .get_or_init(|| {
-                    let name = self
-                        .server
-                        .routes
-                        .name_for(&self.ledger_topic, r.record.key.as_deref());
-                    Arc::new(RecordShare::new(name, r))
-                })
-                .clone();
+            let share = self.share(batch, &records, i, r);
             if topic::matches(&self.filter, &share.name) {
                 out.push_back(self.delivery(
-                    Source::Shared(share),
+                    Source::Shared(share.clone()),
                     SharedRecord::Live(records.clone(), i),
                     None,
                 ));
             }
         }
         out.len() - queued
+    }
+
+    /// A live item's records to deliver and its batch's shares; `None` for a batch that is not
+    /// decoded for MQTT delivery (compressed Kafka batches, not yet).
+    pub(crate) fn shares<'a>(
+        &self,
+        item: &'a sluice_core::LiveItem,
+    ) -> Option<(sluice_core::LiveRecords, &'a BatchShare)> {
+        let records = item.records().ok()?;
+        let batch = item.batch.shared(|| {
+            BatchShare(
+                (0..records.batch_len())
+                    .map(|_| Default::default())
+                    .collect(),
+            )
+        })?;
+        Some((records, batch))
+    }
+
+    /// The share of `records[i]` (which is `r`), worked out by the first subscriber that needs it.
+    pub(crate) fn share<'a>(
+        &self,
+        batch: &'a BatchShare,
+        records: &sluice_core::LiveRecords,
+        i: usize,
+        r: &DecodedRecord,
+    ) -> &'a Arc<RecordShare> {
+        batch.0[records.batch_index(i)].get_or_init(|| {
+            let name = self
+                .server
+                .routes
+                .name_for(&self.ledger_topic, r.record.key.as_deref());
+            Arc::new(RecordShare::new(name, r))
+        })
     }
 
     /// Follows a named subscription; every record is acknowledged once handled. Each delivery
@@ -1824,12 +1952,19 @@ async fn forwarded(
     }
 }
 
+/// The connection's own writer back from its live subscriber: only a [`DirectWriter`] is ever
+/// parked there.
+fn writer_of(sink: Box<dyn sluice_core::DirectSink>) -> Box<DirectWriter> {
+    sink.into_any()
+        .downcast()
+        .expect("a connection parks only its DirectWriter")
+}
+
 /// Resolves once the gateway begins to stop (without holding the watch's guard).
 async fn stopped(shutdown: &mut watch::Receiver<bool>) {
     let _ = shutdown.wait_for(|&s| s).await;
 }
 
-/// Writes `head` then `body` completely, with vectored writes and no copy of `body`.
 /// Reads what has arrived: into the landing batch while one is open (never past its payload),
 /// else into the connection's buffer. Cancel-safe, as `read_buf` is.
 async fn read_some<S: AsyncRead + Unpin>(
@@ -1843,6 +1978,7 @@ async fn read_some<S: AsyncRead + Unpin>(
     }
 }
 
+/// Writes `head` then `body` completely, with vectored writes and no copy of `body`.
 async fn write_all_vectored<S: AsyncWrite + Unpin>(
     stream: &mut S,
     head: &[u8],

@@ -1380,3 +1380,156 @@ async fn stopping_the_server_tells_mqtt5_subscribers_and_closes_every_connection
     }
     gw.engine.shutdown().await;
 }
+
+/// An MQTT 3.1.1 UNSUBSCRIBE of `filter`.
+fn unsubscribe(pkid: u16, filter: &str) -> Vec<u8> {
+    let mut body = pkid.to_be_bytes().to_vec();
+    body.extend_from_slice(&(filter.len() as u16).to_be_bytes());
+    body.extend_from_slice(filter.as_bytes());
+    let mut p = vec![0xA2];
+    varint(body.len(), &mut p);
+    p.extend_from_slice(&body);
+    p
+}
+
+/// Reads one PUBLISH (any QoS 0 one) and returns its topic and payload.
+async fn read_publish(s: &mut TcpStream) -> (String, Vec<u8>) {
+    let (kind, body) = tokio::time::timeout(PATIENCE, read_packet(s))
+        .await
+        .unwrap();
+    assert_eq!(kind, 0x30, "a plain QoS 0 PUBLISH");
+    let len = usize::from(u16::from_be_bytes([body[0], body[1]]));
+    let topic = String::from_utf8(body[2..2 + len].to_vec()).unwrap();
+    (topic, body[2 + len..].to_vec())
+}
+
+/// Publishes at QoS 1 and waits for the PUBACK, so the record is committed before the next.
+async fn publish_stored(publisher: &mut TcpStream, pkid: u16, topic: &str, payload: &[u8]) {
+    publisher
+        .write_all(&publish(1, pkid, topic, payload))
+        .await
+        .unwrap();
+    let (kind, body) = tokio::time::timeout(PATIENCE, read_packet(publisher))
+        .await
+        .unwrap();
+    assert_eq!((kind, body), (0x40, pkid.to_be_bytes().to_vec()), "PUBACK");
+}
+
+/// A raw MQTT 3.1.1 client subscribed to `news/#` at QoS 0, past its SUBACK.
+async fn news_viewer(port: u16) -> TcpStream {
+    let mut viewer = raw_client(port, "viewer").await;
+    viewer.write_all(&subscribe(1, "news/#", 0)).await.unwrap();
+    assert_eq!(read_packet(&mut viewer).await.0, 0x90);
+    viewer
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_qos0_subscriber_is_written_to_by_the_fan_out_and_still_answers_its_own_packets() {
+    let dir = tempfile::tempdir().unwrap();
+    let gw = start(dir.path()).await;
+    let m = &gw.server.metrics;
+    let mut viewer = news_viewer(gw.port).await;
+    let mut publisher = raw_client(gw.port, "publisher").await;
+
+    // One record at a time, each read before the next is published: the viewer's connection
+    // sleeps between them, and the fan-out writes to it.
+    for i in 0..40u16 {
+        let payload = format!("news {i}").repeat(usize::from(i) * 50 + 1);
+        publish_stored(&mut publisher, i + 1, "news/a", payload.as_bytes()).await;
+        assert_eq!(
+            read_publish(&mut viewer).await,
+            ("news/a".to_string(), payload.into_bytes())
+        );
+    }
+    let direct = m.direct_deliveries.load(Ordering::Relaxed);
+    assert!(direct > 0, "the fan-out wrote none of the deliveries");
+
+    // The connection still answers what the client sends while its writer is lent.
+    viewer.write_all(&[0xC0, 0]).await.unwrap();
+    assert_eq!(
+        read_packet(&mut viewer).await,
+        (0xD0, Vec::new()),
+        "PINGRESP"
+    );
+    // A second subscription: two feeds, so the connection delivers itself, both filters.
+    viewer
+        .write_all(&subscribe(2, "alerts/#", 0))
+        .await
+        .unwrap();
+    assert_eq!(read_packet(&mut viewer).await, (0x90, vec![0, 2, 0]));
+    publish_stored(&mut publisher, 100, "alerts/x", b"fire").await;
+    publish_stored(&mut publisher, 101, "news/b", b"rain").await;
+    let mut got = vec![
+        read_publish(&mut viewer).await,
+        read_publish(&mut viewer).await,
+    ];
+    got.sort();
+    assert_eq!(
+        got,
+        [
+            ("alerts/x".to_string(), b"fire".to_vec()),
+            ("news/b".to_string(), b"rain".to_vec())
+        ]
+    );
+    // Back to one feed: the fan-out writes again, and nothing of the old one comes.
+    viewer.write_all(&unsubscribe(3, "alerts/#")).await.unwrap();
+    assert_eq!(read_packet(&mut viewer).await, (0xB0, vec![0, 3]));
+    let before = m.direct_deliveries.load(Ordering::Relaxed);
+    for i in 0..20u16 {
+        publish_stored(&mut publisher, 200 + i, "alerts/x", b"ignored").await;
+        let payload = format!("later {i}");
+        publish_stored(&mut publisher, 300 + i, "news/c", payload.as_bytes()).await;
+        assert_eq!(
+            read_publish(&mut viewer).await,
+            ("news/c".to_string(), payload.into_bytes())
+        );
+    }
+    assert!(m.direct_deliveries.load(Ordering::Relaxed) > before);
+    gw.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_qos0_subscriber_that_stops_reading_gets_every_message_whole_and_in_order_later() {
+    const MESSAGES: u16 = 1000;
+    const SIZE: usize = 16 * 1024;
+    let dir = tempfile::tempdir().unwrap();
+    let gw = start(dir.path()).await;
+    let m = &gw.server.metrics;
+    let mut viewer = news_viewer(gw.port).await;
+
+    // 16 MB, more than the viewer's socket holds, while it reads nothing: the fan-out meets a
+    // full socket (and a write cut short) and hands the rest to the connection.
+    let (mut rd, mut wr) = raw_client(gw.port, "publisher").await.into_split();
+    let writer = tokio::spawn(async move {
+        for i in 0..MESSAGES {
+            let payload = vec![(i % 251) as u8; SIZE];
+            wr.write_all(&publish(1, i + 1, "news/a", &payload))
+                .await
+                .unwrap();
+        }
+        wr
+    });
+    for i in 0..MESSAGES {
+        let mut puback = [0u8; 4];
+        tokio::time::timeout(PATIENCE, rd.read_exact(&mut puback))
+            .await
+            .unwrap()
+            .unwrap();
+        let [hi, lo] = (i + 1).to_be_bytes();
+        assert_eq!(puback, [0x40, 2, hi, lo]);
+    }
+    let _wr = writer.await.unwrap();
+
+    for i in 0..MESSAGES {
+        let (topic, payload) = read_publish(&mut viewer).await;
+        assert_eq!(topic, "news/a");
+        assert_eq!(payload.len(), SIZE, "message {i}");
+        assert!(payload.iter().all(|&b| b == (i % 251) as u8), "message {i}");
+    }
+    assert!(m.direct_deliveries.load(Ordering::Relaxed) > 0);
+    assert_eq!(m.deliveries.load(Ordering::Relaxed), u64::from(MESSAGES));
+    // Nothing more: a PINGRESP is the next packet.
+    viewer.write_all(&[0xC0, 0]).await.unwrap();
+    assert_eq!(read_packet(&mut viewer).await, (0xD0, Vec::new()));
+    gw.stop().await;
+}

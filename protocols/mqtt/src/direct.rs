@@ -1,0 +1,272 @@
+//! Live QoS 0 deliveries written by the ring's fan-out task, without waking the connection.
+//!
+//! A broadcast to tens of thousands of idle subscribers used to wake each connection's task
+//! once per message: the wake-up, the poll of every branch of its loop, the delivery's queue and
+//! its bookkeeping cost more than the write itself (about 4,500 instructions of user space per
+//! delivery beside one `writev`). Now a TCP connection with nothing else to do lends its
+//! socket's write half to a [`DirectWriter`] parked in its live subscriber's slot
+//! ([`sluice_core::LiveSubscriber::park`]), and the fan-out writes each plain QoS 0 PUBLISH (the
+//! header shared by every subscriber of the record, then the payload) straight to the socket.
+//!
+//! The connection's own writes exclude the fan-out's: the write half is in one place at a time.
+//! The connection takes it back whenever it wakes, before it writes anything; the fan-out wakes
+//! it when a socket is full, when a write went out in part (the rest waits in the sink, and the
+//! connection writes it first) and for any record that is not a plain QoS 0 delivery (an
+//! expiry, retain as published, a payload large enough for the egress budget, one over the
+//! client's maximum packet size).
+
+use std::io::IoSlice;
+use std::pin::Pin;
+use std::sync::atomic::Ordering;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use sluice_core::{Delivered, DirectSink, LiveItem};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::TcpStream;
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+
+use crate::server::LARGE_PAYLOAD;
+use crate::session::Feed;
+use crate::topic;
+
+/// A connection's stream, which may lend its write half to a [`DirectWriter`].
+pub(crate) trait Conn: AsyncRead + AsyncWrite + Unpin + Send {
+    /// The write half, if this stream has one to lend and has not lent it.
+    fn lend(&mut self) -> Option<OwnedWriteHalf>;
+
+    /// Takes back what [`Self::lend`] gave.
+    fn restore(&mut self, writer: OwnedWriteHalf);
+}
+
+/// A TCP connection split in two, so its write half can be lent.
+#[derive(Debug)]
+pub(crate) struct TcpConn {
+    read: OwnedReadHalf,
+    write: Option<OwnedWriteHalf>,
+}
+
+impl TcpConn {
+    pub(crate) fn new(stream: TcpStream) -> Self {
+        let (read, write) = stream.into_split();
+        Self {
+            read,
+            write: Some(write),
+        }
+    }
+
+    fn writer(&mut self) -> std::io::Result<Pin<&mut OwnedWriteHalf>> {
+        // The session takes the half back before every write; a write without it is a bug
+        // that ends this connection, not the process.
+        match self.write.as_mut() {
+            Some(w) => Ok(Pin::new(w)),
+            None => Err(std::io::Error::other(
+                "the write half is lent to the live fan-out",
+            )),
+        }
+    }
+}
+
+impl Conn for TcpConn {
+    fn lend(&mut self) -> Option<OwnedWriteHalf> {
+        self.write.take()
+    }
+
+    fn restore(&mut self, writer: OwnedWriteHalf) {
+        self.write = Some(writer);
+    }
+}
+
+impl AsyncRead for TcpConn {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.read).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for TcpConn {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        self.writer()?.poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        self.writer()?.poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        true
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        self.writer()?.poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        self.writer()?.poll_shutdown(cx)
+    }
+}
+
+/// Any other stream (WebSocket): it lends nothing, and its deliveries go the connection's way.
+#[derive(Debug)]
+pub(crate) struct Plain<S>(pub(crate) S);
+
+impl<S: AsyncRead + AsyncWrite + Unpin + Send> Conn for Plain<S> {
+    fn lend(&mut self) -> Option<OwnedWriteHalf> {
+        None
+    }
+
+    fn restore(&mut self, _: OwnedWriteHalf) {}
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Plain<S> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.0).poll_read(cx, buf)
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Plain<S> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.0).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.0).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.0.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.0).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.0).poll_shutdown(cx)
+    }
+}
+
+/// Writes one live QoS 0 feed's plain deliveries to a lent write half.
+#[derive(Debug)]
+pub(crate) struct DirectWriter {
+    feed: Feed,
+    /// Index of the connection's protocol version in a record's plain headers.
+    version_slot: usize,
+    client_max_packet: Option<usize>,
+    /// The lent write half, while parked.
+    pub(crate) writer: Option<OwnedWriteHalf>,
+    /// What a write left of its PUBLISH (header rest, payload rest): the connection writes it
+    /// before anything else.
+    pub(crate) rest: Option<(Bytes, Bytes)>,
+}
+
+impl DirectWriter {
+    pub(crate) fn new(feed: Feed, version_slot: usize, client_max_packet: Option<usize>) -> Self {
+        Self {
+            feed,
+            version_slot,
+            client_max_packet,
+            writer: None,
+            rest: None,
+        }
+    }
+
+    /// Whether a feed's deliveries can all be plain QoS 0 ones (a record may still need the
+    /// connection: an expiry, retain as published, a large payload).
+    pub(crate) fn suits(feed: &Feed) -> bool {
+        let sub = &feed.sub;
+        sub.qos == 0 && sub.id.is_none() && !sub.no_local
+    }
+}
+
+impl DirectSink for DirectWriter {
+    fn deliver(&mut self, item: &LiveItem) -> Delivered {
+        let stop = |offset: u64| Delivered {
+            next_offset: offset,
+            hand_back: true,
+        };
+        let Some(writer) = self.writer.as_ref() else {
+            return stop(item.from_offset);
+        };
+        let Some((records, batch)) = self.feed.shares(item) else {
+            // Not decoded for MQTT (a compressed Kafka batch): skipped, as the connection does.
+            return Delivered {
+                next_offset: item.batch.last_offset + 1,
+                hand_back: false,
+            };
+        };
+        let metrics = &self.feed.server.metrics;
+        for (i, r) in records.iter().enumerate() {
+            let share = self.feed.share(batch, &records, i, r);
+            if !topic::matches(&self.feed.filter, &share.name) {
+                continue;
+            }
+            let offset = r.offset as u64;
+            let Some(head) = &share.plain[self.version_slot] else {
+                return stop(offset);
+            };
+            let body = r.record.value.as_ref().map_or(&[][..], |v| &v[..]);
+            let size = head.len() + body.len();
+            if (self.feed.sub.retain_as_published && share.origin.retain)
+                || body.len() >= LARGE_PAYLOAD
+                || self.client_max_packet.is_some_and(|max| size > max)
+            {
+                return stop(offset);
+            }
+            match writer.try_write_vectored(&[IoSlice::new(head), IoSlice::new(body)]) {
+                Ok(n) if n == size => {}
+                Ok(n) if n > 0 => {
+                    let value = r.record.value.clone().unwrap_or_default();
+                    self.rest = Some(if n < head.len() {
+                        (head.slice(n..), value)
+                    } else {
+                        (Bytes::new(), value.slice(n - head.len()..))
+                    });
+                    count(metrics, size);
+                    return stop(offset + 1);
+                }
+                // A full socket, or an error the connection meets on its next read or write.
+                _ => return stop(offset),
+            }
+            count(metrics, size);
+        }
+        Delivered {
+            next_offset: item.batch.last_offset + 1,
+            hand_back: false,
+        }
+    }
+
+    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any + Send> {
+        self
+    }
+}
+
+fn count(m: &crate::MqttMetrics, size: usize) {
+    m.deliveries.fetch_add(1, Ordering::Relaxed);
+    m.direct_deliveries.fetch_add(1, Ordering::Relaxed);
+    m.packets_out.add(0x30);
+    m.bytes_out.fetch_add(size as u64, Ordering::Relaxed);
+}
