@@ -1392,7 +1392,8 @@ fn unsubscribe(pkid: u16, filter: &str) -> Vec<u8> {
     p
 }
 
-/// Reads one PUBLISH (any QoS 0 one) and returns its topic and payload.
+/// Reads one QoS 0 PUBLISH and returns its topic and what follows it (the payload, for MQTT
+/// 3.1.1).
 async fn read_publish(s: &mut TcpStream) -> (String, Vec<u8>) {
     let (kind, body) = tokio::time::timeout(PATIENCE, read_packet(s))
         .await
@@ -1531,5 +1532,100 @@ async fn a_qos0_subscriber_that_stops_reading_gets_every_message_whole_and_in_or
     // Nothing more: a PINGRESP is the next packet.
     viewer.write_all(&[0xC0, 0]).await.unwrap();
     assert_eq!(read_packet(&mut viewer).await, (0xD0, Vec::new()));
+    gw.stop().await;
+}
+
+/// An MQTT 5 PUBLISH at QoS 1 whose properties are `props` (already encoded).
+fn publish_v5(pkid: u16, topic: &str, props: &[u8], payload: &[u8]) -> Vec<u8> {
+    let mut body = (topic.len() as u16).to_be_bytes().to_vec();
+    body.extend_from_slice(topic.as_bytes());
+    body.extend_from_slice(&pkid.to_be_bytes());
+    varint(props.len(), &mut body);
+    body.extend_from_slice(props);
+    body.extend_from_slice(payload);
+    let mut p = vec![0x32];
+    varint(body.len(), &mut p);
+    p.extend_from_slice(&body);
+    p
+}
+
+/// A raw MQTT 5 connection, past its CONNACK.
+async fn raw_client_v5(port: u16, client: &str) -> TcpStream {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+    s.write_all(&connect_at(5, client)).await.unwrap();
+    let (kind, connack) = read_packet(&mut s).await;
+    assert_eq!((kind, connack[1]), (0x20, 0), "CONNACK, success");
+    s
+}
+
+/// An MQTT 5 QoS 0 PUBLISH read whole: (topic, properties, payload).
+async fn read_publish_v5(s: &mut TcpStream) -> (String, Vec<u8>, Vec<u8>) {
+    let (topic, rest) = read_publish(s).await;
+    let (mut props_len, mut at, mut shift) = (0usize, 0, 0);
+    loop {
+        let b = rest[at];
+        at += 1;
+        props_len |= usize::from(b & 0x7f) << shift;
+        if b & 0x80 == 0 {
+            break;
+        }
+        shift += 7;
+    }
+    let props = rest[at..at + props_len].to_vec();
+    (topic, props, rest[at + props_len..].to_vec())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_the_fan_out_cannot_write_as_they_are_reach_an_idle_subscriber_from_its_connection()
+{
+    let dir = tempfile::tempdir().unwrap();
+    let gw = start(dir.path()).await;
+    let m = &gw.server.metrics;
+    let mut viewer = raw_client_v5(gw.port, "viewer5").await;
+    viewer
+        .write_all(&subscribe_at(5, 1, "news/#", 0))
+        .await
+        .unwrap();
+    assert_eq!(read_packet(&mut viewer).await.0, 0x90);
+    let mut publisher = raw_client_v5(gw.port, "publisher5").await;
+    let mut send = async |pkid: u16, props: &[u8], payload: &[u8]| {
+        publisher
+            .write_all(&publish_v5(pkid, "news/a", props, payload))
+            .await
+            .unwrap();
+        let (kind, body) = tokio::time::timeout(PATIENCE, read_packet(&mut publisher))
+            .await
+            .unwrap();
+        assert_eq!(
+            (kind, &body[..2]),
+            (0x40, &pkid.to_be_bytes()[..]),
+            "PUBACK"
+        );
+    };
+
+    send(1, &[], b"plain").await;
+    assert_eq!(
+        read_publish_v5(&mut viewer).await,
+        ("news/a".into(), vec![], b"plain".to_vec())
+    );
+    // A message expiry is counted down per delivery: the connection writes it, with what is
+    // left of the interval.
+    send(2, &[0x02, 0, 0, 0x02, 0x58], b"expiring").await;
+    let (_, props, payload) = read_publish_v5(&mut viewer).await;
+    assert_eq!(payload, b"expiring");
+    assert_eq!(props.len(), 5, "{props:?}");
+    assert_eq!(props[0], 0x02, "message expiry interval");
+    let left = u32::from_be_bytes([props[1], props[2], props[3], props[4]]);
+    assert!(left > 0 && left <= 600, "{left}");
+    // A payload large enough for the egress budget goes the connection's way too.
+    let image: Vec<u8> = (0..100_000u32).map(|i| (i % 253) as u8).collect();
+    send(3, &[], &image).await;
+    assert_eq!(read_publish_v5(&mut viewer).await.2, image);
+    send(4, &[], b"plain again").await;
+    assert_eq!(read_publish_v5(&mut viewer).await.2, b"plain again");
+
+    assert_eq!(m.deliveries.load(Ordering::Relaxed), 4);
+    let direct = m.direct_deliveries.load(Ordering::Relaxed);
+    assert!((1..=2).contains(&direct), "{direct} written by the fan-out");
     gw.stop().await;
 }
