@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what the end-to-end tests outside cargo need, idempotently (sudo only when not root):
-#   - Debian packages kcat (a Kafka command-line client) and mosquitto-clients (mosquitto_pub,
-#     mosquitto_sub), each only if it is missing;
+#   - Debian packages kcat (a Kafka command-line client), mosquitto-clients (mosquitto_pub,
+#     mosquitto_sub) and mosquitto (the broker, a peer of the benchmarks' smoke runs), each only
+#     if it is missing;
 #   - a Python virtual environment at target/pyenv with tests/kafka, tests/mqtt and tests/rest
 #     requirements.txt, reinstalled only when any of them changes (stamp file
 #     target/pyenv/.installed-<sha256 of all>).
@@ -32,7 +33,7 @@ apt_install() {
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 }
 
-apt_install kcat mosquitto-clients
+apt_install kcat mosquitto-clients mosquitto
 
 PYENV=target/pyenv
 REQUIREMENTS=(tests/kafka/requirements.txt tests/mqtt/requirements.txt tests/rest/requirements.txt)
