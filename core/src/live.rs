@@ -275,6 +275,7 @@ struct Parked {
     sink: Box<dyn DirectSink>,
     cursor: u64,
     max_lag: u64,
+    policy: SlowPolicy,
     /// The sink stopped and the owner was woken to take over.
     handed_back: bool,
 }
@@ -446,9 +447,22 @@ impl LiveRing {
             if p.handed_back {
                 continue;
             }
-            while let Some(item) = self.take_dropping(&mut p.cursor, p.max_lag) {
+            loop {
+                let item = match self.take_parked(p) {
+                    Take::Item(item) => item,
+                    Take::UpToDate => break,
+                    Take::Owner => {
+                        p.handed_back = true;
+                        drop(direct);
+                        slot.waker.wake();
+                        break;
+                    }
+                };
                 let done = p.sink.deliver(&item);
                 p.cursor = done.next_offset.max(item.from_offset);
+                if p.policy == SlowPolicy::CatchUp {
+                    slot.needs.store(p.cursor, Ordering::Relaxed);
+                }
                 if done.hand_back {
                     p.handed_back = true;
                     drop(direct);
@@ -483,6 +497,39 @@ impl LiveRing {
                 slots.clear();
             }
         });
+    }
+
+    /// What a parked sink delivers next. A catch-up subscriber behind the ring reads the files,
+    /// and one reaching a batch the ring holds only for catch-up subscribers gives it back once
+    /// through: both are its owner's to do.
+    fn take_parked(&self, p: &mut Parked) -> Take {
+        if p.policy != SlowPolicy::CatchUp {
+            return match self.take_dropping(&mut p.cursor, p.max_lag) {
+                Some(item) => Take::Item(item),
+                None => Take::UpToDate,
+            };
+        }
+        let st = self.state.read();
+        if p.cursor >= st.next_offset {
+            return Take::UpToDate;
+        }
+        if p.cursor < st.front() {
+            return Take::Owner;
+        }
+        let i = st.batches.partition_point(|b| b.last_offset < p.cursor);
+        let Some(b) = st.batches.get(i) else {
+            return Take::UpToDate;
+        };
+        if b.base_offset < st.held_until {
+            return Take::Owner;
+        }
+        let item = LiveItem {
+            batch: b.clone(),
+            from_offset: p.cursor.max(b.base_offset),
+            from_log: false,
+        };
+        p.cursor = b.last_offset + 1;
+        Take::Item(item)
     }
 
     /// The batch a drop-oldest subscriber at `*cursor` delivers next, after moving the cursor
@@ -622,6 +669,14 @@ impl Drop for LiveRing {
         // Lets the fan-out task find the ring gone and end.
         self.fanout.notify.notify_one();
     }
+}
+
+/// What the fan-out does next for a parked sink.
+enum Take {
+    Item(LiveItem),
+    UpToDate,
+    /// The subscriber's owner must take over.
+    Owner,
 }
 
 /// Where a drop-oldest subscriber at `cursor` goes on from: past what is no longer in the ring
@@ -800,11 +855,11 @@ impl LiveSubscriber {
     /// Hands this subscriber's delivery to `sink`, which the ring's fan-out task calls with
     /// every new batch from the cursor on, without waking the caller's task. The caller must
     /// not call [`Self::next`] until [`Self::unpark`], and waits with [`Self::poll_handback`]
-    /// for the sink to give up (or for something it must see itself). Only a drop-oldest
-    /// subscriber with nothing read from the files pending parks: the sink comes back as the
-    /// error otherwise.
+    /// for the sink to give up (or for something it must see itself). A drop-oldest or
+    /// catch-up subscriber parks when nothing read from the files is pending and it has no
+    /// held batch to give back: the sink comes back as the error otherwise.
     pub fn park(&mut self, sink: Box<dyn DirectSink>) -> Result<(), Box<dyn DirectSink>> {
-        if self.policy != SlowPolicy::DropOldest || !self.pending.is_empty() {
+        if self.policy == SlowPolicy::Disconnect || !self.pending.is_empty() || self.read_held {
             return Err(sink);
         }
         self.ring.start_fanout();
@@ -813,6 +868,7 @@ impl LiveSubscriber {
             sink,
             cursor: self.cursor,
             max_lag: self.max_lag,
+            policy: self.policy,
             handed_back: false,
         });
         self.slot.parked.store(true, Ordering::Release);

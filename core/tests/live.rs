@@ -764,16 +764,16 @@ async fn a_commit_that_came_before_the_park_is_the_subscribers_own() {
 }
 
 #[tokio::test]
-async fn only_a_drop_oldest_subscriber_parks_and_its_drop_takes_the_sink() {
+async fn a_disconnecting_subscriber_does_not_park_and_a_drop_takes_the_sink() {
     let dir = tempfile::tempdir().unwrap();
     let engine = engine_with_ring(dir.path(), 1 << 20).await;
-    let mut catching_up = engine
-        .subscribe_live("t", 0, opts(StartAt::Latest, SlowPolicy::CatchUp, 10))
+    let mut strict = engine
+        .subscribe_live("t", 0, opts(StartAt::Latest, SlowPolicy::Disconnect, 10))
         .unwrap();
     let (sink, _rx, dropped) = recorder(None);
-    let back = catching_up
+    let back = strict
         .park(sink)
-        .expect_err("a catch-up subscriber parked");
+        .expect_err("a disconnecting subscriber parked");
     drop(back);
     assert!(dropped.load(std::sync::atomic::Ordering::SeqCst));
 
@@ -848,4 +848,33 @@ impl DirectSink for FifthBack {
     fn into_any(self: Box<Self>) -> Box<dyn std::any::Any + Send> {
         self
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parked_catch_up_subscriber_is_served_and_after_handing_back_reads_what_it_missed() {
+    let dir = tempfile::tempdir().unwrap();
+    // A ring of about two 1 KB records.
+    let engine = engine_with_ring(dir.path(), 2500).await;
+    let mut sub = engine
+        .subscribe_live("t", 0, opts(StartAt::Latest, SlowPolicy::CatchUp, 1_000))
+        .unwrap();
+    let (sink, mut rx, _) = recorder(Some(3));
+    sub.park(sink).unwrap();
+    produce_n(&engine, 3, 1024).await;
+    assert_eq!(offsets(&mut rx, 3).await, [0, 1, 2]);
+    // The sink stops at offset 3; what follows pushes it out of the ring.
+    produce_n(&engine, 10, 1024).await;
+    std::future::poll_fn(|cx| sub.poll_handback(cx)).await;
+    assert!(sub.unpark().is_some());
+    assert_eq!(sub.position(), 3);
+    let item = sub.next().await.unwrap();
+    assert!(item.from_log, "offset 3 is gone from the ring");
+    let mut got: Vec<u64> = item
+        .records()
+        .unwrap()
+        .iter()
+        .map(|r| r.offset as u64)
+        .collect();
+    got.extend(take(&mut sub, 13 - 3 - got.len()).await.iter().map(|g| g.0));
+    assert_eq!(got, (3..13).collect::<Vec<_>>());
 }
