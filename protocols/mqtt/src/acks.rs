@@ -16,6 +16,10 @@
 //! few deliveries rather than one each. A full window, anything else owed, or reads paused for
 //! queued publishes set the mark back to one byte.
 //!
+//! While the connection sleeps with its write half lent to the live fan-out (`direct`), the
+//! fan-out raises the mark as it writes each QoS 1 delivery ([`Hold`]), and the connection arms
+//! its timer for the hold before it parks.
+//!
 //! A client that holds back its PUBACKs while it sends other packets would make those wait;
 //! so while the mark is raised the connection also reads the socket at least every
 //! [`MAX_HOLD`] (at most half the keep-alive), and its small packets wait no longer than that.
@@ -121,6 +125,20 @@ impl HeldAcks {
         self.mark > 1
     }
 
+    /// The longest the socket may stay unread while the mark is raised.
+    pub(crate) fn hold(&self) -> Duration {
+        self.hold
+    }
+
+    /// Takes note that a parked writer ([`Hold`]) left the socket's mark at `mark`; the hold
+    /// starts now if the writer raised it from 1.
+    pub(crate) fn assume(&mut self, mark: usize) {
+        if self.mark == 1 && mark > 1 {
+            self.hold_until = Some(Instant::now() + self.hold);
+        }
+        self.mark = mark;
+    }
+
     /// When the socket must be read next, while the mark is raised.
     pub(crate) fn hold_until(&self) -> Option<Instant> {
         self.hold_until.filter(|_| self.holding())
@@ -194,6 +212,52 @@ impl HeldAcks {
                 }
             }
         }
+    }
+}
+
+/// The receive mark in the hands of a parked writer of QoS 1 deliveries (`direct`): raised as
+/// it writes, as the connection would raise it at each delivery, so the PUBACKs wait in the
+/// socket. The connection takes the mark back with [`HeldAcks::assume`].
+#[derive(Debug)]
+pub(crate) struct Hold {
+    fd: RawFd,
+    owed: usize,
+    mark: usize,
+    receive_max: usize,
+}
+
+impl Hold {
+    /// For a connection that owes `owed` PUBACKs, with the mark it set for them.
+    pub(crate) fn new(held: &HeldAcks, owed: usize, receive_max: usize) -> Self {
+        Self {
+            fd: held.fd,
+            owed,
+            mark: held.mark,
+            receive_max,
+        }
+    }
+
+    /// One more delivery owes a PUBACK. With the window full the mark goes back to one byte,
+    /// as the connection sets it: the PUBACKs make room. A failed `setsockopt` leaves the lower
+    /// mark, which only wakes the connection sooner.
+    pub(crate) fn sent(&mut self) {
+        self.owed += 1;
+        let mark = if self.owed < self.receive_max {
+            mark_for(self.owed)
+        } else {
+            1
+        };
+        if mark != self.mark {
+            let v = libc::c_int::try_from(mark).unwrap_or(libc::c_int::MAX);
+            if set_int_option(self.fd, libc::SOL_SOCKET, libc::SO_RCVLOWAT, v).is_ok() {
+                self.mark = mark;
+            }
+        }
+    }
+
+    /// The mark the socket has now.
+    pub(crate) fn mark(&self) -> usize {
+        self.mark
     }
 }
 

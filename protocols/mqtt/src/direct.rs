@@ -1,4 +1,4 @@
-//! Live QoS 0 deliveries written by the ring's fan-out task, without waking the connection.
+//! Live deliveries written by the ring's fan-out task, without waking the connection.
 //!
 //! A broadcast to tens of thousands of idle subscribers used to wake each connection's task
 //! once per message: the wake-up, the poll of every branch of its loop, the delivery's queue and
@@ -7,25 +7,33 @@
 //! socket's write half to a [`DirectWriter`] parked in its live subscriber's slot
 //! ([`sluice_core::LiveSubscriber::park`]), and the fan-out writes each plain QoS 0 PUBLISH (the
 //! header shared by every subscriber of the record, then the payload) straight to the socket.
+//! A QoS 1 feed's writer also gets packet ids the connection reserved in its window (entries in
+//! flight, at most `acks::READ_AT` owed in all): it encodes each delivery's header with the
+//! next one, and raises the socket's receive mark as the connection would (`acks::Hold`), so
+//! the PUBACKs wait in the socket; it hands back when the ids run out, and the connection reads
+//! the PUBACKs and gives back the ids left unused.
 //!
 //! The connection's own writes exclude the fan-out's: the write half is in one place at a time.
 //! The connection takes it back whenever it wakes, before it writes anything; the fan-out wakes
 //! it when a socket is full, when a write went out in part (the rest waits in the sink, and the
 //! connection writes it first) and for any record that is not a plain QoS 0 delivery (an
 //! expiry, retain as published, a payload large enough for the egress budget, one over the
-//! client's maximum packet size).
+//! client's maximum packet size, a QoS 1 delivery with no reserved packet id left).
 
+use std::collections::VecDeque;
 use std::io::IoSlice;
 use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::task::{Context, Poll};
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use sluice_core::{Delivered, DirectSink, LiveItem};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 
+use crate::acks;
+use crate::codec::{self, Props, Version};
 use crate::server::LARGE_PAYLOAD;
 use crate::session::Feed;
 use crate::topic;
@@ -169,13 +177,20 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Plain<S> {
     }
 }
 
-/// Writes one live QoS 0 feed's plain deliveries to a lent write half.
+/// Writes one live feed's deliveries (plain QoS 0, and QoS 1 within the packet ids the
+/// connection reserved for it) to a lent write half.
 #[derive(Debug)]
 pub(crate) struct DirectWriter {
     feed: Feed,
-    /// Index of the connection's protocol version in a record's plain headers.
-    version_slot: usize,
+    version: Version,
     client_max_packet: Option<usize>,
+    /// Packet ids the connection reserved in its window (entries in flight) for QoS 1
+    /// deliveries while parked, used in order; those left are released when it unparks.
+    pub(crate) pkids: VecDeque<u16>,
+    /// A QoS 1 delivery's header, encoded per delivery (it carries the packet id).
+    head: BytesMut,
+    /// The socket's receive mark while a QoS 1 feed's writer is parked.
+    pub(crate) hold: Option<acks::Hold>,
     /// The lent write half, while parked.
     pub(crate) writer: Option<OwnedWriteHalf>,
     /// What a write left of its PUBLISH (header rest, payload rest): the connection writes it
@@ -184,21 +199,25 @@ pub(crate) struct DirectWriter {
 }
 
 impl DirectWriter {
-    pub(crate) fn new(feed: Feed, version_slot: usize, client_max_packet: Option<usize>) -> Self {
+    pub(crate) fn new(feed: Feed, version: Version, client_max_packet: Option<usize>) -> Self {
         Self {
             feed,
-            version_slot,
+            version,
             client_max_packet,
+            pkids: VecDeque::new(),
+            head: BytesMut::new(),
+            hold: None,
             writer: None,
             rest: None,
         }
     }
 
-    /// Whether a feed's deliveries can all be plain QoS 0 ones (a record may still need the
-    /// connection: an expiry, retain as published, a large payload).
+    /// Whether a feed's deliveries may be written here: QoS 0 and 1 subscriptions without a
+    /// subscription identifier or no-local (a record may still need the connection: an expiry,
+    /// retain as published, a large payload, QoS 1 past the reserved packet ids).
     pub(crate) fn suits(feed: &Feed) -> bool {
         let sub = &feed.sub;
-        sub.qos == 0 && sub.id.is_none() && !sub.no_local
+        sub.qos <= 1 && sub.id.is_none() && !sub.no_local
     }
 }
 
@@ -225,8 +244,42 @@ impl DirectSink for DirectWriter {
                 continue;
             }
             let offset = r.offset as u64;
-            let Some(head) = &share.plain[self.version_slot] else {
-                return stop(offset);
+            // The minimum of the published QoS and the granted QoS, as the connection does.
+            let qos = self.feed.sub.qos.min(share.origin.qos.unwrap_or(2));
+            let plain = &share.plain[usize::from(self.version == Version::V5)];
+            let (pkid, head) = match (qos, plain) {
+                (0, Some(head)) => (None, &head[..]),
+                // An expiry is counted down per delivery (no plain header either).
+                (1, Some(_)) if self.hold.is_some() => {
+                    let Some(pkid) = self.pkids.pop_front() else {
+                        return stop(offset);
+                    };
+                    let props = match self.version {
+                        Version::V4 => &Props::default(),
+                        Version::V5 => &share.props,
+                    };
+                    self.head.clear();
+                    let len = r.record.value.as_ref().map_or(0, Bytes::len);
+                    codec::publish_header(
+                        self.version,
+                        &share.name,
+                        1,
+                        false,
+                        pkid,
+                        props,
+                        None,
+                        len,
+                        &mut self.head,
+                    );
+                    (Some(pkid), &self.head[..])
+                }
+                _ => return stop(offset),
+            };
+            // A packet id taken and not used goes back, for the connection to release.
+            let unused = |pkids: &mut VecDeque<u16>| {
+                if let Some(p) = pkid {
+                    pkids.push_front(p);
+                }
             };
             let body = r.record.value.as_ref().map_or(&[][..], |v| &v[..]);
             let size = head.len() + body.len();
@@ -234,6 +287,7 @@ impl DirectSink for DirectWriter {
                 || body.len() >= LARGE_PAYLOAD
                 || self.client_max_packet.is_some_and(|max| size > max)
             {
+                unused(&mut self.pkids);
                 return stop(offset);
             }
             match writer.try_write_vectored(&[IoSlice::new(head), IoSlice::new(body)]) {
@@ -241,17 +295,30 @@ impl DirectSink for DirectWriter {
                 Ok(n) if n > 0 => {
                     let value = r.record.value.clone().unwrap_or_default();
                     self.rest = Some(if n < head.len() {
-                        (head.slice(n..), value)
+                        (Bytes::copy_from_slice(&head[n..]), value)
                     } else {
                         (Bytes::new(), value.slice(n - head.len()..))
                     });
                     count(metrics, size);
+                    if pkid.is_some()
+                        && let Some(hold) = self.hold.as_mut()
+                    {
+                        hold.sent();
+                    }
                     return stop(offset + 1);
                 }
                 // A full socket, or an error the connection meets on its next read or write.
-                _ => return stop(offset),
+                _ => {
+                    unused(&mut self.pkids);
+                    return stop(offset);
+                }
             }
             count(metrics, size);
+            if pkid.is_some()
+                && let Some(hold) = self.hold.as_mut()
+            {
+                hold.sent();
+            }
         }
         Delivered {
             next_offset: item.batch.last_offset + 1,

@@ -11,9 +11,9 @@
 //!
 //! Small forwarding tasks pass matching records to the connection, which writes each PUBLISH as
 //! a header it encodes plus the record's payload `Bytes`, shared with every other subscriber, in
-//! one vectored write. A TCP connection that follows one plain QoS 0 live feed and has nothing
-//! else to do lends its write half to the feed while it sleeps, and the ring's fan-out task
-//! writes those deliveries itself (`direct`).
+//! one vectored write. A TCP connection that follows one live QoS 0 or QoS 1 feed and has
+//! nothing else to do lends its write half to the feed while it sleeps, and the ring's fan-out
+//! task writes those deliveries itself (`direct`).
 
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
@@ -99,7 +99,7 @@ impl std::ops::Deref for SharedRecord {
 #[derive(Debug)]
 pub(crate) struct RecordShare {
     pub(crate) name: Arc<str>,
-    props: Props,
+    pub(crate) props: Props,
     pub(crate) origin: message::Origin,
     /// The plain QoS 0 header for MQTT 3.1.1 and for MQTT 5 (`None` when the record has an
     /// expiry, which each delivery counts down).
@@ -914,15 +914,18 @@ impl<S: Conn> Session<'_, S> {
                 }
                 None => None,
             };
+            // After the mark is set: from here the parked writer raises it as it writes, and
+            // the connection wakes for the hold's end by then at the latest.
+            let hold_until = match can_take_live && inbuf.is_empty() && self.park() {
+                true => hold_until.or(self.held.as_ref().map(|h| Instant::now() + h.hold())),
+                false => hold_until,
+            };
             let due = match (deadline, hold_until) {
                 (Some(d), Some(h)) => d.min(h),
                 (d, h) => d.or(h).unwrap_or(far),
             };
             if due != timer.deadline() {
                 timer.as_mut().reset(due);
-            }
-            if can_take_live && inbuf.is_empty() {
-                self.park();
             }
             let parked = self.parked;
             tokio::select! {
@@ -1011,47 +1014,70 @@ impl<S: Conn> Session<'_, S> {
     }
 
     /// Lends the stream's write half to the one live feed's writer, parked in its subscriber's
-    /// slot, when that is all the connection follows, the feed is plain QoS 0 and up to date,
-    /// and nothing else is owed: until the connection wakes, the ring's fan-out task writes its
-    /// deliveries (see `direct`). The caller knows the live queue is empty and the window open.
-    fn park(&mut self) {
+    /// slot, when that is all the connection follows, the feed suits the writer and is up to
+    /// date, and nothing else is owed: until the connection wakes, the ring's fan-out task
+    /// writes its deliveries (see `direct`). A QoS 1 feed's writer gets packet ids reserved in
+    /// the window, as many as a wake-up reads PUBACKs for (`acks::READ_AT`), and raises the
+    /// socket's receive mark (`acks`) as it uses them. The caller knows the live queue is empty
+    /// and the window open, and has set the mark for what is owed. Whether the connection now
+    /// waits for a QoS 1 writer, whose PUBACKs it must read by the hold's end.
+    fn park(&mut self) -> bool {
         if self.forwarded.is_some()
             || !self.pending.is_empty()
             || self.landing.is_some()
-            || !self.inflight.is_empty()
+            || self.qos2_out > 0
         {
-            return;
+            return false;
         }
+        let Some(held) = &self.held else {
+            return false;
+        };
         let mut lives = self.subs.values_mut().flat_map(|s| s.lives.iter_mut());
         let (Some(feed), None) = (lives.next(), lives.next()) else {
-            return;
+            return false;
         };
         if feed.ended || !feed.live.caught_up() || !DirectWriter::suits(&feed.feed) {
-            return;
+            return false;
         }
         let Some(writer) = self.stream.lend() else {
-            return;
+            return false;
         };
-        let version_slot = usize::from(self.version == Version::V5);
         let mut sink = feed.direct.take().unwrap_or_else(|| {
             Box::new(DirectWriter::new(
                 feed.feed.clone(),
-                version_slot,
+                self.version,
                 self.client_max_packet,
             ))
         });
         sink.writer = Some(writer);
+        let qos1 = feed.feed.sub.qos == 1;
+        if qos1 {
+            let owed = self.inflight.len();
+            let room = acks::READ_AT.min(self.receive_max).saturating_sub(owed);
+            for _ in 0..room {
+                self.next_pkid = next_free_pkid(self.next_pkid, &self.inflight);
+                self.inflight.insert(self.next_pkid, (false, None));
+                sink.pkids.push_back(self.next_pkid);
+            }
+            sink.hold = Some(acks::Hold::new(held, owed, self.receive_max));
+        }
         match feed.live.park(sink) {
             Ok(()) => {
                 feed.parked = true;
                 self.parked = true;
+                qos1
             }
             Err(sink) => {
                 let mut sink = writer_of(sink);
                 if let Some(w) = sink.writer.take() {
                     self.stream.restore(w);
                 }
+                for pkid in sink.pkids.drain(..) {
+                    self.inflight.remove(&pkid);
+                }
+                sink.hold = None;
                 feed.direct = Some(sink);
+                false
             }
         }
     }
@@ -1072,6 +1098,13 @@ impl<S: Conn> Session<'_, S> {
                 let mut sink = writer_of(sink);
                 if let Some(w) = sink.writer.take() {
                     self.stream.restore(w);
+                }
+                // Reserved and not used: the window has room for them again.
+                for pkid in sink.pkids.drain(..) {
+                    self.inflight.remove(&pkid);
+                }
+                if let (Some(hold), Some(held)) = (sink.hold.take(), self.held.as_mut()) {
+                    held.assume(hold.mark());
                 }
                 rest = sink.rest.take();
                 feed.direct = Some(sink);
@@ -1579,12 +1612,8 @@ impl<S: Conn> Session<'_, S> {
     }
 
     fn next_pkid(&mut self) -> u16 {
-        loop {
-            self.next_pkid = self.next_pkid.wrapping_add(1);
-            if self.next_pkid != 0 && !self.inflight.contains_key(&self.next_pkid) {
-                return self.next_pkid;
-            }
-        }
+        self.next_pkid = next_free_pkid(self.next_pkid, &self.inflight);
+        self.next_pkid
     }
 
     /// Writes one PUBLISH: a header encoded here, then the shared payload, in one vectored write.
@@ -1949,6 +1978,17 @@ async fn forwarded(
     match channel {
         Some((_, rx)) => rx.recv().await,
         None => std::future::pending().await,
+    }
+}
+
+/// The packet id after `last` that is neither 0 nor in flight.
+fn next_free_pkid<V>(last: u16, inflight: &HashMap<u16, V>) -> u16 {
+    let mut pkid = last;
+    loop {
+        pkid = pkid.wrapping_add(1);
+        if pkid != 0 && !inflight.contains_key(&pkid) {
+            return pkid;
+        }
     }
 }
 

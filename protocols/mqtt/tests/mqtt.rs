@@ -1629,3 +1629,99 @@ async fn records_the_fan_out_cannot_write_as_they_are_reach_an_idle_subscriber_f
     assert!((1..=2).contains(&direct), "{direct} written by the fan-out");
     gw.stop().await;
 }
+
+/// Reads a QoS 1 PUBLISH of MQTT 5 without properties: (packet id, payload).
+async fn read_qos1_v5(s: &mut TcpStream) -> (u16, Vec<u8>) {
+    let (kind, body) = tokio::time::timeout(PATIENCE, read_packet(s))
+        .await
+        .unwrap();
+    assert_eq!(kind, 0x32, "a QoS 1 PUBLISH");
+    let len = usize::from(u16::from_be_bytes([body[0], body[1]]));
+    let pkid = u16::from_be_bytes([body[2 + len], body[3 + len]]);
+    assert_eq!(body[4 + len], 0, "no properties");
+    (pkid, body[5 + len..].to_vec())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_qos1_subscriber_is_written_to_by_the_fan_out_within_its_receive_maximum() {
+    let dir = tempfile::tempdir().unwrap();
+    let gw = start(dir.path()).await;
+    let m = &gw.server.metrics;
+    // MQTT 5, receive maximum 3.
+    let mut connect = vec![0, 4, b'M', b'Q', b'T', b'T', 5, 0x02, 0, 60, 3, 0x21, 0, 3];
+    connect.extend_from_slice(&(6u16).to_be_bytes());
+    connect.extend_from_slice(b"window");
+    let mut packet = vec![0x10];
+    varint(connect.len(), &mut packet);
+    packet.extend_from_slice(&connect);
+    let mut viewer = TcpStream::connect(("127.0.0.1", gw.port)).await.unwrap();
+    viewer.write_all(&packet).await.unwrap();
+    assert_eq!(read_packet(&mut viewer).await.0, 0x20);
+    viewer
+        .write_all(&subscribe_at(5, 1, "news/#", 1))
+        .await
+        .unwrap();
+    assert_eq!(read_packet(&mut viewer).await, (0x90, vec![0, 1, 0, 1]));
+    let mut publisher = raw_client(gw.port, "publisher").await;
+
+    // Acknowledged one by one: the connection sleeps between them and the fan-out writes.
+    for i in 0..20u16 {
+        let payload = format!("news {i}");
+        publish_stored(&mut publisher, i + 1, "news/a", payload.as_bytes()).await;
+        let (pkid, got) = read_qos1_v5(&mut viewer).await;
+        assert_eq!(got, payload.as_bytes());
+        assert_ne!(pkid, 0);
+        viewer
+            .write_all(&[0x40, 2, (pkid >> 8) as u8, pkid as u8])
+            .await
+            .unwrap();
+        // A PINGREQ now and then wakes the connection while ids it reserved for the fan-out
+        // are unused: it must give them back to the window.
+        if i % 7 == 0 {
+            viewer.write_all(&[0xC0, 0]).await.unwrap();
+            assert_eq!(
+                read_packet(&mut viewer).await,
+                (0xD0, Vec::new()),
+                "PINGRESP"
+            );
+        }
+    }
+    assert!(m.direct_deliveries.load(Ordering::Relaxed) > 0);
+
+    // Unacknowledged: three in flight at most, then the client's PINGREQ is answered next.
+    for i in 0..5u16 {
+        publish_stored(
+            &mut publisher,
+            100 + i,
+            "news/a",
+            format!("late {i}").as_bytes(),
+        )
+        .await;
+    }
+    let mut owed = Vec::new();
+    for i in 0..3 {
+        let (pkid, got) = read_qos1_v5(&mut viewer).await;
+        assert_eq!(got, format!("late {i}").as_bytes());
+        assert!(!owed.contains(&pkid), "packet id {pkid} in flight twice");
+        owed.push(pkid);
+    }
+    viewer.write_all(&[0xC0, 0]).await.unwrap();
+    assert_eq!(
+        read_packet(&mut viewer).await,
+        (0xD0, Vec::new()),
+        "PINGRESP"
+    );
+    // Each PUBACK makes room for one more.
+    for i in 3..5 {
+        let pkid = owed.remove(0);
+        viewer
+            .write_all(&[0x40, 2, (pkid >> 8) as u8, pkid as u8])
+            .await
+            .unwrap();
+        let (next, got) = read_qos1_v5(&mut viewer).await;
+        assert_eq!(got, format!("late {i}").as_bytes());
+        assert!(!owed.contains(&next), "packet id {next} in flight twice");
+        owed.push(next);
+    }
+    gw.stop().await;
+}
