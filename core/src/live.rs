@@ -157,6 +157,17 @@ impl RingState {
             .front()
             .map_or(self.next_offset, |b| b.base_offset)
     }
+
+    /// The batch holding `cursor` (or the first after it), to deliver from `cursor` on.
+    fn item_at(&self, cursor: u64) -> Option<LiveItem> {
+        let i = self.batches.partition_point(|b| b.last_offset < cursor);
+        let b = self.batches.get(i)?;
+        Some(LiveItem {
+            batch: b.clone(),
+            from_offset: cursor.max(b.base_offset),
+            from_log: false,
+        })
+    }
 }
 
 /// Memory that every ring of an engine together may hold past its own size for catch-up
@@ -516,19 +527,13 @@ impl LiveRing {
         if p.cursor < st.front() {
             return Take::Owner;
         }
-        let i = st.batches.partition_point(|b| b.last_offset < p.cursor);
-        let Some(b) = st.batches.get(i) else {
+        let Some(item) = st.item_at(p.cursor) else {
             return Take::UpToDate;
         };
-        if b.base_offset < st.held_until {
+        if item.batch.base_offset < st.held_until {
             return Take::Owner;
         }
-        let item = LiveItem {
-            batch: b.clone(),
-            from_offset: p.cursor.max(b.base_offset),
-            from_log: false,
-        };
-        p.cursor = b.last_offset + 1;
+        p.cursor = item.batch.last_offset + 1;
         Take::Item(item)
     }
 
@@ -547,14 +552,8 @@ impl LiveRing {
                 .fetch_add(to - *cursor, Ordering::Relaxed);
             *cursor = to;
         }
-        let i = st.batches.partition_point(|b| b.last_offset < *cursor);
-        let b = st.batches.get(i)?;
-        let item = LiveItem {
-            batch: b.clone(),
-            from_offset: (*cursor).max(b.base_offset),
-            from_log: false,
-        };
-        *cursor = b.last_offset + 1;
+        let item = st.item_at(*cursor)?;
+        *cursor = item.batch.last_offset + 1;
         Some(item)
     }
 
@@ -957,17 +956,11 @@ impl LiveSubscriber {
                 SlowPolicy::CatchUp => {}
             }
         }
-        let i = st.batches.partition_point(|b| b.last_offset < self.cursor);
-        let Some(b) = st.batches.get(i) else {
+        let Some(item) = st.item_at(self.cursor) else {
             return Ok(Step::Wait);
         };
-        let item = LiveItem {
-            batch: b.clone(),
-            from_offset: self.cursor.max(b.base_offset),
-            from_log: false,
-        };
-        let next = b.last_offset + 1;
-        self.read_held |= b.base_offset < st.held_until;
+        let next = item.batch.last_offset + 1;
+        self.read_held |= item.batch.base_offset < st.held_until;
         drop(st);
         self.set_cursor(next);
         Ok(Step::Item(item))

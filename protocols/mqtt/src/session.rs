@@ -916,9 +916,10 @@ impl<S: Conn> Session<'_, S> {
             };
             // After the mark is set: from here the parked writer raises it as it writes, and
             // the connection wakes for the hold's end by then at the latest.
-            let hold_until = match can_take_live && inbuf.is_empty() && self.park() {
-                true => hold_until.or(self.held.as_ref().map(|h| Instant::now() + h.hold())),
-                false => hold_until,
+            let hold_until = if can_take_live && inbuf.is_empty() && self.park() {
+                hold_until.or(self.held.as_ref().map(|h| Instant::now() + h.hold()))
+            } else {
+                hold_until
             };
             let due = match (deadline, hold_until) {
                 (Some(d), Some(h)) => d.min(h),
@@ -1068,15 +1069,8 @@ impl<S: Conn> Session<'_, S> {
                 qos1
             }
             Err(sink) => {
-                let mut sink = writer_of(sink);
-                if let Some(w) = sink.writer.take() {
-                    self.stream.restore(w);
-                }
-                for pkid in sink.pkids.drain(..) {
-                    self.inflight.remove(&pkid);
-                }
-                sink.hold = None;
-                feed.direct = Some(sink);
+                let home = writer_home(sink, &mut self.stream, &mut self.inflight, &mut self.held);
+                feed.direct = Some(home);
                 false
             }
         }
@@ -1095,19 +1089,10 @@ impl<S: Conn> Session<'_, S> {
                 continue;
             }
             if let Some(sink) = feed.live.unpark() {
-                let mut sink = writer_of(sink);
-                if let Some(w) = sink.writer.take() {
-                    self.stream.restore(w);
-                }
-                // Reserved and not used: the window has room for them again.
-                for pkid in sink.pkids.drain(..) {
-                    self.inflight.remove(&pkid);
-                }
-                if let (Some(hold), Some(held)) = (sink.hold.take(), self.held.as_mut()) {
-                    held.assume(hold.mark());
-                }
-                rest = sink.rest.take();
-                feed.direct = Some(sink);
+                let mut home =
+                    writer_home(sink, &mut self.stream, &mut self.inflight, &mut self.held);
+                rest = home.rest.take();
+                feed.direct = Some(home);
             }
         }
         match rest {
@@ -1992,12 +1977,29 @@ fn next_free_pkid<V>(last: u16, inflight: &HashMap<u16, V>) -> u16 {
     }
 }
 
-/// The connection's own writer back from its live subscriber: only a [`DirectWriter`] is ever
-/// parked there.
-fn writer_of(sink: Box<dyn sluice_core::DirectSink>) -> Box<DirectWriter> {
-    sink.into_any()
+/// The connection's own writer back from its live subscriber (only a [`DirectWriter`] is ever
+/// parked there), with what it held returned: the write half to `stream`, the packet ids it
+/// did not use to the window (`inflight`), and the receive mark's state to `held`.
+fn writer_home<S: Conn>(
+    sink: Box<dyn sluice_core::DirectSink>,
+    stream: &mut S,
+    inflight: &mut HashMap<u16, (bool, Option<Acker>)>,
+    held: &mut Option<HeldAcks>,
+) -> Box<DirectWriter> {
+    let mut sink: Box<DirectWriter> = sink
+        .into_any()
         .downcast()
-        .expect("a connection parks only its DirectWriter")
+        .expect("a connection parks only its DirectWriter");
+    if let Some(w) = sink.writer.take() {
+        stream.restore(w);
+    }
+    for pkid in sink.pkids.drain(..) {
+        inflight.remove(&pkid);
+    }
+    if let (Some(hold), Some(held)) = (sink.hold.take(), held.as_mut()) {
+        held.assume(hold.mark());
+    }
+    sink
 }
 
 /// Resolves once the gateway begins to stop (without holding the watch's guard).
