@@ -3,13 +3,14 @@
 #   - Debian packages kcat (a Kafka command-line client), mosquitto-clients (mosquitto_pub,
 #     mosquitto_sub) and mosquitto (the broker, a peer of the benchmarks' smoke runs), each only
 #     if it is missing;
-#   - a Python virtual environment at target/pyenv with tests/kafka, tests/mqtt and tests/rest
-#     requirements.txt, reinstalled only when any of them changes (stamp file
+#   - a Python virtual environment at target/pyenv with tests/kafka, tests/mqtt, tests/rest and
+#     tests/abuse requirements.txt, reinstalled only when any of them changes (stamp file
 #     target/pyenv/.installed-<sha256 of all>).
 # Usage: ./scripts/install-test-deps.sh
 #   then: target/pyenv/bin/python -m pytest -q tests/kafka
 #         target/pyenv/bin/python -m pytest -q tests/mqtt
 #         target/pyenv/bin/python -m pytest -q tests/rest
+#         target/pyenv/bin/python -m pytest -q tests/abuse
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -36,7 +37,7 @@ apt_install() {
 apt_install kcat mosquitto-clients mosquitto
 
 PYENV=target/pyenv
-REQUIREMENTS=(tests/kafka/requirements.txt tests/mqtt/requirements.txt tests/rest/requirements.txt)
+REQUIREMENTS=(tests/kafka/requirements.txt tests/mqtt/requirements.txt tests/rest/requirements.txt tests/abuse/requirements.txt)
 
 if [ ! -x "$PYENV/bin/python" ]; then
   echo "==> creating Python virtual environment $PYENV"
