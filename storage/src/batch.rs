@@ -12,6 +12,10 @@
 use bytes::buf::UninitSlice;
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 
+use std::borrow::Cow;
+use std::ops::Range;
+
+use crate::compression::{MAX_DECOMPRESSED_BYTES, decompress};
 use crate::mapped::{HUGE_PAGE, MappedBuf};
 
 /// Size of the fixed RecordBatch v2 header.
@@ -36,10 +40,18 @@ pub enum BatchError {
     CrcMismatch { expected: u32, actual: u32 },
     #[error("record count {count} does not match lastOffsetDelta {last_offset_delta}")]
     BadRecordCount { count: i32, last_offset_delta: i32 },
-    #[error("records are compressed with {codec:?}, which this reader does not decode")]
-    Compressed { codec: Compression },
+    #[error("unknown compression codec {id} in the batch attributes")]
+    UnknownCompression { id: u8 },
+    #[error("records compressed with {codec:?} do not decompress: {reason}")]
+    Decompress { codec: Compression, reason: String },
+    #[error("records compressed with {codec:?} decompress to more than {max} bytes")]
+    DecompressedTooLarge { codec: Compression, max: usize },
     #[error("malformed record at index {index}: {what}")]
     MalformedRecord { index: usize, what: &'static str },
+    #[error("the batch's maxTimestamp {declared} is not its newest record's {actual}")]
+    BadMaxTimestamp { declared: i64, actual: i64 },
+    #[error("control batches are written by the broker, not by clients")]
+    ControlBatch,
 }
 
 /// Compression codec from the low three attribute bits.
@@ -126,6 +138,11 @@ impl BatchHeader {
             4 => Compression::Zstd,
             other => Compression::Unknown(other as u8),
         }
+    }
+
+    /// True when the broker set the timestamps (LogAppendTime), not the producer.
+    pub fn log_append_time(&self) -> bool {
+        self.attributes & 0x08 != 0
     }
 
     /// True for transaction markers and other control batches.
@@ -632,12 +649,13 @@ pub struct DecodedRecord {
     pub record: Record,
 }
 
-struct Cursor {
-    buf: Bytes,
+/// Reads the fields of records laid end to end, never past `buf`.
+struct Cursor<'a> {
+    buf: &'a [u8],
     pos: usize,
 }
 
-impl Cursor {
+impl Cursor<'_> {
     fn varint(&mut self) -> Option<i64> {
         let mut z: u64 = 0;
         for shift in (0..64).step_by(7) {
@@ -651,78 +669,188 @@ impl Cursor {
         None
     }
 
-    fn take(&mut self, n: usize) -> Option<Bytes> {
-        let end = self.pos.checked_add(n)?;
-        if end > self.buf.len() {
-            return None;
-        }
-        let out = self.buf.slice(self.pos..end);
+    fn skip(&mut self, n: usize) -> Option<Range<usize>> {
+        let end = self.pos.checked_add(n).filter(|&e| e <= self.buf.len())?;
+        let range = self.pos..end;
         self.pos = end;
-        Some(out)
+        Some(range)
     }
 
-    fn opt_bytes(&mut self) -> Option<Option<Bytes>> {
+    /// A length-prefixed field (-1 for null) as a range of the buffer.
+    fn opt_bytes(&mut self) -> Option<Option<Range<usize>>> {
         match self.varint()? {
             -1 => Some(None),
-            n if n >= 0 => self.take(n as usize).map(Some),
+            n if n >= 0 => self.skip(usize::try_from(n).ok()?).map(Some),
             _ => None,
         }
     }
 }
 
-/// Decodes every record of one uncompressed batch (`batch` holds exactly one whole batch).
-pub fn decode_records(batch: &Bytes) -> Result<Vec<DecodedRecord>, BatchError> {
-    let header = BatchHeader::parse(batch)?;
-    let codec = header.compression();
-    if codec != Compression::None {
-        return Err(BatchError::Compressed { codec });
-    }
-    let count = usize::try_from(header.record_count).unwrap_or(0);
-    let mut out = Vec::with_capacity(count.min(4096));
-    let mut cur = Cursor {
-        buf: batch.clone(),
-        pos: BATCH_HEADER_LEN,
-    };
+/// Where one record's fields lie in the records area it was read from.
+struct RecordSpan {
+    timestamp_delta: i64,
+    offset_delta: i64,
+    key: Option<Range<usize>>,
+    value: Option<Range<usize>>,
+}
+
+/// A header's name and value (`None`: null) within the records area.
+type HeaderSpan = (Range<usize>, Option<Range<usize>>);
+
+/// Walks `count` records that must fill `data` exactly, checking each as Kafka's broker does:
+/// lengths and varints inside the record, the record's length matching its fields, header names
+/// present and UTF-8, non-negative counts. `visit` gets each record with its headers (kept in
+/// one vector reused from record to record, so checking allocates nothing per record).
+fn walk_records(
+    data: &[u8],
+    count: usize,
+    mut visit: impl FnMut(usize, RecordSpan, &[HeaderSpan]) -> Result<(), BatchError>,
+) -> Result<(), BatchError> {
+    let mut cur = Cursor { buf: data, pos: 0 };
+    let mut headers = Vec::new();
     for index in 0..count {
         let bad = |what| BatchError::MalformedRecord { index, what };
         let len = cur.varint().ok_or(bad("length"))?;
         let end = usize::try_from(len)
             .ok()
             .and_then(|l| cur.pos.checked_add(l))
-            .filter(|&e| e <= batch.len())
+            .filter(|&e| e <= data.len())
             .ok_or(bad("length past end of batch"))?;
-        cur.pos += 1; // record attributes, unused in v2
-        let ts_delta = cur.varint().ok_or(bad("timestamp delta"))?;
-        let offset_delta = cur.varint().ok_or(bad("offset delta"))?;
-        let key = cur.opt_bytes().ok_or(bad("key"))?;
-        let value = cur.opt_bytes().ok_or(bad("value"))?;
-        let n_headers = cur.varint().ok_or(bad("header count"))?;
-        let mut headers = Vec::new();
-        for _ in 0..n_headers.max(0) {
-            let k = cur
-                .opt_bytes()
-                .ok_or(bad("header key"))?
-                .unwrap_or_default();
-            let v = cur
-                .opt_bytes()
-                .ok_or(bad("header value"))?
-                .unwrap_or_default();
-            let k = String::from_utf8(k.to_vec()).map_err(|_| bad("header key not UTF-8"))?;
-            headers.push((k, v));
+        let mut rec = Cursor {
+            buf: &data[..end],
+            pos: cur.pos,
+        };
+        rec.skip(1).ok_or(bad("attributes"))?; // record attributes, unused in v2
+        let timestamp_delta = rec.varint().ok_or(bad("timestamp delta"))?;
+        let offset_delta = rec.varint().ok_or(bad("offset delta"))?;
+        let key = rec.opt_bytes().ok_or(bad("key"))?;
+        let value = rec.opt_bytes().ok_or(bad("value"))?;
+        let n_headers = rec.varint().ok_or(bad("header count"))?;
+        if n_headers < 0 {
+            return Err(bad("negative header count"));
         }
-        if cur.pos != end {
+        headers.clear();
+        for _ in 0..n_headers {
+            let name = rec
+                .opt_bytes()
+                .ok_or(bad("header name"))?
+                .ok_or(bad("null header name"))?;
+            std::str::from_utf8(&data[name.clone()]).map_err(|_| bad("header name not UTF-8"))?;
+            let value = rec.opt_bytes().ok_or(bad("header value"))?;
+            headers.push((name, value));
+        }
+        if rec.pos != end {
             return Err(bad("length does not match contents"));
         }
+        cur.pos = end;
+        let span = RecordSpan {
+            timestamp_delta,
+            offset_delta,
+            key,
+            value,
+        };
+        visit(index, span, &headers)?;
+    }
+    if cur.pos != data.len() {
+        return Err(BatchError::MalformedRecord {
+            index: count,
+            what: "bytes after the last record",
+        });
+    }
+    Ok(())
+}
+
+/// The records area of a whole batch, decompressed when the batch is compressed (at most
+/// [`MAX_DECOMPRESSED_BYTES`]).
+fn records_area<'a>(batch: &'a [u8], header: &BatchHeader) -> Result<Cow<'a, [u8]>, BatchError> {
+    let area = batch.get(BATCH_HEADER_LEN..).unwrap_or_default();
+    match header.compression() {
+        Compression::None => Ok(Cow::Borrowed(area)),
+        codec => decompress(codec, area, MAX_DECOMPRESSED_BYTES).map(Cow::Owned),
+    }
+}
+
+/// Checks a batch whole, as Kafka's broker does before it appends a client's batch: everything
+/// [`validate`] checks, then every record (decompressed first when the batch is compressed):
+/// the declared count is the number of records and they fill the batch exactly, offset deltas
+/// run 0, 1, 2, … up to `lastOffsetDelta`, and `maxTimestamp` is the newest record's time
+/// (when the batch carries create times). Control batches are refused: only a broker writes
+/// them.
+pub fn validate_whole(buf: &[u8]) -> Result<BatchHeader, BatchError> {
+    let header = validate(buf)?;
+    if header.is_control() {
+        return Err(BatchError::ControlBatch);
+    }
+    let area = records_area(buf, &header)?;
+    let count = usize::try_from(header.record_count).unwrap_or(0);
+    let mut max_delta = i64::MIN;
+    walk_records(&area, count, |index, rec, _| {
+        if rec.offset_delta != index as i64 {
+            return Err(BatchError::MalformedRecord {
+                index,
+                what: "offset delta out of sequence",
+            });
+        }
+        max_delta = max_delta.max(rec.timestamp_delta);
+        Ok(())
+    })?;
+    if !header.log_append_time() {
+        let actual =
+            header
+                .base_timestamp
+                .checked_add(max_delta)
+                .ok_or(BatchError::MalformedRecord {
+                    index: 0,
+                    what: "timestamp delta overflows",
+                })?;
+        if actual != header.max_timestamp {
+            return Err(BatchError::BadMaxTimestamp {
+                declared: header.max_timestamp,
+                actual,
+            });
+        }
+    }
+    Ok(header)
+}
+
+/// Decodes every record of one batch (`batch` holds exactly one whole batch), decompressing it
+/// first when it is compressed. Keys, values and header values are slices of the batch's
+/// `Bytes`, or of its one decompressed copy (never copied per record).
+pub fn decode_records(batch: &Bytes) -> Result<Vec<DecodedRecord>, BatchError> {
+    let header = BatchHeader::parse(batch)?;
+    // Records of an uncompressed batch are slices of the batch itself.
+    let area = match records_area(batch, &header)? {
+        Cow::Borrowed(_) => batch.slice(BATCH_HEADER_LEN..),
+        Cow::Owned(decompressed) => Bytes::from(decompressed),
+    };
+    let count = usize::try_from(header.record_count).unwrap_or(0);
+    // Each record takes at least 7 bytes, which bounds what a lying count can reserve.
+    let mut out = Vec::with_capacity(count.min(area.len() / 7));
+    walk_records(&area, count, |index, rec, headers| {
+        let slice = |r: Option<Range<usize>>| r.map(|r| area.slice(r));
+        let headers = headers
+            .iter()
+            .map(|(name, value)| {
+                let name = std::str::from_utf8(&area[name.clone()])
+                    .map_err(|_| BatchError::MalformedRecord {
+                        index,
+                        what: "header name not UTF-8",
+                    })?
+                    .to_owned();
+                Ok((name, slice(value.clone()).unwrap_or_default()))
+            })
+            .collect::<Result<_, BatchError>>()?;
         out.push(DecodedRecord {
-            offset: header.base_offset + offset_delta,
+            offset: header.base_offset.wrapping_add(rec.offset_delta),
             record: Record {
-                timestamp: header.base_timestamp + ts_delta,
-                key,
-                value,
+                timestamp: header.base_timestamp.wrapping_add(rec.timestamp_delta),
+                key: slice(rec.key),
+                value: slice(rec.value),
                 headers,
             },
         });
-    }
+        Ok(())
+    })?;
     Ok(out)
 }
 
@@ -898,6 +1026,162 @@ mod tests {
         ));
     }
 
+    /// `batch`'s header around another records area, with `attributes`, `count` and
+    /// `lastOffsetDelta` as given and the CRC made right: what a client could send.
+    fn reframe(batch: &[u8], area: &[u8], attributes: i16, count: i32) -> BytesMut {
+        let mut buf = BytesMut::from(&batch[..BATCH_HEADER_LEN]);
+        buf.extend_from_slice(area);
+        let len = (buf.len() - BATCH_LOG_OVERHEAD) as i32;
+        buf[8..12].copy_from_slice(&len.to_be_bytes());
+        buf[ATTRIBUTES_OFFSET..ATTRIBUTES_OFFSET + 2].copy_from_slice(&attributes.to_be_bytes());
+        buf[23..27].copy_from_slice(&(count - 1).to_be_bytes());
+        buf[57..61].copy_from_slice(&count.to_be_bytes());
+        seal(&mut buf);
+        buf
+    }
+
+    fn three() -> BytesMut {
+        encode(
+            &[
+                rec(1000, Some(b"a"), b"one"),
+                rec(1500, Some(b"b"), b"two"),
+                rec(1200, None, b"three"),
+            ],
+            ProducerInfo::NONE,
+        )
+    }
+
+    #[test]
+    fn whole_validation_accepts_what_the_encoder_writes() {
+        let buf = three();
+        let h = validate_whole(&buf).unwrap();
+        assert_eq!(h.record_count, 3);
+        assert_eq!(h.max_timestamp, 1500);
+    }
+
+    #[test]
+    fn a_right_crc_around_unreadable_records_is_refused() {
+        let buf = three();
+        let area = &buf[BATCH_HEADER_LEN..];
+        // The first record claims more bytes than the batch holds (the batch that
+        // stopped the gateway from starting).
+        let mut bad = area.to_vec();
+        bad[0] = 0x7e;
+        let lie = reframe(&buf, &bad, 0, 3);
+        assert!(validate(&lie).is_ok(), "the old check let it through");
+        assert_eq!(
+            validate_whole(&lie),
+            Err(BatchError::MalformedRecord {
+                index: 0,
+                what: "length past end of batch"
+            })
+        );
+        assert!(decode_records(&lie.freeze()).is_err());
+    }
+
+    #[test]
+    fn the_declared_count_must_be_the_records_there() {
+        let buf = three();
+        let area = &buf[BATCH_HEADER_LEN..];
+        // No records at all behind a count of 2^31-1 (61 bytes that once moved the next
+        // offset by two billion).
+        let empty = reframe(&buf, &[], 0, i32::MAX);
+        assert!(matches!(
+            validate_whole(&empty),
+            Err(BatchError::MalformedRecord { index: 0, .. })
+        ));
+        assert!(matches!(
+            validate_whole(&reframe(&buf, area, 0, 4)),
+            Err(BatchError::MalformedRecord { index: 3, .. })
+        ));
+        assert_eq!(
+            validate_whole(&reframe(&buf, area, 0, 2)),
+            Err(BatchError::MalformedRecord {
+                index: 2,
+                what: "bytes after the last record"
+            })
+        );
+    }
+
+    #[test]
+    fn offset_deltas_must_run_in_sequence_and_max_timestamp_must_be_the_newest() {
+        // Records whose offset deltas are 0, 2 (encoded by hand: the encoder numbers them).
+        let mut area = BytesMut::new();
+        for (i, delta) in [0i64, 2].into_iter().enumerate() {
+            let r = rec(1000 + i as i64, None, b"v");
+            let body = record_body_len(&r, i as i64, delta);
+            put_record_head(&mut area, body, (i as i64, delta), None, 1);
+            area.put_slice(b"v");
+            put_headers(&mut area, &r.headers);
+        }
+        let buf = three();
+        assert_eq!(
+            validate_whole(&reframe(&buf, &area, 0, 2)),
+            Err(BatchError::MalformedRecord {
+                index: 1,
+                what: "offset delta out of sequence"
+            })
+        );
+        let mut late = three();
+        late[35..43].copy_from_slice(&9999i64.to_be_bytes());
+        seal(&mut late);
+        assert_eq!(
+            validate_whole(&late),
+            Err(BatchError::BadMaxTimestamp {
+                declared: 9999,
+                actual: 1500
+            })
+        );
+        // With LogAppendTime the broker's time stands for every record.
+        late[ATTRIBUTES_OFFSET + 1] |= 0x08;
+        seal(&mut late);
+        assert!(validate_whole(&late).is_ok());
+    }
+
+    #[test]
+    fn control_batches_and_unknown_codecs_are_refused() {
+        let mut control = three();
+        control[ATTRIBUTES_OFFSET + 1] |= 0x20;
+        seal(&mut control);
+        assert_eq!(validate_whole(&control), Err(BatchError::ControlBatch));
+        let buf = three();
+        let odd = reframe(&buf, &buf[BATCH_HEADER_LEN..], 6, 3);
+        assert_eq!(
+            validate_whole(&odd),
+            Err(BatchError::UnknownCompression { id: 6 })
+        );
+    }
+
+    #[test]
+    fn compressed_batches_validate_and_decode_like_plain_ones() {
+        use std::io::Write;
+        let plain = three();
+        let area = &plain[BATCH_HEADER_LEN..];
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        gz.write_all(area).unwrap();
+        let packed = reframe(&plain, &gz.finish().unwrap(), 1, 3);
+        assert_eq!(
+            BatchHeader::parse(&packed).unwrap().compression(),
+            Compression::Gzip
+        );
+        assert!(validate_whole(&packed).is_ok());
+        let want = decode_records(&plain.clone().freeze()).unwrap();
+        assert_eq!(decode_records(&packed.clone().freeze()).unwrap(), want);
+        // Compressed records that do not decompress, or decompress to garbage, are refused.
+        let garbage = reframe(&packed, b"not gzip at all", 1, 3);
+        assert!(matches!(
+            validate_whole(&garbage),
+            Err(BatchError::Decompress { .. })
+        ));
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        gz.write_all(&area[..area.len() - 2]).unwrap();
+        let short = reframe(&packed, &gz.finish().unwrap(), 1, 3);
+        assert!(matches!(
+            validate_whole(&short),
+            Err(BatchError::MalformedRecord { index: 2, .. })
+        ));
+    }
+
     proptest! {
         #[test]
         fn roundtrip_any_records(
@@ -921,6 +1205,7 @@ mod tests {
             .freeze();
             prop_assert_eq!(told, buf.len());
             prop_assert!(validate(&buf).is_ok());
+            prop_assert!(validate_whole(&buf).is_ok());
             let decoded = decode_records(&buf).unwrap();
             prop_assert_eq!(decoded.len(), records.len());
             for (i, d) in decoded.iter().enumerate() {
@@ -932,7 +1217,24 @@ mod tests {
         #[test]
         fn decoding_garbage_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
             let _ = validate(&bytes);
+            let _ = validate_whole(&bytes);
             let _ = decode_records(&Bytes::from(bytes));
+        }
+
+        #[test]
+        fn whatever_validates_whole_decodes_whole(
+            flips in proptest::collection::vec((0usize..64, any::<u8>()), 1..4)
+        ) {
+            let mut buf = three();
+            for (at, byte) in flips {
+                let at = BATCH_HEADER_LEN + at % (buf.len() - BATCH_HEADER_LEN);
+                buf[at] = byte;
+            }
+            seal(&mut buf);
+            if let Ok(header) = validate_whole(&buf) {
+                let decoded = decode_records(&buf.freeze()).unwrap();
+                prop_assert_eq!(decoded.len(), header.record_count as usize);
+            }
         }
     }
 }

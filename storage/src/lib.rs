@@ -8,6 +8,7 @@
 
 mod batch;
 mod clock;
+mod compression;
 mod direct;
 mod error;
 mod index;
@@ -20,8 +21,10 @@ pub use batch::{
     BATCH_HEADER_LEN, BatchBuf, BatchError, BatchHeader, Compression, DecodedRecord, OneRecord,
     OpenBatch, PLACED_ENCODE_MIN, ProducerInfo, Record, decode_records, encode as encode_batch,
     encode_at as encode_batch_at, set_base_offset, split_batches, validate as validate_batch,
+    validate_whole,
 };
 pub use clock::{Clock, ManualClock, SystemClock};
+pub use compression::MAX_DECOMPRESSED_BYTES;
 pub use direct::{DirectFsStorage, DirectStats};
 pub use error::{Result, StorageError};
 pub use index::SegmentMeta;

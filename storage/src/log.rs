@@ -52,7 +52,8 @@ impl Default for LogConfig {
     }
 }
 
-/// A batch that passed [`batch::validate`]; only these can be appended.
+/// A batch that passed [`batch::validate_whole`] or that the storage encoded itself; only these
+/// can be appended.
 #[derive(Debug)]
 pub struct ValidatedBatch {
     buf: BatchBuf,
@@ -60,9 +61,10 @@ pub struct ValidatedBatch {
 }
 
 impl ValidatedBatch {
-    /// Validates length, magic, record count and CRC32C.
+    /// Validates a client's batch whole ([`batch::validate_whole`]): header, CRC32C and every
+    /// record, decompressed first when the batch is compressed.
     pub fn new(buf: BytesMut) -> Result<Self, BatchError> {
-        let header = batch::validate(&buf)?;
+        let header = batch::validate_whole(&buf)?;
         Ok(Self {
             buf: BatchBuf::heap(buf),
             header,

@@ -8,7 +8,7 @@ use std::sync::{Arc, OnceLock};
 use bytes::Bytes;
 use parking_lot::RwLock;
 
-use crate::batch::{self, BATCH_HEADER_LEN, BatchHeader, Compression};
+use crate::batch::{self, BATCH_HEADER_LEN, BatchHeader};
 use crate::error::{Result, StorageError};
 use crate::index::{SegmentIndex, SegmentMeta};
 use crate::io::LogFile;
@@ -243,11 +243,6 @@ impl Segment {
         else {
             return Ok(None);
         };
-        if header.compression() != Compression::None {
-            // Compressed records would need decompressing to find the exact record; the batch
-            // base is the closest offset not after the answer.
-            return Ok(Some((header.base_offset as u64, header.max_timestamp)));
-        }
         let len = header.total_len().unwrap_or(BATCH_HEADER_LEN);
         let bytes = Bytes::from(self.read(pos, len)?);
         let records = batch::decode_records(&bytes)?;
