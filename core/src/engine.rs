@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
 use dashmap::DashMap;
-use sluice_storage::{Clock, Fetched, PartitionLog, ProducerInfo, Record, Storage, ValidatedBatch};
+use sluice_storage::{
+    BatchError, Clock, Fetched, PartitionLog, ProducerInfo, Record, Storage, ValidatedBatch,
+};
 use tracing::{info, warn};
 
 use crate::error::{CoreError, Result};
@@ -204,9 +206,21 @@ pub struct GroupLag {
 }
 
 /// The topic-and-ledger engine; cheap to clone.
+///
+/// A handle made by [`Engine::open`] is a client's: it reads every topic but refuses to write,
+/// create, delete or change the gateway's internal topics (names starting with `__`, such as
+/// `__mqtt_retained`), whichever protocol asks. The gateway's own code that keeps state there
+/// writes through [`Engine::system`].
 #[derive(Debug, Clone)]
 pub struct Engine {
     inner: Arc<Inner>,
+    system: bool,
+}
+
+/// True for the gateway's internal topics (names starting with `__`), which clients may read
+/// but never write, create, delete or reconfigure.
+pub fn is_internal_topic(name: &str) -> bool {
+    name.starts_with("__")
 }
 
 /// A group id is 1 to 32,767 bytes (what Kafka's protocol strings can carry).
@@ -279,7 +293,10 @@ impl Engine {
             closing: AtomicBool::new(false),
             topic_source: OnceLock::new(),
         });
-        let engine = Self { inner };
+        let engine = Self {
+            inner,
+            system: false,
+        };
         let metas = {
             let store = engine.inner.store.clone();
             tokio::task::spawn_blocking(move || store.load_topics())
@@ -305,7 +322,12 @@ impl Engine {
                 if inner.closing.load(Ordering::Acquire) {
                     break;
                 }
-                Engine { inner }.flush_subscriptions().await;
+                Engine {
+                    inner,
+                    system: false,
+                }
+                .flush_subscriptions()
+                .await;
             }
         });
         Ok(engine)
@@ -369,6 +391,25 @@ impl Engine {
         }))
     }
 
+    /// The same engine, allowed to write internal topics: for the gateway's own state (MQTT
+    /// retained messages and sessions) and a relay's copies, never for a client's request.
+    pub fn system(&self) -> Engine {
+        Engine {
+            inner: self.inner.clone(),
+            system: true,
+        }
+    }
+
+    /// Refuses a change to an internal topic through a client's handle.
+    fn check_writable(&self, name: &str) -> Result<()> {
+        if is_internal_topic(name) && !self.system {
+            return Err(CoreError::InternalTopic {
+                topic: name.to_owned(),
+            });
+        }
+        Ok(())
+    }
+
     pub fn config(&self) -> &EngineConfig {
         &self.inner.config
     }
@@ -399,6 +440,7 @@ impl Engine {
         first_offsets: &[u64],
     ) -> Result<TopicDescription> {
         validate_topic_name(name)?;
+        self.check_writable(name)?;
         if partitions == 0 || partitions > MAX_PARTITIONS {
             return Err(CoreError::InvalidPartitionCount {
                 requested: partitions,
@@ -443,6 +485,7 @@ impl Engine {
 
     /// Deletes a topic and all its data. Appends in flight finish or fail first.
     pub async fn delete_topic(&self, name: &str) -> Result<()> {
+        self.check_writable(name)?;
         let _admin = self.inner.admin.lock().await;
         let (_, topic) = self
             .inner
@@ -475,6 +518,7 @@ impl Engine {
 
     /// Replaces a topic's policy; it applies to the next append, roll and retention pass.
     pub async fn set_policy(&self, name: &str, policy: TopicPolicy) -> Result<TopicDescription> {
+        self.check_writable(name)?;
         policy.validate()?;
         let _admin = self.inner.admin.lock().await;
         let topic = self.topic(name)?;
@@ -593,6 +637,23 @@ impl Engine {
         Ok(topic.partitions.len() as u32)
     }
 
+    /// Counts and logs a stored batch whose records cannot be decoded, which a reader passes
+    /// over instead of stopping at it.
+    pub(crate) fn note_unreadable(
+        &self,
+        topic: &str,
+        partition: u32,
+        offset: i64,
+        error: &BatchError,
+    ) {
+        self.inner
+            .shared
+            .counters
+            .unreadable_batches
+            .fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(topic, partition, offset, %error, "passing over a stored batch that cannot be decoded");
+    }
+
     /// Encodes `records` as one batch and appends it. Returns once it is durable per the
     /// topic's policy.
     pub async fn produce(
@@ -647,6 +708,7 @@ impl Engine {
             return Err(CoreError::EmptyProduce);
         }
         self.check_open()?;
+        self.check_writable(topic)?;
         let started = Instant::now();
         let t = self.topic_for_write(topic).await?;
         let id = Self::choose_partition(&t, topic, partition)?;
@@ -680,6 +742,7 @@ impl Engine {
         headers: &[(String, bytes::Bytes)],
     ) -> Result<OpenRecord> {
         self.check_open()?;
+        self.check_writable(topic)?;
         let t = self.topic_for_write(topic).await?;
         let id = Self::choose_partition(&t, topic, partition)?;
         let layout = sluice_storage::OneRecord::new(key, value_len, headers);
@@ -721,6 +784,7 @@ impl Engine {
         batch: ValidatedBatch,
     ) -> Result<PendingAck> {
         self.check_open()?;
+        self.check_writable(topic)?;
         let started = Instant::now();
         let t = self.topic_for_write(topic).await?;
         let id = Self::choose_partition(&t, topic, partition)?;
@@ -1290,6 +1354,7 @@ impl Engine {
             fsync: c.fsync.snapshot(),
             append_latency: c.append_latency.snapshot(),
             rejected_batches: c.rejected_batches.load(Ordering::Relaxed),
+            unreadable_batches: c.unreadable_batches.load(Ordering::Relaxed),
             retention_deleted_segments: c.retention_deleted_segments.load(Ordering::Relaxed),
             retention_deleted_bytes: c.retention_deleted_bytes.load(Ordering::Relaxed),
             groups: self.group_lags(),

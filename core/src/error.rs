@@ -63,6 +63,8 @@ pub enum CoreError {
     UnknownSubscription { topic: String, subscription: String },
     #[error("subscription {subscription:?} on topic {topic:?} is exclusive and has a consumer")]
     ConsumerBusy { topic: String, subscription: String },
+    #[error("topic {topic:?} is internal to the gateway: clients may read it, not change it")]
+    InternalTopic { topic: String },
     #[error("the engine is shutting down")]
     ShuttingDown,
     /// A relay could not get a topic or its data from its upstream node.

@@ -22,7 +22,7 @@ pub use ackset::AckSet;
 pub use engine::{
     Engine, EngineConfig, GroupLag, MAX_COMMIT_METADATA, MAX_PARTITIONS, OpenRecord,
     PartitionChoice, PartitionDescription, PendingAck, ProduceAck, TopicDescription, TopicSource,
-    validate_group_id, validate_topic_name,
+    is_internal_topic, validate_group_id, validate_topic_name,
 };
 pub use error::{CoreError, Result};
 pub use groups::{CommittedOffset, OffsetCommit};

@@ -71,6 +71,8 @@ pub(crate) struct EngineCounters {
     /// Time from a produce call to its acknowledgement.
     pub(crate) append_latency: Histogram,
     pub(crate) rejected_batches: AtomicU64,
+    /// Stored batches a reader passed over because their records cannot be decoded.
+    pub(crate) unreadable_batches: AtomicU64,
     pub(crate) retention_deleted_segments: AtomicU64,
     pub(crate) retention_deleted_bytes: AtomicU64,
 }
@@ -109,6 +111,9 @@ pub struct EngineMetrics {
     pub fsync: HistogramSnapshot,
     pub append_latency: HistogramSnapshot,
     pub rejected_batches: u64,
+    /// Stored batches that readers (named subscriptions) passed over as undecodable: only
+    /// data written before batches were validated whole can be such.
+    pub unreadable_batches: u64,
     pub retention_deleted_segments: u64,
     pub retention_deleted_bytes: u64,
     /// Committed position and lag per group and partition.

@@ -22,7 +22,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
-use sluice_storage::{DecodedRecord, decode_records, split_batches};
+use sluice_storage::{BatchHeader, DecodedRecord, decode_records, split_batches};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
@@ -491,7 +491,7 @@ impl Subscription {
     }
 
     /// Adds records read from the log at `from` to a partition's read-ahead buffer.
-    fn fill(&self, partition: u32, from: u64, records: Vec<DecodedRecord>, next: u64) {
+    fn fill(&self, partition: u32, from: u64, read: Read, next: u64) {
         let mut st = self.state.lock();
         let Some(p) = st.partitions.get_mut(partition as usize) else {
             return;
@@ -499,7 +499,13 @@ impl Subscription {
         if p.read_position != from {
             return;
         }
-        for r in records {
+        // Nothing of an unreadable batch can be delivered: it counts as acknowledged, so the
+        // mark-delete position moves past it.
+        let mut passed_over = 0;
+        for &(first, end) in &read.unreadable {
+            passed_over += p.acks.ack_range(first, end);
+        }
+        for r in read.records {
             let o = r.offset as u64;
             if o >= p.read_position && !p.acks.is_acked(o) {
                 let slot = slot_of(&r);
@@ -507,6 +513,7 @@ impl Subscription {
             }
         }
         p.read_position = p.acks.next_unacked(next);
+        st.dirty |= passed_over > 0;
     }
 
     fn partition_mut<'a>(
@@ -637,10 +644,28 @@ struct Taken {
     deferred: bool,
 }
 
-fn split_records(data: Bytes) -> Result<Vec<DecodedRecord>> {
-    let mut out = Vec::new();
+/// Records read from the log, and the offset ranges `[first, end)` of batches whose records
+/// cannot be decoded (stored before batches were validated whole): a subscription passes over
+/// those, counted and logged, rather than stopping every consumer at them.
+#[derive(Debug, Default)]
+struct Read {
+    records: Vec<DecodedRecord>,
+    unreadable: Vec<(u64, u64)>,
+}
+
+fn split_records(engine: &Engine, topic: &str, partition: u32, data: Bytes) -> Result<Read> {
+    let mut out = Read::default();
     for batch in split_batches(data)? {
-        out.extend(decode_records(&batch)?);
+        match decode_records(&batch) {
+            Ok(records) => out.records.extend(records),
+            Err(e) => {
+                let header = BatchHeader::parse(&batch)?;
+                engine.note_unreadable(topic, partition, header.base_offset, &e);
+                let first = u64::try_from(header.base_offset).unwrap_or(0);
+                let end = u64::try_from(header.last_offset().saturating_add(1)).unwrap_or(first);
+                out.unreadable.push((first, end));
+            }
+        }
     }
     Ok(out)
 }
@@ -698,7 +723,9 @@ impl Consumer {
             let mut messages = taken.messages;
             for (id, count) in taken.reread {
                 let (bytes, _) = self.read(id.partition, id.offset, 1).await?;
-                if let Some(record) = split_records(bytes)?
+                if let Some(record) = self
+                    .split(id.partition, bytes)?
+                    .records
                     .into_iter()
                     .find(|r| r.offset as u64 == id.offset)
                 {
@@ -755,11 +782,16 @@ impl Consumer {
                 Err(e) => return Err(e),
             };
             if next > from {
-                self.sub.fill(partition, from, split_records(bytes)?, next);
+                self.sub
+                    .fill(partition, from, self.split(partition, bytes)?, next);
                 any = true;
             }
         }
         Ok(any)
+    }
+
+    fn split(&self, partition: u32, bytes: Bytes) -> Result<Read> {
+        split_records(&self.engine, &self.sub.topic, partition, bytes)
     }
 
     async fn read(&self, partition: u32, offset: u64, max_bytes: usize) -> Result<(Bytes, u64)> {

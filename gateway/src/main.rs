@@ -256,8 +256,9 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         } else {
             config.relay.name.clone()
         };
+        // The relay's copies include the upstream's internal topics (`__mqtt_retained`).
         let mirror = Mirror::new(
-            engine.clone(),
+            engine.system(),
             MirrorSettings {
                 upstream: config.relay.upstream.clone(),
                 client_id: format!("sluice-relay-{name}"),

@@ -587,6 +587,12 @@ pub(crate) fn render(engine: &EngineMetrics, process: &ProcessStats, ready: bool
         engine.rejected_batches,
     );
     o.single(
+        "sluice_unreadable_batches_total",
+        "counter",
+        "Stored batches a named subscription passed over because their records cannot be decoded.",
+        engine.unreadable_batches,
+    );
+    o.single(
         "sluice_retention_deleted_segments_total",
         "counter",
         "Segments deleted by retention.",
@@ -872,6 +878,7 @@ mod tests {
             fsync: h.clone(),
             append_latency: h,
             rejected_batches: 1,
+            unreadable_batches: 0,
             groups: vec![sluice_core::GroupLag {
                 group: "analytics \"eu\"".into(),
                 topic: "cams".into(),
