@@ -34,7 +34,10 @@ pub(crate) fn code(e: &CoreError) -> i16 {
             UNKNOWN_TOPIC_OR_PARTITION
         }
         CoreError::TopicExists { .. } => TOPIC_ALREADY_EXISTS,
-        CoreError::InvalidTopicName { .. } => INVALID_TOPIC_EXCEPTION,
+        // What Kafka answers an append to its own internal topics.
+        CoreError::InvalidTopicName { .. } | CoreError::InternalTopic { .. } => {
+            INVALID_TOPIC_EXCEPTION
+        }
         CoreError::InvalidPolicy { .. } => INVALID_CONFIG,
         CoreError::InvalidPartitionCount { .. } => INVALID_PARTITIONS,
         CoreError::MessageTooLarge { .. } => MESSAGE_TOO_LARGE,

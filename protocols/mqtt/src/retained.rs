@@ -42,6 +42,8 @@ pub(crate) struct Retained {
 impl Retained {
     /// Creates the topic if needed (kept forever, one partition) and replays it.
     pub(crate) async fn load(engine: Engine) -> Result<Self, CoreError> {
+        // The store is the gateway's own writer of its internal topic.
+        let engine = engine.system();
         let mut map = BTreeMap::new();
         state::replay(&engine, RETAINED_TOPIC, |name, r| apply(&mut map, name, r)).await?;
         Ok(Self {

@@ -21,6 +21,18 @@ pub(crate) struct Routes {
     default: Option<String>,
 }
 
+/// Checks a topic that publishes are routed to: a valid name, and not one of the gateway's
+/// internal topics (which clients may not write, through MQTT either).
+fn ledger_topic(name: &str) -> Result<(), String> {
+    sluice_core::validate_topic_name(name).map_err(|e| e.to_string())?;
+    if sluice_core::is_internal_topic(name) {
+        return Err(format!(
+            "publishes cannot be routed to {name:?}: topics starting with `__` are the gateway's own"
+        ));
+    }
+    Ok(())
+}
+
 impl Routes {
     pub(crate) fn new(routes: Vec<Route>, default_topic: &str) -> Result<Self, String> {
         for r in &routes {
@@ -30,11 +42,11 @@ impl Routes {
                     r.filter
                 ));
             }
-            sluice_core::validate_topic_name(&r.topic).map_err(|e| e.to_string())?;
+            ledger_topic(&r.topic)?;
         }
         let default = (!default_topic.is_empty()).then(|| default_topic.to_owned());
         if let Some(d) = &default {
-            sluice_core::validate_topic_name(d).map_err(|e| e.to_string())?;
+            ledger_topic(d)?;
         }
         Ok(Self { routes, default })
     }
@@ -124,6 +136,13 @@ mod tests {
             )
             .is_err()
         );
+        // Nothing may be routed into the gateway's own topics.
+        let into_sessions = vec![Route {
+            filter: "x/#".into(),
+            topic: "__mqtt_sessions".into(),
+        }];
+        assert!(Routes::new(into_sessions, "mqtt").is_err());
+        assert!(Routes::new(vec![], "__mqtt_retained").is_err());
     }
 
     #[test]

@@ -1818,7 +1818,11 @@ fn stored(
         Ok(ack) => ack,
         Err(e) => {
             warn!(topic, error = %e, "mqtt publish not stored");
-            return Box::pin(std::future::ready(Err(reason::IMPLEMENTATION_SPECIFIC)));
+            let code = match e {
+                CoreError::InternalTopic { .. } => reason::NOT_AUTHORIZED,
+                _ => reason::IMPLEMENTATION_SPECIFIC,
+            };
+            return Box::pin(std::future::ready(Err(code)));
         }
     };
     Box::pin(async move {

@@ -52,6 +52,8 @@ pub(crate) struct Sessions {
 
 impl Sessions {
     pub(crate) async fn load(engine: Engine) -> Result<Self, CoreError> {
+        // The store is the gateway's own writer of its internal topic.
+        let engine = engine.system();
         let mut map = BTreeMap::new();
         state::replay(&engine, SESSIONS_TOPIC, |id, r| {
             match r

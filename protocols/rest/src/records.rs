@@ -80,7 +80,7 @@ pub(crate) struct Produced {
     params(("topic" = String, Path, pattern = "^[A-Za-z0-9._-]{1,249}$"), ProduceQuery),
     request_body(content = inline(Option<RawValue>), content_type = "application/octet-stream",
         description = "The record's value, in any content type (image/jpeg, text/plain, ...)"),
-    responses((status = 200, description = "Durable", body = Produced), (status = 400, description = "Bad parameters", body = ProblemBody, content_type = "application/problem+json"), (status = 404, description = "Unknown topic, partition or record", body = ProblemBody, content_type = "application/problem+json"), (status = 413, description = "Body over the limit", body = ProblemBody, content_type = "application/problem+json"), (status = 503, description = "Shutting down or overloaded; retry after Retry-After seconds", body = ProblemBody, content_type = "application/problem+json")))]
+    responses((status = 200, description = "Durable", body = Produced), (status = 400, description = "Bad parameters", body = ProblemBody, content_type = "application/problem+json"), (status = 403, description = "An internal topic (`__`): read-only for clients", body = ProblemBody, content_type = "application/problem+json"), (status = 404, description = "Unknown topic, partition or record", body = ProblemBody, content_type = "application/problem+json"), (status = 413, description = "Body over the limit", body = ProblemBody, content_type = "application/problem+json"), (status = 503, description = "Shutting down or overloaded; retry after Retry-After seconds", body = ProblemBody, content_type = "application/problem+json")))]
 pub(crate) async fn produce(
     State(api): State<Arc<RestApi>>,
     topic: Result<Path<String>, PathRejection>,
@@ -229,7 +229,7 @@ const MAX_BATCH_RECORDS: usize = 10_000;
 /// answered together once all are durable.
 #[utoipa::path(post, path = "/topics/{topic}/batches", tag = "records",
     params(("topic" = String, Path, pattern = "^[A-Za-z0-9._-]{1,249}$")), request_body = Batch,
-    responses((status = 200, description = "All durable", body = BatchProduced), (status = 400, description = "Bad parameters", body = ProblemBody, content_type = "application/problem+json"), (status = 404, description = "Unknown topic, partition or record", body = ProblemBody, content_type = "application/problem+json"), (status = 413, description = "Body over the limit", body = ProblemBody, content_type = "application/problem+json"), (status = 503, description = "Shutting down or overloaded; retry after Retry-After seconds", body = ProblemBody, content_type = "application/problem+json")))]
+    responses((status = 200, description = "All durable", body = BatchProduced), (status = 400, description = "Bad parameters", body = ProblemBody, content_type = "application/problem+json"), (status = 403, description = "An internal topic (`__`): read-only for clients", body = ProblemBody, content_type = "application/problem+json"), (status = 404, description = "Unknown topic, partition or record", body = ProblemBody, content_type = "application/problem+json"), (status = 413, description = "Body over the limit", body = ProblemBody, content_type = "application/problem+json"), (status = 503, description = "Shutting down or overloaded; retry after Retry-After seconds", body = ProblemBody, content_type = "application/problem+json")))]
 pub(crate) async fn produce_batch(
     State(api): State<Arc<RestApi>>,
     topic: Result<Path<String>, PathRejection>,

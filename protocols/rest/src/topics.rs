@@ -100,7 +100,7 @@ fn merged_policy(base: &TopicPolicy, changes: serde_json::Value) -> Result<Topic
 
 /// Creates a topic; the policy's keys not given come from the gateway's defaults.
 #[utoipa::path(post, path = "/topics", tag = "topics", request_body = CreateTopic,
-    responses((status = 201, description = "Created", body = Topic), (status = 400, description = "Bad parameters", body = ProblemBody, content_type = "application/problem+json"), (status = 409, description = "Conflict", body = ProblemBody, content_type = "application/problem+json"), (status = 503, description = "Shutting down or overloaded; retry after Retry-After seconds", body = ProblemBody, content_type = "application/problem+json")))]
+    responses((status = 201, description = "Created", body = Topic), (status = 400, description = "Bad parameters", body = ProblemBody, content_type = "application/problem+json"), (status = 403, description = "An internal topic (`__`): read-only for clients", body = ProblemBody, content_type = "application/problem+json"), (status = 409, description = "Conflict", body = ProblemBody, content_type = "application/problem+json"), (status = 503, description = "Shutting down or overloaded; retry after Retry-After seconds", body = ProblemBody, content_type = "application/problem+json")))]
 pub(crate) async fn create(
     State(api): State<Arc<RestApi>>,
     body: Result<Json<CreateTopic>, JsonRejection>,
@@ -132,7 +132,7 @@ pub(crate) async fn describe(
 /// Changes a topic's policy: the keys given replace the current ones.
 #[utoipa::path(put, path = "/topics/{topic}/policy", tag = "topics", params(("topic" = String, Path, pattern = "^[A-Za-z0-9._-]{1,249}$")),
     request_body(content = Object, description = "Any subset of the policy's keys"),
-    responses((status = 200, description = "The topic with its new policy", body = Topic), (status = 400, description = "Bad parameters", body = ProblemBody, content_type = "application/problem+json"), (status = 404, description = "Unknown topic, partition or record", body = ProblemBody, content_type = "application/problem+json"), (status = 503, description = "Shutting down or overloaded; retry after Retry-After seconds", body = ProblemBody, content_type = "application/problem+json")))]
+    responses((status = 200, description = "The topic with its new policy", body = Topic), (status = 400, description = "Bad parameters", body = ProblemBody, content_type = "application/problem+json"), (status = 403, description = "An internal topic (`__`): read-only for clients", body = ProblemBody, content_type = "application/problem+json"), (status = 404, description = "Unknown topic, partition or record", body = ProblemBody, content_type = "application/problem+json"), (status = 503, description = "Shutting down or overloaded; retry after Retry-After seconds", body = ProblemBody, content_type = "application/problem+json")))]
 pub(crate) async fn set_policy(
     State(api): State<Arc<RestApi>>,
     topic: Result<Path<String>, PathRejection>,
@@ -148,7 +148,7 @@ pub(crate) async fn set_policy(
 
 /// Deletes a topic, its data, its subscriptions and the groups' offsets on it.
 #[utoipa::path(delete, path = "/topics/{topic}", tag = "topics", params(("topic" = String, Path, pattern = "^[A-Za-z0-9._-]{1,249}$")),
-    responses((status = 204, description = "Deleted"), (status = 400, description = "Bad parameters", body = ProblemBody, content_type = "application/problem+json"), (status = 404, description = "Unknown topic, partition or record", body = ProblemBody, content_type = "application/problem+json"), (status = 503, description = "Shutting down or overloaded; retry after Retry-After seconds", body = ProblemBody, content_type = "application/problem+json")))]
+    responses((status = 204, description = "Deleted"), (status = 400, description = "Bad parameters", body = ProblemBody, content_type = "application/problem+json"), (status = 403, description = "An internal topic (`__`): read-only for clients", body = ProblemBody, content_type = "application/problem+json"), (status = 404, description = "Unknown topic, partition or record", body = ProblemBody, content_type = "application/problem+json"), (status = 503, description = "Shutting down or overloaded; retry after Retry-After seconds", body = ProblemBody, content_type = "application/problem+json")))]
 pub(crate) async fn delete(
     State(api): State<Arc<RestApi>>,
     topic: Result<Path<String>, PathRejection>,
