@@ -662,3 +662,35 @@ async fn large_produces_are_written_from_their_own_memory() {
     }
     engine.shutdown().await;
 }
+
+#[tokio::test]
+async fn every_new_directory_entry_is_made_durable_up_to_the_data_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let (storage, faults) = FaultyStorage::new(Arc::new(FsStorage));
+    let engine = open_with(
+        EngineConfig::new(&data),
+        Arc::new(storage),
+        Arc::new(SystemClock),
+    )
+    .await;
+    // The data directory's own entry, made at open.
+    assert!(faults.synced_dirs().contains(&dir.path().to_owned()));
+    let before = faults.synced_dirs().len();
+    engine.create_topic("t", 2, None).await.unwrap();
+    let synced = faults.synced_dirs()[before..].to_vec();
+    let topic = data.join("topics").join("t");
+    // The topic's entry in topics/, each partition's in the topic's directory, and each first
+    // segment's in its partition's: every one fsynced before the topic is answered as created.
+    for holder in [
+        data.join("topics"),
+        topic.clone(),
+        topic.join("0"),
+        topic.join("1"),
+    ] {
+        assert!(
+            synced.contains(&holder),
+            "{holder:?} not synced: {synced:?}"
+        );
+    }
+}

@@ -518,8 +518,8 @@ impl Storage for DirectFsStorage {
         FsStorage.remove_file(path)
     }
 
-    fn create_dir_all(&self, path: &Path) -> io::Result<()> {
-        FsStorage.create_dir_all(path)
+    fn create_dir(&self, path: &Path) -> io::Result<()> {
+        FsStorage.create_dir(path)
     }
 
     fn remove_dir_all(&self, path: &Path) -> io::Result<()> {

@@ -20,7 +20,30 @@ pub trait Storage: Send + Sync + fmt::Debug + 'static {
     /// Writes a whole small file atomically: temp file, fsync, rename, fsync of the directory.
     fn write_file_atomic(&self, path: &Path, contents: &[u8]) -> io::Result<()>;
     fn remove_file(&self, path: &Path) -> io::Result<()>;
-    fn create_dir_all(&self, path: &Path) -> io::Result<()>;
+    /// Creates one directory, whose parent must exist (`AlreadyExists` when it is there).
+    fn create_dir(&self, path: &Path) -> io::Result<()>;
+    /// Creates `path` and every missing parent, top down, and makes each new entry durable
+    /// (an fsync of the directory it was made in) before anything is put in it: a crash cannot
+    /// then lose a topic or partition directory whose files were acknowledged.
+    fn create_dir_all(&self, path: &Path) -> io::Result<()> {
+        match self.create_dir(path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => return Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                match path.parent().filter(|p| !p.as_os_str().is_empty()) {
+                    Some(up) => self.create_dir_all(up)?,
+                    None => return Err(e),
+                }
+                match self.create_dir(path) {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == io::ErrorKind::AlreadyExists => return Ok(()),
+                    Err(e) => return Err(e),
+                }
+            }
+            Err(e) => return Err(e),
+        }
+        self.sync_dir(parent(path))
+    }
     fn remove_dir_all(&self, path: &Path) -> io::Result<()>;
     fn rename(&self, from: &Path, to: &Path) -> io::Result<()>;
     /// Names of the entries of a directory.
@@ -129,8 +152,8 @@ impl Storage for FsStorage {
         fs::remove_file(path)
     }
 
-    fn create_dir_all(&self, path: &Path) -> io::Result<()> {
-        fs::create_dir_all(path)
+    fn create_dir(&self, path: &Path) -> io::Result<()> {
+        fs::create_dir(path)
     }
 
     fn remove_dir_all(&self, path: &Path) -> io::Result<()> {
@@ -186,6 +209,8 @@ pub struct Faults {
     /// While set, appends of at least this many bytes wait: a disk that has stopped.
     stall_from: std::sync::Mutex<Option<usize>>,
     stall_changed: std::sync::Condvar,
+    /// Every directory fsynced through the storage, in order.
+    synced_dirs: std::sync::Mutex<Vec<PathBuf>>,
 }
 
 impl Faults {
@@ -200,6 +225,15 @@ impl Faults {
 
     pub fn set_disk_full(&self, full: bool) {
         self.disk_full.store(full, Ordering::SeqCst);
+    }
+
+    /// Directories fsynced through the storage so far, in order (their new entries are then
+    /// durable).
+    pub fn synced_dirs(&self) -> Vec<PathBuf> {
+        self.synced_dirs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// Appends of at least `min_bytes` wait from now on until [`Self::resume_appends`].
@@ -311,8 +345,8 @@ impl Storage for FaultyStorage {
     fn remove_file(&self, path: &Path) -> io::Result<()> {
         self.inner.remove_file(path)
     }
-    fn create_dir_all(&self, path: &Path) -> io::Result<()> {
-        self.inner.create_dir_all(path)
+    fn create_dir(&self, path: &Path) -> io::Result<()> {
+        self.inner.create_dir(path)
     }
     fn remove_dir_all(&self, path: &Path) -> io::Result<()> {
         self.inner.remove_dir_all(path)
@@ -324,6 +358,11 @@ impl Storage for FaultyStorage {
         self.inner.list_dir(path)
     }
     fn sync_dir(&self, path: &Path) -> io::Result<()> {
+        self.faults
+            .synced_dirs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(path.to_owned());
         self.inner.sync_dir(path)
     }
 }
