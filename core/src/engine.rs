@@ -38,6 +38,14 @@ pub struct EngineConfig {
     pub auto_create_topics: bool,
     /// Partitions of an auto-created topic.
     pub default_partitions: u32,
+    /// Most topics clients may make, internal ones included (the gateway's own are made even
+    /// past it, and topics already on disk always open).
+    pub max_topics: usize,
+    /// Most partitions one topic created by a client may have (at most [`MAX_PARTITIONS`]).
+    pub max_partitions_per_topic: u32,
+    /// Most partitions of all topics together: each holds at least one open file, and files
+    /// left for connections must not run out later, mid-write.
+    pub max_partitions: usize,
     /// Policy of topics created without one.
     pub default_policy: TopicPolicy,
     pub writer: WriterSettings,
@@ -55,6 +63,9 @@ impl EngineConfig {
             data_dir: data_dir.into(),
             auto_create_topics: true,
             default_partitions: 1,
+            max_topics: 1000,
+            max_partitions_per_topic: 1000,
+            max_partitions: 4096,
             default_policy: TopicPolicy::default(),
             writer: WriterSettings::default(),
             catchup_readers: 4,
@@ -400,6 +411,31 @@ impl Engine {
         }
     }
 
+    /// Refuses a new topic of `partitions` that would take the engine past its topic or
+    /// partition caps (counted). Called under the admin lock, so two creations cannot both
+    /// take the last room.
+    fn check_room(&self, partitions: u32) -> Result<()> {
+        let config = &self.inner.config;
+        let topics = self.inner.topics.len();
+        let held: usize = self.inner.topics.iter().map(|t| t.partitions.len()).sum();
+        let refused = if topics >= config.max_topics {
+            Some(("topics", config.max_topics, "topics.max_topics"))
+        } else if held + partitions as usize > config.max_partitions {
+            Some(("partitions", config.max_partitions, "topics.max_partitions"))
+        } else {
+            None
+        };
+        if let Some((what, limit, key)) = refused {
+            self.inner
+                .shared
+                .counters
+                .refused_topics
+                .fetch_add(1, Ordering::Relaxed);
+            return Err(CoreError::LimitReached { what, limit, key });
+        }
+        Ok(())
+    }
+
     /// Refuses a change to an internal topic through a client's handle.
     fn check_writable(&self, name: &str) -> Result<()> {
         if is_internal_topic(name) && !self.system {
@@ -441,10 +477,18 @@ impl Engine {
     ) -> Result<TopicDescription> {
         validate_topic_name(name)?;
         self.check_writable(name)?;
-        if partitions == 0 || partitions > MAX_PARTITIONS {
+        let max = if self.system {
+            MAX_PARTITIONS
+        } else {
+            self.inner
+                .config
+                .max_partitions_per_topic
+                .min(MAX_PARTITIONS)
+        };
+        if partitions == 0 || partitions > max {
             return Err(CoreError::InvalidPartitionCount {
                 requested: partitions,
-                max: MAX_PARTITIONS,
+                max,
             });
         }
         let policy = policy.unwrap_or_else(|| self.inner.config.default_policy.clone());
@@ -455,6 +499,9 @@ impl Engine {
             return Err(CoreError::TopicExists {
                 topic: name.to_owned(),
             });
+        }
+        if !self.system {
+            self.check_room(partitions)?;
         }
         let meta = TopicMeta::new(name, partitions, policy, self.now_ms());
         let store = self.inner.store.clone();
@@ -1355,6 +1402,7 @@ impl Engine {
             append_latency: c.append_latency.snapshot(),
             rejected_batches: c.rejected_batches.load(Ordering::Relaxed),
             unreadable_batches: c.unreadable_batches.load(Ordering::Relaxed),
+            refused_topics: c.refused_topics.load(Ordering::Relaxed),
             retention_deleted_segments: c.retention_deleted_segments.load(Ordering::Relaxed),
             retention_deleted_bytes: c.retention_deleted_bytes.load(Ordering::Relaxed),
             groups: self.group_lags(),

@@ -63,6 +63,12 @@ pub enum CoreError {
     UnknownSubscription { topic: String, subscription: String },
     #[error("subscription {subscription:?} on topic {topic:?} is exclusive and has a consumer")]
     ConsumerBusy { topic: String, subscription: String },
+    #[error("the gateway already holds its limit of {limit} {what} (config key {key})")]
+    LimitReached {
+        what: &'static str,
+        limit: usize,
+        key: &'static str,
+    },
     #[error("topic {topic:?} is internal to the gateway: clients may read it, not change it")]
     InternalTopic { topic: String },
     #[error("the engine is shutting down")]

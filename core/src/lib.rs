@@ -36,7 +36,7 @@ pub use metrics::{
 };
 pub use partition::WriterSettings;
 pub use password::{hash_password, is_password_hash, verify_password};
-pub use policy::{Durability, TopicPolicy};
+pub use policy::{Durability, MAX_LIVE_RING_BYTES, MIN_SEGMENT_BYTES, TopicPolicy};
 pub use sluice_storage::{
     BatchError, BatchHeader, Clock, DecodedRecord, DirectFsStorage, DirectStats, Faults,
     FaultyStorage, Fetched, FsStorage, ManualClock, MappedBuf, OpenBatch, PLACED_ENCODE_MIN,

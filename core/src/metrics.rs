@@ -73,6 +73,8 @@ pub(crate) struct EngineCounters {
     pub(crate) rejected_batches: AtomicU64,
     /// Stored batches a reader passed over because their records cannot be decoded.
     pub(crate) unreadable_batches: AtomicU64,
+    /// Topic creations refused by `max_topics` or `max_partitions`.
+    pub(crate) refused_topics: AtomicU64,
     pub(crate) retention_deleted_segments: AtomicU64,
     pub(crate) retention_deleted_bytes: AtomicU64,
 }
@@ -114,6 +116,8 @@ pub struct EngineMetrics {
     /// Stored batches that readers (named subscriptions) passed over as undecodable: only
     /// data written before batches were validated whole can be such.
     pub unreadable_batches: u64,
+    /// Topic creations refused because the engine holds its most topics or partitions.
+    pub refused_topics: u64,
     pub retention_deleted_segments: u64,
     pub retention_deleted_bytes: u64,
     /// Committed position and lag per group and partition.

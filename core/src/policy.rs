@@ -5,6 +5,12 @@ use sluice_storage::{LogConfig, MAX_SEGMENT_BYTES};
 
 use crate::error::{CoreError, Result};
 
+/// Smallest `segment_bytes` a topic may have (Kafka 4's floor): each segment holds an open file,
+/// so tiny segments would let one topic spend the process's file descriptors.
+pub const MIN_SEGMENT_BYTES: u64 = 1024 * 1024;
+/// Largest `live_ring_bytes` a topic may ask for: each partition's ring holds that much memory.
+pub const MAX_LIVE_RING_BYTES: i64 = 1024 * 1024 * 1024;
+
 /// When an append counts as done (and is acknowledged).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -67,9 +73,9 @@ impl TopicPolicy {
     /// Rejects values that cannot work, with the key named in the message.
     pub fn validate(&self) -> Result<()> {
         let bad = |reason: String| Err(CoreError::InvalidPolicy { reason });
-        if self.segment_bytes < 1024 || self.segment_bytes > MAX_SEGMENT_BYTES {
+        if self.segment_bytes < MIN_SEGMENT_BYTES || self.segment_bytes > MAX_SEGMENT_BYTES {
             return bad(format!(
-                "segment_bytes must be between 1024 and {MAX_SEGMENT_BYTES}, not {}",
+                "segment_bytes must be between {MIN_SEGMENT_BYTES} and {MAX_SEGMENT_BYTES}, not {}",
                 self.segment_bytes
             ));
         }
@@ -94,9 +100,12 @@ impl TopicPolicy {
         if self.index_interval_bytes == 0 {
             return bad("index_interval_bytes must be positive".into());
         }
-        if self.live_ring_bytes < -1 || self.live_ring_bytes == 0 {
+        if self.live_ring_bytes < -1
+            || self.live_ring_bytes == 0
+            || self.live_ring_bytes > MAX_LIVE_RING_BYTES
+        {
             return bad(format!(
-                "live_ring_bytes must be positive or -1 (the storage default), not {}",
+                "live_ring_bytes must be between 1 and {MAX_LIVE_RING_BYTES}, or -1 (the storage default), not {}",
                 self.live_ring_bytes
             ));
         }
@@ -167,6 +176,27 @@ mod tests {
             let err = policy.validate().unwrap_err().to_string();
             assert!(err.contains(key), "{err} should name {key}");
         }
+    }
+
+    #[test]
+    fn segments_have_a_floor_and_rings_a_ceiling() {
+        let at = |segment_bytes, live_ring_bytes| TopicPolicy {
+            segment_bytes,
+            live_ring_bytes,
+            ..Default::default()
+        };
+        assert!(
+            at(MIN_SEGMENT_BYTES, MAX_LIVE_RING_BYTES)
+                .validate()
+                .is_ok()
+        );
+        assert!(at(MIN_SEGMENT_BYTES - 1, -1).validate().is_err());
+        assert!(at(1024, -1).validate().is_err(), "1 KiB segments");
+        assert!(
+            at(MIN_SEGMENT_BYTES, MAX_LIVE_RING_BYTES + 1)
+                .validate()
+                .is_err()
+        );
     }
 
     #[test]

@@ -694,3 +694,51 @@ async fn every_new_directory_entry_is_made_durable_up_to_the_data_directory() {
         );
     }
 }
+
+#[tokio::test]
+async fn clients_cannot_create_topics_or_partitions_past_the_caps() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = EngineConfig::new(dir.path());
+    config.max_topics = 3;
+    config.max_partitions = 5;
+    config.max_partitions_per_topic = 4;
+    let engine = open_with(config, Arc::new(FsStorage), Arc::new(SystemClock)).await;
+    assert!(matches!(
+        engine.create_topic("wide", 5, None).await,
+        Err(CoreError::InvalidPartitionCount { max: 4, .. })
+    ));
+    engine.create_topic("a", 2, None).await.unwrap();
+    engine.create_topic("b", 2, None).await.unwrap();
+    // 4 of 5 partitions held: two more would pass the cap, one fits.
+    assert!(matches!(
+        engine.create_topic("c", 2, None).await,
+        Err(CoreError::LimitReached {
+            what: "partitions",
+            limit: 5,
+            ..
+        })
+    ));
+    engine.create_topic("c", 1, None).await.unwrap();
+    // Three topics held: auto-creation by a produce is refused too, and nothing is left behind.
+    let err = engine
+        .produce("d", PartitionChoice::Any, &[record("k", b"v", now())])
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, CoreError::LimitReached { what: "topics", .. }),
+        "{err}"
+    );
+    assert!(engine.describe_topic("d").is_err());
+    assert_eq!(engine.metrics().refused_topics, 2);
+    // The gateway's own topics are made whatever the caps (its start must not fail).
+    engine
+        .system()
+        .create_topic("__state", 3, None)
+        .await
+        .unwrap();
+    // Deleting makes room again.
+    engine.delete_topic("a").await.unwrap();
+    engine.delete_topic("__state").await.unwrap_err();
+    engine.system().delete_topic("__state").await.unwrap();
+    engine.create_topic("d", 2, None).await.unwrap();
+}

@@ -114,6 +114,9 @@ pub(crate) struct ListenerSection {
 pub(crate) struct TopicsSection {
     pub(crate) auto_create: bool,
     pub(crate) default_partitions: u32,
+    pub(crate) max_topics: usize,
+    pub(crate) max_partitions_per_topic: u32,
+    pub(crate) max_partitions: usize,
     pub(crate) defaults: TopicPolicy,
 }
 
@@ -410,11 +413,21 @@ impl Config {
         if relay.local_retention_bytes < 4 << 20 {
             return invalid("relay.local_retention_bytes must be at least 4194304".into());
         }
-        if !(1..=MAX_PARTITIONS).contains(&self.topics.default_partitions) {
+        let t = &self.topics;
+        if !(1..=MAX_PARTITIONS).contains(&t.max_partitions_per_topic) {
             return invalid(format!(
-                "topics.default_partitions must be between 1 and {MAX_PARTITIONS}, not {}",
-                self.topics.default_partitions
+                "topics.max_partitions_per_topic must be between 1 and {MAX_PARTITIONS}, not {}",
+                t.max_partitions_per_topic
             ));
+        }
+        if !(1..=t.max_partitions_per_topic).contains(&t.default_partitions) {
+            return invalid(format!(
+                "topics.default_partitions must be between 1 and topics.max_partitions_per_topic ({}), not {}",
+                t.max_partitions_per_topic, t.default_partitions
+            ));
+        }
+        if t.max_topics == 0 || t.max_partitions == 0 {
+            return invalid("topics.max_topics and topics.max_partitions must be positive".into());
         }
         if let Err(e) = self.topics.defaults.validate() {
             return invalid(format!("topics.defaults: {e}"));
@@ -458,6 +471,9 @@ impl Config {
             data_dir: self.data_dir.clone(),
             auto_create_topics: self.topics.auto_create,
             default_partitions: self.topics.default_partitions,
+            max_topics: self.topics.max_topics,
+            max_partitions_per_topic: self.topics.max_partitions_per_topic,
+            max_partitions: self.topics.max_partitions,
             default_policy: self.topics.defaults.clone(),
             writer: WriterSettings {
                 queue_depth: self.storage.writer_queue_depth,

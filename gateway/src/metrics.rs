@@ -593,6 +593,12 @@ pub(crate) fn render(engine: &EngineMetrics, process: &ProcessStats, ready: bool
         engine.unreadable_batches,
     );
     o.single(
+        "sluice_topic_creations_refused_total",
+        "counter",
+        "Topic creations refused because the gateway holds topics.max_topics or topics.max_partitions.",
+        engine.refused_topics,
+    );
+    o.single(
         "sluice_retention_deleted_segments_total",
         "counter",
         "Segments deleted by retention.",
@@ -879,6 +885,7 @@ mod tests {
             append_latency: h,
             rejected_batches: 1,
             unreadable_batches: 0,
+            refused_topics: 0,
             groups: vec![sluice_core::GroupLag {
                 group: "analytics \"eu\"".into(),
                 topic: "cams".into(),

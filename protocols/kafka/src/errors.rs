@@ -40,6 +40,7 @@ pub(crate) fn code(e: &CoreError) -> i16 {
         }
         CoreError::InvalidPolicy { .. } => INVALID_CONFIG,
         CoreError::InvalidPartitionCount { .. } => INVALID_PARTITIONS,
+        CoreError::LimitReached { .. } => POLICY_VIOLATION,
         CoreError::MessageTooLarge { .. } => MESSAGE_TOO_LARGE,
         CoreError::InvalidBatch(BatchError::CrcMismatch { .. }) => CORRUPT_MESSAGE,
         CoreError::InvalidBatch(_) | CoreError::EmptyProduce => INVALID_RECORD,

@@ -1820,6 +1820,7 @@ fn stored(
             warn!(topic, error = %e, "mqtt publish not stored");
             let code = match e {
                 CoreError::InternalTopic { .. } => reason::NOT_AUTHORIZED,
+                CoreError::LimitReached { .. } => reason::QUOTA_EXCEEDED,
                 _ => reason::IMPLEMENTATION_SPECIFIC,
             };
             return Box::pin(std::future::ready(Err(code)));

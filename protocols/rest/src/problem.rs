@@ -101,6 +101,7 @@ impl From<CoreError> for Problem {
             CoreError::OffsetOutOfRange { .. } => (StatusCode::NOT_FOUND, "offset-out-of-range"),
             CoreError::TopicExists { .. } => (StatusCode::CONFLICT, "topic-exists"),
             CoreError::ConsumerBusy { .. } => (StatusCode::CONFLICT, "consumer-busy"),
+            CoreError::LimitReached { .. } => (StatusCode::CONFLICT, "limit-reached"),
             CoreError::MessageTooLarge { .. } => {
                 (StatusCode::PAYLOAD_TOO_LARGE, "payload-too-large")
             }
