@@ -10,6 +10,7 @@ mod http;
 mod ledger;
 mod mqtt;
 mod stats;
+mod validate;
 
 use clap::{Parser, Subcommand};
 
@@ -38,6 +39,9 @@ enum Command {
     /// processes, through Sluice, Mosquitto and rumqttd each in its own process; connect time,
     /// latency, time until the last subscriber has each message, loss, CPU per delivery, memory.
     Broadcast(broadcast::BroadcastArgs),
+    /// What whole-batch validation (every record walked, compressed batches decompressed) adds
+    /// to a produce, per record, beside the header and CRC check alone.
+    Validate(validate::ValidateArgs),
     /// A worker process of `broadcast` (started by it).
     #[command(hide = true)]
     BroadcastWorker(broadcast::WorkerArgs),
@@ -51,6 +55,7 @@ fn main() -> anyhow::Result<()> {
     // These run their own runtimes (sized for the processes they are).
     let cli = match cli.command {
         Command::Broadcast(args) => return broadcast::run(args),
+        Command::Validate(args) => return validate::run(args),
         Command::BroadcastWorker(args) => return broadcast::worker(args),
         Command::BroadcastPeer(args) => return broadcast::peer(args),
         command => command,
@@ -63,7 +68,10 @@ fn main() -> anyhow::Result<()> {
         Command::FanoutCore(args) => runtime.block_on(fanout::run(args)),
         Command::Mqtt(args) => runtime.block_on(mqtt::run(args)),
         Command::Http(args) => runtime.block_on(http::run(args)),
-        Command::Broadcast(_) | Command::BroadcastWorker(_) | Command::BroadcastPeer(_) => {
+        Command::Broadcast(_)
+        | Command::BroadcastWorker(_)
+        | Command::BroadcastPeer(_)
+        | Command::Validate(_) => {
             unreachable!("handled above")
         }
     }
