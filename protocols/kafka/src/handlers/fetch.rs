@@ -1,3 +1,4 @@
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -11,9 +12,11 @@ use crate::errors;
 use crate::server::KafkaServer;
 
 /// Long-poll fetch: answers at once when at least `min_bytes` are available, else waits for
-/// new data on any requested partition until `max_wait_ms`. Each partition returns whole
-/// batches from the one holding its fetch offset; the first partition with data returns at
-/// least one batch even past `max_bytes`.
+/// new data on the partitions it could read until `max_wait_ms`. A partition with an error
+/// (unknown topic or partition, offset out of range) is answered as it is and never waited on,
+/// since waiting cannot change it: a fetch of such partitions only answers at once. Each
+/// partition returns whole batches from the one holding its fetch offset; the first partition
+/// with data returns at least one batch even past `max_bytes`.
 pub(crate) async fn handle(
     server: &Arc<KafkaServer>,
     req: FetchRequest,
@@ -29,16 +32,28 @@ pub(crate) async fn handle(
     server
         .follow_upstream(req.topics.iter().map(|t| t.topic.0.as_str()))
         .await;
+    let mut new_data = true;
     loop {
-        let (resp, total) = read_once(server, &req, max_bytes, version).await;
-        if total >= min_bytes.max(1) || Instant::now() >= deadline {
-            return resp;
+        let read = read_once(server, &req, max_bytes, version).await;
+        if read.total >= min_bytes.max(1)
+            || read.waits.is_empty()
+            || !new_data
+            || Instant::now() >= deadline
+        {
+            return read.response;
         }
-        wait_for_any(server, &req, deadline).await;
-        if Instant::now() >= deadline {
-            return read_once(server, &req, max_bytes, version).await.0;
-        }
+        new_data = wait_for_any(server, read.waits, deadline).await;
     }
+}
+
+/// One pass over the requested partitions.
+struct Read {
+    response: FetchResponse,
+    /// Record bytes in the response.
+    total: usize,
+    /// The partitions read without error, each with the high watermark seen: only new data
+    /// past it can change the answer.
+    waits: HashMap<(String, u32), u64>,
 }
 
 async fn read_once(
@@ -46,10 +61,11 @@ async fn read_once(
     req: &FetchRequest,
     max_bytes: usize,
     version: i16,
-) -> (FetchResponse, usize) {
+) -> Read {
     let engine = &server.engine;
     let mut total = 0usize;
     let mut resp = FetchResponse::default();
+    let mut waits = HashMap::new();
     for topic in &req.topics {
         let name = topic.topic.0.as_str();
         let mut t = FetchableTopicResponse::default();
@@ -93,40 +109,50 @@ async fn read_once(
                     }
                 }
             }
+            if pd.error_code == errors::NONE {
+                let hw = pd.high_watermark as u64;
+                waits
+                    .entry((name.to_owned(), partition))
+                    .and_modify(|seen: &mut u64| *seen = (*seen).min(hw))
+                    .or_insert(hw);
+            }
             t.partitions.push(pd);
         }
         resp.responses.push(t);
     }
-    (resp, total)
+    Read {
+        response: resp,
+        total,
+        waits,
+    }
 }
 
-/// Returns when any requested partition gets data past its fetch offset, or at the deadline.
-async fn wait_for_any(server: &Arc<KafkaServer>, req: &FetchRequest, deadline: Instant) {
-    let mut waits = JoinSet::new();
-    for topic in &req.topics {
-        for p in &topic.partitions {
-            let Ok(partition) = u32::try_from(p.partition) else {
-                continue;
-            };
-            let Ok(offset) = u64::try_from(p.fetch_offset) else {
-                continue;
-            };
-            let server = server.clone();
-            let name = topic.topic.0.as_str().to_owned();
-            let timeout = deadline.saturating_duration_since(Instant::now());
-            waits.spawn(async move {
-                let _ = server
-                    .engine
-                    .wait_for_data(&name, partition, offset, timeout)
-                    .await;
-            });
+/// Waits until a partition of `waits` gets data past the high watermark seen there, or the
+/// deadline. Returns whether new data came: when every wait ends without any before the
+/// deadline (its partition was deleted or stopped), nothing more will, and the fetch answers
+/// rather than wait again at once.
+async fn wait_for_any(
+    server: &Arc<KafkaServer>,
+    waits: HashMap<(String, u32), u64>,
+    deadline: Instant,
+) -> bool {
+    let mut set = JoinSet::new();
+    let timeout = deadline.saturating_duration_since(Instant::now());
+    for ((name, partition), seen) in waits {
+        let server = server.clone();
+        set.spawn(async move {
+            let hw = server
+                .engine
+                .wait_for_data(&name, partition, seen, timeout)
+                .await;
+            matches!(hw, Ok(hw) if hw > seen)
+        });
+    }
+    // The first partition with new data ends the wait; dropping the set cancels the rest.
+    while let Some(joined) = set.join_next().await {
+        if joined.unwrap_or(false) {
+            return true;
         }
     }
-    if waits.is_empty() {
-        tokio::time::sleep_until(deadline).await;
-        return;
-    }
-    // The first partition with new data (or its timeout) ends the wait; dropping the set
-    // cancels the rest.
-    let _ = waits.join_next().await;
+    false
 }
