@@ -11,19 +11,46 @@ to never answer (a long-poll of days spinning on an unknown topic), the bound is
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 
 import pytest
 
-from kafka_fetch import I32_MAX, fetch
-from wire import UNKNOWN_TOPIC_OR_PARTITION
+from kafka_fetch import (
+    I32_MAX,
+    batch_lengths,
+    fetch,
+    fetch_request,
+    parse_fetch,
+    read_exact,
+    response_size,
+)
+from wire import (
+    UNKNOWN_TOPIC_OR_PARTITION,
+    batch,
+    produce_raw,
+    record,
+)
 
 OFFSET_OUT_OF_RANGE = 1
+# Defaults of examples/sluice.toml.
+FETCH_MAX_BYTES = 52428800
+# About 1 MB per batch, so that limits of a few MB cut between batches.
+BIG_VALUE = 1_000_000
 
 
 def kafka_addr(gw) -> tuple[str, int]:
     return gw.addrs["kafka"]
+
+
+def proc_status(pid: int, field: str) -> int:
+    """A `kB` field of /proc/<pid>/status, in bytes."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no {field} in /proc/{pid}/status")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -32,6 +59,14 @@ def cpu_seconds(pid: int) -> float:
         # The command name may hold spaces; the fields after it are space separated.
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def topic_of_big_batches(gw, topic: str, count: int) -> int:
+    """Creates `topic` with `count` batches of one ~1 MB record; returns one batch's length."""
+    one = batch([record(b"x" * BIG_VALUE)])
+    for _ in range(count):
+        assert produce_raw(kafka_addr(gw), topic, 0, one)[0][2] == 0
+    return len(one)
 
 
 def create_empty_topic(gw, topic: str) -> None:
@@ -97,3 +132,69 @@ def test_a_long_polls_mixing_unknown_and_empty_partitions_do_not_spin(gateway, u
     # Two spinning polls cost about two cores for the whole wait; idle waits cost next to
     # nothing. A quarter of one core leaves room for a slow, shared machine.
     assert cpu < 0.25 * wall, f"the gateway spent {cpu:.2f} s of CPU during {wall:.2f} s of long-polls"
+
+
+# ---- (b) server-side caps on fetch responses ---------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_b_duplicated_partitions_stay_within_fetch_max_bytes(gateway, uniq):
+    """64 entries for the same partition of an 8 MB topic, with 2 GiB limits from the client,
+    get at most the default kafka.fetch_max_bytes (50 MiB) plus one batch; before, every entry
+    got the whole topic (512 MB in one response)."""
+    topic = uniq("fetch-dups")
+    one = topic_of_big_batches(gateway, topic, 8)
+    pid = gateway.proc.pid
+    rss_before = proc_status(pid, "VmRSS")
+    entries = [(topic, 0, 0)] * 64
+    limit = FETCH_MAX_BYTES + one
+    with socket.create_connection(kafka_addr(gateway), timeout=10) as s:
+        s.sendall(fetch_request(entries, max_bytes=I32_MAX, partition_max_bytes=I32_MAX))
+        size = response_size(s, timeout=60)
+        # Per entry: index, error, three offsets, aborted count, replica, records length, and
+        # its own topic name; 200 bytes is plenty.
+        assert size <= limit + 200 * len(entries), f"a {size}-byte response"
+        frame = read_exact(s, size, time.monotonic() + 60)
+    error, parts = parse_fetch(frame)
+    assert error == 0 and len(parts) == len(entries)
+    assert all(p.error == 0 for p in parts)
+    total = sum(len(p.records) for p in parts)
+    assert FETCH_MAX_BYTES - 8 * one < total <= limit
+    for p in parts:
+        assert sum(batch_lengths(p.records)) == len(p.records), "whole batches only"
+    grown = proc_status(pid, "VmHWM") - rss_before
+    assert grown < 400 * 2**20, f"peak RSS grew by {grown >> 20} MiB"
+    metrics = gateway.metrics()
+    assert metrics.get("sluice_kafka_fetch_responses_capped_total", 0) >= 1
+
+
+@pytest.mark.timeout(120)
+def test_b_the_partition_cap_holds_whatever_the_client_asks(gateway_factory, uniq):
+    """kafka.fetch_max_partition_bytes caps one entry when the client asks for 2 GiB."""
+    gw = gateway_factory(env={"SLUICE_KAFKA__FETCH_MAX_PARTITION_BYTES": str(2_500_000)})
+    topic = uniq("fetch-cap")
+    one = topic_of_big_batches(gw, topic, 4)
+    error, parts = fetch(kafka_addr(gw), [(topic, 0, 0)], max_bytes=I32_MAX, partition_max_bytes=I32_MAX)
+    assert error == 0 and parts[0].error == 0
+    assert batch_lengths(parts[0].records) == [one, one], "two ~1 MB batches fit in 2.5 MB"
+    assert gw.metrics().get("sluice_kafka_fetch_responses_capped_total", 0) >= 1
+
+
+@pytest.mark.timeout(120)
+def test_b_one_batch_past_the_limits_goes_to_the_first_partition_only(gateway, uniq):
+    """A batch past every limit is still returned, to the first partition with data only.
+    Before, every entry that found some budget left got a whole batch past it."""
+    topic = uniq("fetch-first")
+    one = topic_of_big_batches(gateway, topic, 4)
+    # The client's own limit, one and a half batches, over 16 entries of the same partition:
+    # the first entry takes one batch, the second would pass the limit with its own.
+    error, parts = fetch(
+        kafka_addr(gateway), [(topic, 0, 0)] * 16, max_bytes=one + one // 2, partition_max_bytes=I32_MAX
+    )
+    assert error == 0
+    assert [batch_lengths(p.records) for p in parts] == [[one]] + [[]] * 15
+    assert all(p.error == 0 and p.high_watermark == 4 for p in parts)
+    # Limits below one batch: the first entry still gets exactly one whole batch, no other.
+    error, parts = fetch(kafka_addr(gateway), [(topic, 0, 0)] * 16, max_bytes=1, partition_max_bytes=1)
+    assert error == 0
+    assert [batch_lengths(p.records) for p in parts] == [[one]] + [[]] * 15

@@ -34,6 +34,9 @@ pub struct KafkaMetrics {
     pub auth_failures: AtomicU64,
     /// Produce requests a relay's read-only listener refused.
     pub writes_refused: AtomicU64,
+    /// Fetch responses that left out data the client asked for because of the server's
+    /// limits (`kafka.fetch_max_bytes`, `kafka.fetch_max_partition_bytes`).
+    pub fetch_responses_capped: AtomicU64,
 }
 
 /// The Kafka protocol server; shared by its connection tasks.
