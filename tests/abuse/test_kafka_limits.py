@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import socket
+import struct
 import threading
 import time
 
@@ -24,13 +25,18 @@ from kafka_fetch import (
     fetch_request,
     parse_fetch,
     read_exact,
+    read_response,
     response_size,
 )
 from wire import (
+    INVALID_TOPIC_EXCEPTION,
+    PRODUCE,
     UNKNOWN_TOPIC_OR_PARTITION,
     batch,
+    produce_errors,
     produce_raw,
     record,
+    request,
 )
 
 OFFSET_OUT_OF_RANGE = 1
@@ -198,3 +204,27 @@ def test_b_one_batch_past_the_limits_goes_to_the_first_partition_only(gateway, u
     error, parts = fetch(kafka_addr(gateway), [(topic, 0, 0)] * 16, max_bytes=1, partition_max_bytes=1)
     assert error == 0
     assert [batch_lengths(p.records) for p in parts] == [[one]] + [[]] * 15
+
+
+# ---- (c) produce handling linear in the request -------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_c_produce_with_300000_invalid_topics_is_answered(gateway):
+    """300,000 distinct invalid topic names in one Produce each get INVALID_TOPIC_EXCEPTION.
+    Building the response looked each topic up in a list of those answered so far, 4.5e10
+    comparisons here: the answer did not come within the bound."""
+    n = 300_000
+    # Null transactional id, acks=-1, timeout, then the topics, each with partition 0 and
+    # null records.
+    parts = [struct.pack(">hhi", -1, -1, 10_000), struct.pack(">i", n)]
+    for i in range(n):
+        name = f"bad name {i}".encode()
+        parts.append(struct.pack(">h", len(name)) + name + struct.pack(">iii", 1, 0, -1))
+    body = b"".join(parts)
+    with socket.create_connection(kafka_addr(gateway), timeout=10) as s:
+        s.sendall(request(PRODUCE, 8, 77, body))
+        answer = produce_errors(read_response(s, timeout=60))
+    assert len(answer) == n
+    assert {code for _, _, code, _ in answer} == {INVALID_TOPIC_EXCEPTION}
+    assert [name for name, _, _, _ in answer[:3]] == ["bad name 0", "bad name 1", "bad name 2"]
