@@ -42,6 +42,7 @@ from wire import (
 OFFSET_OUT_OF_RANGE = 1
 # Defaults of examples/sluice.toml.
 FETCH_MAX_BYTES = 52428800
+MAX_REQUEST_BYTES = 104857600
 # About 1 MB per batch, so that limits of a few MB cut between batches.
 BIG_VALUE = 1_000_000
 
@@ -228,3 +229,40 @@ def test_c_produce_with_300000_invalid_topics_is_answered(gateway):
     assert len(answer) == n
     assert {code for _, _, code, _ in answer} == {INVALID_TOPIC_EXCEPTION}
     assert [name for name, _, _, _ in answer[:3]] == ["bad name 0", "bad name 1", "bad name 2"]
+
+
+# ---- (d) frames read as they arrive -------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_d_a_declared_frame_length_is_not_reserved_before_its_bytes(gateway):
+    """Eight connections each declare a frame of max_request_bytes (100 MiB) and send 10 bytes
+    of it: the gateway's data segment must not grow by what they declared. Before, each
+    allocated the whole frame at once: 800 MiB of address space for 80 bytes."""
+    pid = gateway.proc.pid
+    before = proc_status(pid, "VmData")
+    socks = []
+    try:
+        for _ in range(8):
+            s = socket.create_connection(kafka_addr(gateway), timeout=10)
+            s.sendall(struct.pack(">i", MAX_REQUEST_BYTES) + b"\x00\x12\x00\x00" + b"\x00" * 6)
+            socks.append(s)
+        # Each connection's task reads its length as soon as it runs: once a ninth connection
+        # is answered the server is serving, and a bounded moment more lets the eight reserve
+        # whatever they would.
+        with socket.create_connection(kafka_addr(gateway), timeout=10) as probe:
+            probe.sendall(request(18, 0, 5, b""))
+            read_response(probe)
+        deadline = time.monotonic() + 2
+        grown = 0
+        while time.monotonic() < deadline and grown < MAX_REQUEST_BYTES:
+            grown = proc_status(pid, "VmData") - before
+            time.sleep(0.1)
+        assert grown < 2 * MAX_REQUEST_BYTES, f"the data segment grew by {grown >> 20} MiB"
+    finally:
+        for s in socks:
+            s.close()
+    # Those connections were dropped mid-frame; the listener still serves.
+    with socket.create_connection(kafka_addr(gateway), timeout=10) as probe:
+        probe.sendall(request(18, 0, 6, b""))
+        assert struct.unpack(">i", read_response(probe)[:4]) == (6,)
