@@ -76,6 +76,13 @@ def topic_of_big_batches(gw, topic: str, count: int) -> int:
     return len(one)
 
 
+def partition_reads(gw, topic: str) -> float:
+    """Reads of partition 0 of `topic` by fetches, from the ring or the files (/metrics)."""
+    m = gw.metrics()
+    labels = f'{{topic="{topic}",partition="0"}}'
+    return sum(m.get(f"sluice_partition_fetches_from_{src}_total{labels}", 0) for src in ("ring", "log"))
+
+
 def create_empty_topic(gw, topic: str) -> None:
     from confluent_kafka.admin import NewTopic
 
@@ -193,14 +200,19 @@ def test_b_one_batch_past_the_limits_goes_to_the_first_partition_only(gateway, u
     Before, every entry that found some budget left got a whole batch past it."""
     topic = uniq("fetch-first")
     one = topic_of_big_batches(gateway, topic, 4)
-    # The client's own limit, one and a half batches, over 16 entries of the same partition:
+    # The client's own limit, one and a half batches, over 2000 entries of the same partition:
     # the first entry takes one batch, the second would pass the limit with its own.
+    reads_before = partition_reads(gateway, topic)
     error, parts = fetch(
-        kafka_addr(gateway), [(topic, 0, 0)] * 16, max_bytes=one + one // 2, partition_max_bytes=I32_MAX
+        kafka_addr(gateway), [(topic, 0, 0)] * 2000, max_bytes=one + one // 2, partition_max_bytes=I32_MAX
     )
     assert error == 0
-    assert [batch_lengths(p.records) for p in parts] == [[one]] + [[]] * 15
+    assert [batch_lengths(p.records) for p in parts] == [[one]] + [[]] * 1999
     assert all(p.error == 0 and p.high_watermark == 4 for p in parts)
+    # Batches read only to be left out stop once they have cost a response's worth (here the
+    # client's limit): not one read per entry.
+    reads = partition_reads(gateway, topic) - reads_before
+    assert reads <= 4, f"{reads} reads of the partition for one fetch"
     # Limits below one batch: the first entry still gets exactly one whole batch, no other.
     error, parts = fetch(kafka_addr(gateway), [(topic, 0, 0)] * 16, max_bytes=1, partition_max_bytes=1)
     assert error == 0

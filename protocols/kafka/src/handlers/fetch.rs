@@ -90,6 +90,8 @@ struct Read {
     waits: HashMap<(String, u32), u64>,
     /// A server limit below the client's kept data the client asked for out of the response.
     capped: bool,
+    /// Bytes read for entries whose first batch did not fit, and left out.
+    left_out: usize,
 }
 
 async fn read_once(
@@ -104,6 +106,7 @@ async fn read_once(
         total: 0,
         waits: HashMap::new(),
         capped: false,
+        left_out: 0,
     };
     for topic in &req.topics {
         let name = topic.topic.0.as_str();
@@ -148,7 +151,10 @@ async fn read_once(
             let first = read.total == 0;
             // Where the data returned here ends: anything past it is data left out.
             let mut end = offset;
-            if wanted > 0 || first {
+            // A batch read only to be left out costs as much as one returned. Once such reads
+            // have cost a full response, later entries are not read at all: a request may name
+            // one partition millions of times, each one batch too small.
+            if first || (wanted > 0 && read.left_out < limits.max) {
                 match engine.fetch(name, partition, offset, wanted.max(1)).await {
                     Ok(f) => {
                         pd.high_watermark = f.high_watermark as i64;
@@ -162,6 +168,8 @@ async fn read_once(
                             read.total += f.data.len();
                             end = f.next_offset;
                             pd.records = Some(f.data);
+                        } else {
+                            read.left_out += f.data.len();
                         }
                     }
                     Err(e) => pd.error_code = errors::code(&e),
