@@ -88,7 +88,7 @@ struct Read {
     /// The partitions read without error, each with the high watermark seen: only new data
     /// past it can change the answer.
     waits: HashMap<(String, u32), u64>,
-    /// A server limit below the client's kept data the client asked for out of the response.
+    /// Data within the client's limits was left out because a server limit is lower.
     capped: bool,
     /// Bytes read for entries whose first batch did not fit, and left out.
     left_out: usize,
