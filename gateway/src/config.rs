@@ -349,6 +349,12 @@ impl Config {
         if k.max_request_bytes < 1024 {
             return invalid("kafka.max_request_bytes must be at least 1024".into());
         }
+        if k.fetch_max_bytes < 1024 || k.fetch_max_partition_bytes < 1024 {
+            return invalid(
+                "kafka.fetch_max_bytes and kafka.fetch_max_partition_bytes must be at least 1024"
+                    .into(),
+            );
+        }
         if k.group_min_session_timeout_ms == 0
             || k.group_min_session_timeout_ms > k.group_max_session_timeout_ms
         {
@@ -545,6 +551,11 @@ mod tests {
         assert_eq!(c.http.addr, "0.0.0.0:8080");
         assert_eq!(c.mqtt.addr, "0.0.0.0:1883");
         assert_eq!(c.kafka.addr, "0.0.0.0:9092");
+        // Kafka's broker default fetch.max.bytes; one default max_message_bytes per partition.
+        assert_eq!(
+            (c.kafka.fetch_max_bytes, c.kafka.fetch_max_partition_bytes),
+            (52_428_800, c.topics.defaults.max_message_bytes as usize)
+        );
         assert_eq!(c.log.format, LogFormat::Text);
         assert!(c.topics.auto_create);
         // The file's policy is the library's default policy, key for key.
@@ -715,6 +726,11 @@ mod tests {
             (
                 "[storage]\ndirect_write_min_bytes = 512\n",
                 "direct_write_min_bytes",
+            ),
+            ("[kafka]\nfetch_max_bytes = 10\n", "kafka.fetch_max_bytes"),
+            (
+                "[kafka]\nfetch_max_partition_bytes = 0\n",
+                "kafka.fetch_max_partition_bytes",
             ),
             ("data_dir = 5\n", "data_dir"),
             ("not toml at all", "key"),

@@ -279,6 +279,12 @@ pub(crate) fn render_kafka(body: &mut String, k: &sluice_kafka::KafkaMetrics) {
         k.writes_refused.load(Relaxed),
     );
     o.single(
+        "sluice_kafka_fetch_responses_capped_total",
+        "counter",
+        "Kafka Fetch responses that left out data the client asked for because of the server's limits (kafka.fetch_max_bytes, kafka.fetch_max_partition_bytes).",
+        k.fetch_responses_capped.load(Relaxed),
+    );
+    o.single(
         "sluice_kafka_received_bytes_total",
         "counter",
         "Bytes of Kafka requests.",

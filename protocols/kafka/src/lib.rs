@@ -56,6 +56,12 @@ pub struct KafkaSettings {
     /// Bounds on the session timeout consumers may ask for.
     pub group_min_session_timeout_ms: u64,
     pub group_max_session_timeout_ms: u64,
+    /// Most record bytes one Fetch response carries, whatever the client asks (Kafka's broker
+    /// `fetch.max.bytes`); the first partition with data may pass it by one batch.
+    pub fetch_max_bytes: usize,
+    /// Most record bytes one partition entry of a Fetch response carries, whatever the client
+    /// asks; the first partition with data may pass it by one batch.
+    pub fetch_max_partition_bytes: usize,
     /// SASL/PLAIN users as `name = "sha256:<hex of SHA-256 of the password>"`. Empty: no
     /// authentication.
     pub sasl_plain_users: BTreeMap<String, String>,

@@ -199,6 +199,8 @@ impl Mirror {
         // Grows with consecutive failures of any kind (a topic deleted upstream fails every
         // fetch), so a lasting problem is retried, and logged, at most every two seconds.
         let mut backoff = Duration::ZERO;
+        // Which partition each fetch lists first (see `fetch_request`).
+        let mut round = 0usize;
         loop {
             if !backoff.is_zero() {
                 tokio::select! {
@@ -229,8 +231,10 @@ impl Mirror {
                     }
                 },
             };
+            let first = round;
+            round = round.wrapping_add(1);
             let fetched = tokio::select! {
-                r = c.fetch(&topic, &next, &self.settings) => r,
+                r = c.fetch(&topic, &next, first, &self.settings) => r,
                 _ = stop.wait_for(|&s| s) => return,
             };
             let applied = match fetched {
@@ -560,36 +564,80 @@ impl Conn {
         Ok(out)
     }
 
-    /// One long-polling Fetch of every partition from its next offset.
+    /// One long-polling Fetch of every partition from its next offset, `first` first.
     async fn fetch(
         &mut self,
         topic: &str,
         next: &[i64],
+        first: usize,
         settings: &MirrorSettings,
     ) -> std::io::Result<FetchResponse> {
-        let mut t = FetchTopic::default();
-        t.topic = TopicName(StrBytes::from_string(topic.to_owned()));
-        t.partitions = next
-            .iter()
-            .enumerate()
-            .map(|(i, &offset)| {
-                let mut p = FetchPartition::default();
-                p.partition = i as i32;
-                p.fetch_offset = offset;
-                p.partition_max_bytes = settings.partition_max_bytes;
-                p.current_leader_epoch = -1;
-                p.log_start_offset = -1;
-                p
-            })
-            .collect();
-        let mut req = FetchRequest::default();
-        req.replica_id = BrokerId(-1);
-        req.max_wait_ms = settings.max_wait_ms;
-        req.min_bytes = 1;
-        req.max_bytes = i32::MAX;
-        req.session_epoch = -1;
-        req.topics = vec![t];
+        let req = fetch_request(topic, next, first, settings);
         let wait = Duration::from_millis(settings.max_wait_ms.max(0) as u64);
         self.call(ApiKey::Fetch, FETCH_VERSION, &req, wait).await
+    }
+}
+
+/// A Fetch of every partition from its next offset, in partition order from `first` round.
+/// The upstream's limits give a batch past them to the first partition with data only (as
+/// Kafka's do), so a follower that always listed partition 0 first could starve the others:
+/// the caller moves `first` on with every fetch, as Kafka clients do.
+fn fetch_request(
+    topic: &str,
+    next: &[i64],
+    first: usize,
+    settings: &MirrorSettings,
+) -> FetchRequest {
+    let mut t = FetchTopic::default();
+    t.topic = TopicName(StrBytes::from_string(topic.to_owned()));
+    t.partitions = (0..next.len())
+        .map(|k| {
+            let i = (first + k) % next.len();
+            let mut p = FetchPartition::default();
+            p.partition = i as i32;
+            p.fetch_offset = next[i];
+            p.partition_max_bytes = settings.partition_max_bytes;
+            p.current_leader_epoch = -1;
+            p.log_start_offset = -1;
+            p
+        })
+        .collect();
+    let mut req = FetchRequest::default();
+    req.replica_id = BrokerId(-1);
+    req.max_wait_ms = settings.max_wait_ms;
+    req.min_bytes = 1;
+    req.max_bytes = i32::MAX;
+    req.session_epoch = -1;
+    req.topics = vec![t];
+    req
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each fetch starts one partition further on, every partition listed once with its own
+    /// next offset.
+    #[test]
+    fn fetches_rotate_the_first_partition() {
+        let settings = MirrorSettings {
+            upstream: "upstream:9092".into(),
+            client_id: "relay".into(),
+            max_wait_ms: 500,
+            partition_max_bytes: 1 << 20,
+            local_policy: TopicPolicy::default(),
+            credentials: None,
+        };
+        let next = [10, 11, 12];
+        let order = |first| -> Vec<(i32, i64)> {
+            fetch_request("t", &next, first, &settings).topics[0]
+                .partitions
+                .iter()
+                .map(|p| (p.partition, p.fetch_offset))
+                .collect()
+        };
+        assert_eq!(order(0), [(0, 10), (1, 11), (2, 12)]);
+        assert_eq!(order(1), [(1, 11), (2, 12), (0, 10)]);
+        assert_eq!(order(5), [(2, 12), (0, 10), (1, 11)]);
     }
 }

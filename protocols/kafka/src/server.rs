@@ -6,10 +6,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use kafka_protocol::messages::{ApiKey, RequestKind, ResponseKind};
 use sluice_core::Engine;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 use tracing::{debug, info, warn};
@@ -34,6 +34,9 @@ pub struct KafkaMetrics {
     pub auth_failures: AtomicU64,
     /// Produce requests a relay's read-only listener refused.
     pub writes_refused: AtomicU64,
+    /// Fetch responses that left out data the client asked for because of the server's
+    /// limits (`kafka.fetch_max_bytes`, `kafka.fetch_max_partition_bytes`).
+    pub fetch_responses_capped: AtomicU64,
 }
 
 /// The Kafka protocol server; shared by its connection tasks.
@@ -201,12 +204,11 @@ impl KafkaServer {
                 warn!(%peer, len, max = self.settings.max_request_bytes, "kafka request size out of bounds; closing the connection");
                 return Ok(());
             }
-            let mut frame = BytesMut::zeroed(len as usize);
-            stream.read_exact(&mut frame).await?;
+            let frame = read_frame(&mut stream, len as usize).await?;
             self.metrics
                 .bytes_in
                 .fetch_add(4 + len as u64, Ordering::Relaxed);
-            let out = match codec::decode_request(frame.freeze()) {
+            let out = match codec::decode_request(frame) {
                 Ok(req) => {
                     self.metrics.requests.fetch_add(1, Ordering::Relaxed);
                     conn.client_id.clone_from(&req.client_id);
@@ -334,6 +336,34 @@ impl KafkaServer {
     }
 }
 
+/// What a frame's buffer starts with, and grows by at least. The declared length is only a
+/// peer's claim (up to `max_request_bytes`, before any authentication), so the buffer follows
+/// the bytes that actually arrive: it is never more than twice those plus one chunk.
+const FRAME_CHUNK: usize = 64 * 1024;
+
+/// Reads a frame of `len` bytes (its length prefix already read), growing the buffer as the
+/// bytes arrive rather than reserving the declared length up front.
+async fn read_frame(stream: &mut (impl AsyncRead + Unpin), len: usize) -> std::io::Result<Bytes> {
+    let mut frame = Vec::with_capacity(len.min(FRAME_CHUNK));
+    while frame.len() < len {
+        if frame.len() == frame.capacity() {
+            // Doubling keeps the copies of a large frame linear in its size.
+            frame.reserve_exact(frame.len().max(FRAME_CHUNK).min(len - frame.len()));
+        }
+        // Never past the frame: the next request's bytes stay in the socket.
+        let room = (frame.capacity() - frame.len()).min(len - frame.len());
+        if (&mut *stream)
+            .take(room as u64)
+            .read_buf(&mut frame)
+            .await?
+            == 0
+        {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+    }
+    Ok(Bytes::from(frame))
+}
+
 enum Handled {
     Respond(Bytes),
     NoResponse,
@@ -345,4 +375,45 @@ fn hostname() -> Option<String> {
         .ok()
         .map(|s| s.trim().to_owned())
         .filter(|s| !s.is_empty())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A frame several chunks long, written in pieces from one byte to many chunks, comes back
+    /// whole, and the bytes after it are left for the next frame.
+    #[tokio::test]
+    async fn frames_are_read_whole_as_their_bytes_arrive() {
+        let len = 5 * FRAME_CHUNK + 123;
+        let body: Vec<u8> = (0..len).map(|i| (i * 31 % 251) as u8).collect();
+        let (mut client, mut server) = tokio::io::duplex(4096);
+        let sent = body.clone();
+        let writer = tokio::spawn(async move {
+            let mut rest = &sent[..];
+            let mut piece = 1;
+            while !rest.is_empty() {
+                let n = piece.min(rest.len());
+                client.write_all(&rest[..n]).await.unwrap();
+                rest = &rest[n..];
+                piece = piece * 3 + 1;
+            }
+            client.write_all(b"next").await.unwrap();
+            client
+        });
+        let frame = read_frame(&mut server, len).await.unwrap();
+        assert_eq!(&frame[..], &body[..]);
+        let _client = writer.await.unwrap();
+        assert_eq!(&read_frame(&mut server, 4).await.unwrap()[..], b"next");
+    }
+
+    /// A peer that leaves mid-frame ends the read with an error, however much it declared.
+    #[tokio::test]
+    async fn a_frame_cut_short_is_an_error() {
+        let (mut client, mut server) = tokio::io::duplex(64);
+        client.write_all(&[1; 10]).await.unwrap();
+        drop(client);
+        let err = read_frame(&mut server, 100 << 20).await.unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::UnexpectedEof);
+    }
 }

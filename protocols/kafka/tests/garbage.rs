@@ -36,6 +36,8 @@ async fn start(
         group_initial_rebalance_delay_ms: 0,
         group_min_session_timeout_ms: 1000,
         group_max_session_timeout_ms: 60_000,
+        fetch_max_bytes: 52_428_800,
+        fetch_max_partition_bytes: 8_388_608,
         sasl_plain_users: BTreeMap::new(),
     };
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();

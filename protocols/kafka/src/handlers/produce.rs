@@ -7,6 +7,7 @@ use tokio::task::JoinSet;
 use crate::errors;
 use crate::producers::Verdict;
 use crate::server::KafkaServer;
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
@@ -29,71 +30,81 @@ pub(crate) async fn handle(
         return respond_all(req, errors::TRANSACTIONAL_ID_AUTHORIZATION_FAILED);
     }
     let acks = req.acks;
+    let mut resp = ProduceResponse::default();
+    // Per distinct topic name: its entry in the response and what the engine said of it. A
+    // map, not a scan of the answers so far: a request may name hundreds of thousands of
+    // topics, and each duplicate name is answered under its first entry.
+    let mut topics: HashMap<String, (usize, Result<u32, i16>)> = HashMap::new();
     let mut tasks = JoinSet::new();
-    let mut order = Vec::new();
     for topic in req.topic_data {
-        let name = topic.name.0.as_str().to_owned();
-        let known = server.engine.ensure_topic(&name).await;
+        let name = topic.name.0.as_str();
+        let (slot, known) = match topics.get(name) {
+            Some(&(slot, known)) => (slot, known),
+            None => {
+                let known = server
+                    .engine
+                    .ensure_topic(name)
+                    .await
+                    .map_err(|e| errors::code(&e));
+                let mut t = TopicProduceResponse::default();
+                t.name = topic.name.clone();
+                resp.responses.push(t);
+                let slot = resp.responses.len() - 1;
+                topics.insert(name.to_owned(), (slot, known));
+                (slot, known)
+            }
+        };
         for pd in topic.partition_data {
-            order.push((name.clone(), pd.index));
-            let slot = order.len() - 1;
-            let server = server.clone();
-            let name = name.clone();
-            let known = known.clone();
-            tasks.spawn(async move {
-                let result = match known {
-                    Err(e) => (errors::code(&e), -1, -1),
-                    Ok(n) if pd.index < 0 || pd.index as u32 >= n => {
-                        (errors::UNKNOWN_TOPIC_OR_PARTITION, -1, -1)
-                    }
-                    Ok(_) => {
-                        append(
-                            &server,
-                            &name,
-                            pd.index as u32,
-                            pd.records.unwrap_or_default(),
-                        )
-                        .await
-                    }
-                };
-                (slot, result)
-            });
+            let partitions = &mut resp.responses[slot].partition_responses;
+            let at = (slot, partitions.len());
+            let refused = match known {
+                Err(code) => Some(code),
+                Ok(n) if pd.index < 0 || pd.index as u32 >= n => {
+                    Some(errors::UNKNOWN_TOPIC_OR_PARTITION)
+                }
+                Ok(_) => None,
+            };
+            // An append's answer is filled in when its task reports.
+            let code = refused.unwrap_or(errors::UNKNOWN_SERVER_ERROR);
+            partitions.push(partition_response(pd.index, (code, -1, -1), version));
+            if refused.is_none() {
+                let server = server.clone();
+                let name = name.to_owned();
+                tasks.spawn(async move {
+                    let records = pd.records.unwrap_or_default();
+                    (at, append(&server, &name, pd.index as u32, records).await)
+                });
+            }
         }
     }
-    let mut results = vec![(errors::UNKNOWN_SERVER_ERROR, -1i64, -1i64); order.len()];
     while let Some(joined) = tasks.join_next().await {
-        if let Ok((slot, result)) = joined {
-            results[slot] = result;
+        if let Ok(((slot, i), outcome)) = joined {
+            let p = &mut resp.responses[slot].partition_responses[i];
+            *p = partition_response(p.index, outcome, version);
         }
     }
     if acks == 0 {
         return None;
     }
-    let mut resp = ProduceResponse::default();
-    for ((topic, index), (code, base, log_start)) in order.into_iter().zip(results) {
-        let mut p = PartitionProduceResponse::default();
-        p.index = index;
-        p.error_code = code;
-        p.base_offset = base;
-        p.log_append_time_ms = -1;
-        if version >= 5 {
-            p.log_start_offset = log_start;
-        }
-        match resp
-            .responses
-            .iter_mut()
-            .find(|t| t.name.0.as_str() == topic)
-        {
-            Some(t) => t.partition_responses.push(p),
-            None => {
-                let mut t = TopicProduceResponse::default();
-                t.name = kafka_protocol::messages::TopicName(super::s(topic));
-                t.partition_responses.push(p);
-                resp.responses.push(t);
-            }
-        }
-    }
     Some(resp)
+}
+
+/// One partition's answer from (error code, base offset, log start offset).
+fn partition_response(
+    index: i32,
+    outcome: (i16, i64, i64),
+    version: i16,
+) -> PartitionProduceResponse {
+    let (code, base, log_start) = outcome;
+    let mut p = PartitionProduceResponse::default();
+    p.index = index;
+    p.error_code = code;
+    p.base_offset = base;
+    p.log_append_time_ms = -1;
+    if version >= 5 {
+        p.log_start_offset = log_start;
+    }
+    p
 }
 
 /// (error code, base offset of the first batch, log start offset).
