@@ -97,6 +97,15 @@ def test_a_bad_batch_is_refused_in_kafka_terms_and_nothing_is_stored(gateway, un
     assert gateway.metrics().get("sluice_rejected_batches_total", 0) >= 1
 
 
+def test_producers_before_v8_hear_corrupt_message_for_bad_records(gateway, uniq):
+    """INVALID_RECORD exists from Produce v8 on; older versions get CORRUPT_MESSAGE."""
+    addr = ("127.0.0.1", gateway.kafka_port)
+    [(_, _, error, _)] = wire.produce_raw(addr, uniq("old"), 0, unreadable_record(), version=7)
+    assert error == wire.CORRUPT_MESSAGE
+    [(_, _, error, _)] = wire.produce_raw(addr, uniq("new"), 0, unreadable_record(), version=8)
+    assert error == wire.INVALID_RECORD
+
+
 def test_a_hand_made_gzip_batch_is_accepted_and_read_by_rest_and_kafka(gateway, uniq):
     topic = uniq("gz")
     plain = [wire.record(f"value-{i}".encode(), key=b"k", offset_delta=i) for i in range(3)]

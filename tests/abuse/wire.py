@@ -158,8 +158,8 @@ def read_frame(sock: socket.socket, timeout: float = 10.0) -> bytes:
     return exact(size)
 
 
-def produce_errors(frame: bytes) -> list[tuple[str, int, int, int]]:
-    """(topic, partition, error code, base offset) of each partition of a Produce v3..v8
+def produce_errors(frame: bytes, version: int = 8) -> list[tuple[str, int, int, int]]:
+    """(topic, partition, error code, base offset) of each partition of a Produce v5..v8
     response (header v0)."""
     pos = 4  # correlation id
     (topics,) = struct.unpack_from(">i", frame, pos)
@@ -175,23 +175,26 @@ def produce_errors(frame: bytes) -> list[tuple[str, int, int, int]]:
         for _ in range(parts):
             partition, error, base = struct.unpack_from(">ihq", frame, pos)
             pos += 4 + 2 + 8 + 8 + 8  # index, error, base offset, log append time, log start
-            (errs,) = struct.unpack_from(">i", frame, pos)  # v8 record errors
-            pos += 4
-            for _ in range(max(errs, 0)):
+            if version >= 8:
+                (errs,) = struct.unpack_from(">i", frame, pos)  # record errors
                 pos += 4
-                (m,) = struct.unpack_from(">h", frame, pos)
+                for _ in range(max(errs, 0)):
+                    pos += 4
+                    (m,) = struct.unpack_from(">h", frame, pos)
+                    pos += 2 + max(m, 0)
+                (m,) = struct.unpack_from(">h", frame, pos)  # error message
                 pos += 2 + max(m, 0)
-            (m,) = struct.unpack_from(">h", frame, pos)  # v8 error message
-            pos += 2 + max(m, 0)
             out.append((name, partition, error, base))
     return out
 
 
-def produce_raw(host_port: tuple[str, int], topic: str, partition: int, records: bytes, **kw):
-    """Sends one Produce v8 on a new connection; returns its partition results."""
+def produce_raw(
+    host_port: tuple[str, int], topic: str, partition: int, records: bytes, version: int = 8, **kw
+):
+    """Sends one Produce (v5..v8) on a new connection; returns its partition results."""
     with socket.create_connection(host_port, timeout=10) as s:
-        s.sendall(produce_request(topic, partition, records, version=8, **kw))
-        return produce_errors(read_frame(s))
+        s.sendall(produce_request(topic, partition, records, version=version, **kw))
+        return produce_errors(read_frame(s), version)
 
 
 CORRUPT_MESSAGE = 2

@@ -98,7 +98,13 @@ fn partition_response(
     let (code, base, log_start) = outcome;
     let mut p = PartitionProduceResponse::default();
     p.index = index;
-    p.error_code = code;
+    // INVALID_RECORD came with Produce v8 (KIP-467); older clients know the same refusal as
+    // CORRUPT_MESSAGE, which is what Kafka's broker answers them.
+    p.error_code = if code == errors::INVALID_RECORD && version < 8 {
+        errors::CORRUPT_MESSAGE
+    } else {
+        code
+    };
     p.base_offset = base;
     p.log_append_time_ms = -1;
     if version >= 5 {
