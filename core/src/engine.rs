@@ -46,6 +46,9 @@ pub struct EngineConfig {
     /// Most partitions of all topics together: each holds at least one open file, and files
     /// left for connections must not run out later, mid-write.
     pub max_partitions: usize,
+    /// Most named subscriptions (durable cursors, MQTT persistent sessions' included): each
+    /// is a file and an in-memory cursor per partition.
+    pub max_subscriptions: usize,
     /// Policy of topics created without one.
     pub default_policy: TopicPolicy,
     pub writer: WriterSettings,
@@ -66,6 +69,7 @@ impl EngineConfig {
             max_topics: 1000,
             max_partitions_per_topic: 1000,
             max_partitions: 4096,
+            max_subscriptions: 100_000,
             default_policy: TopicPolicy::default(),
             writer: WriterSettings::default(),
             catchup_readers: 4,
@@ -1108,10 +1112,13 @@ impl Engine {
             .map_err(|_| CoreError::ShuttingDown)??;
         for (topic, path, bytes) in found {
             let Some(persisted) = Subscription::parse_persisted(&bytes) else {
-                return Err(CoreError::metadata(&path)(std::io::Error::new(
-                    std::io::ErrorKind::InvalidData,
-                    "not a subscription file",
-                )));
+                // A damaged file must not stop the start: it is set aside for the operator,
+                // and the subscription starts again from its initial position when next used.
+                let aside = path.with_extension("corrupt");
+                warn!(path = %path.display(), aside = %aside.display(), "a subscription file cannot be read; setting it aside");
+                let storage = self.inner.storage.clone();
+                let _ = tokio::task::spawn_blocking(move || storage.rename(&path, &aside)).await;
+                continue;
             };
             let Ok(t) = self.topic(&topic) else {
                 continue;
@@ -1167,6 +1174,19 @@ impl Engine {
                 {
                     Some(sub) => sub,
                     None => {
+                        let max = self.inner.config.max_subscriptions;
+                        if self.inner.subscriptions.len() >= max {
+                            self.inner
+                                .shared
+                                .counters
+                                .refused_subscriptions
+                                .fetch_add(1, Ordering::Relaxed);
+                            return Err(CoreError::LimitReached {
+                                what: "named subscriptions",
+                                limit: max,
+                                key: "topics.max_subscriptions",
+                            });
+                        }
                         let starts: Vec<u64> = t
                             .partitions
                             .iter()
@@ -1403,6 +1423,7 @@ impl Engine {
             rejected_batches: c.rejected_batches.load(Ordering::Relaxed),
             unreadable_batches: c.unreadable_batches.load(Ordering::Relaxed),
             refused_topics: c.refused_topics.load(Ordering::Relaxed),
+            refused_subscriptions: c.refused_subscriptions.load(Ordering::Relaxed),
             retention_deleted_segments: c.retention_deleted_segments.load(Ordering::Relaxed),
             retention_deleted_bytes: c.retention_deleted_bytes.load(Ordering::Relaxed),
             groups: self.group_lags(),

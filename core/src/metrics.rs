@@ -75,6 +75,8 @@ pub(crate) struct EngineCounters {
     pub(crate) unreadable_batches: AtomicU64,
     /// Topic creations refused by `max_topics` or `max_partitions`.
     pub(crate) refused_topics: AtomicU64,
+    /// Named subscriptions refused by `max_subscriptions`.
+    pub(crate) refused_subscriptions: AtomicU64,
     pub(crate) retention_deleted_segments: AtomicU64,
     pub(crate) retention_deleted_bytes: AtomicU64,
 }
@@ -118,6 +120,8 @@ pub struct EngineMetrics {
     pub unreadable_batches: u64,
     /// Topic creations refused because the engine holds its most topics or partitions.
     pub refused_topics: u64,
+    /// Named subscriptions refused because the engine holds its most.
+    pub refused_subscriptions: u64,
     pub retention_deleted_segments: u64,
     pub retention_deleted_bytes: u64,
     /// Committed position and lag per group and partition.

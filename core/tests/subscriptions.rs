@@ -396,3 +396,77 @@ async fn a_waiting_consumer_wakes_when_data_arrives() {
     assert_eq!(got.len(), 1);
     assert_eq!(got[0].record.record.value.as_deref(), Some(&b"late:0"[..]));
 }
+
+#[tokio::test]
+async fn named_subscriptions_past_the_cap_are_refused_and_deleting_makes_room() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = sluice_core::EngineConfig::new(dir.path());
+    config.max_subscriptions = 2;
+    let engine = open_with(
+        config,
+        std::sync::Arc::new(sluice_core::FsStorage),
+        std::sync::Arc::new(sluice_core::SystemClock),
+    )
+    .await;
+    engine.create_topic("t", 1, None).await.unwrap();
+    let a = engine
+        .subscribe("t", "a", options(SubscriptionType::Shared))
+        .await
+        .unwrap();
+    drop(
+        engine
+            .subscribe("t", "b", options(SubscriptionType::Shared))
+            .await
+            .unwrap(),
+    );
+    let refused = engine
+        .subscribe("t", "c", options(SubscriptionType::Shared))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(refused, CoreError::LimitReached { limit: 2, .. }),
+        "{refused}"
+    );
+    assert_eq!(engine.metrics().refused_subscriptions, 1);
+    // Attaching to one that exists is no new subscription.
+    drop(
+        engine
+            .subscribe("t", "a", options(SubscriptionType::Shared))
+            .await
+            .unwrap(),
+    );
+    drop(a);
+    engine.delete_subscription("t", "b").await.unwrap();
+    engine
+        .subscribe("t", "c", options(SubscriptionType::Shared))
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn a_damaged_subscription_file_is_set_aside_and_the_engine_starts() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = open(dir.path()).await;
+    engine.create_topic("t", 1, None).await.unwrap();
+    produce(&engine, "t", &["k"], 3).await;
+    let c = engine
+        .subscribe("t", "s", options(SubscriptionType::Shared))
+        .await
+        .unwrap();
+    let got = c.receive(10, WAIT).await.unwrap();
+    c.ack(&got.iter().map(|m| m.id).collect::<Vec<_>>())
+        .unwrap();
+    drop(c);
+    engine.shutdown().await;
+    drop(engine);
+    let file = dir.path().join("subscriptions").join("t").join("s.json");
+    std::fs::write(&file, b"{ not json").unwrap();
+    let engine = open(dir.path()).await;
+    assert!(dir.path().join("subscriptions/t/s.corrupt").exists());
+    // It starts again from its initial position: nothing acknowledged is assumed.
+    let c = engine
+        .subscribe("t", "s", options(SubscriptionType::Shared))
+        .await
+        .unwrap();
+    assert_eq!(c.receive(10, WAIT).await.unwrap().len(), 3);
+}

@@ -117,6 +117,7 @@ pub(crate) struct TopicsSection {
     pub(crate) max_topics: usize,
     pub(crate) max_partitions_per_topic: u32,
     pub(crate) max_partitions: usize,
+    pub(crate) max_subscriptions: usize,
     pub(crate) defaults: TopicPolicy,
 }
 
@@ -432,8 +433,10 @@ impl Config {
                 t.max_partitions_per_topic, t.default_partitions
             ));
         }
-        if t.max_topics == 0 || t.max_partitions == 0 {
-            return invalid("topics.max_topics and topics.max_partitions must be positive".into());
+        if t.max_topics == 0 || t.max_partitions == 0 || t.max_subscriptions == 0 {
+            return invalid(
+                "topics.max_topics, max_partitions and max_subscriptions must be positive".into(),
+            );
         }
         if let Err(e) = self.topics.defaults.validate() {
             return invalid(format!("topics.defaults: {e}"));
@@ -480,6 +483,7 @@ impl Config {
             max_topics: self.topics.max_topics,
             max_partitions_per_topic: self.topics.max_partitions_per_topic,
             max_partitions: self.topics.max_partitions,
+            max_subscriptions: self.topics.max_subscriptions,
             default_policy: self.topics.defaults.clone(),
             writer: WriterSettings {
                 queue_depth: self.storage.writer_queue_depth,

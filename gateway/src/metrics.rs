@@ -605,6 +605,12 @@ pub(crate) fn render(engine: &EngineMetrics, process: &ProcessStats, ready: bool
         engine.refused_topics,
     );
     o.single(
+        "sluice_subscriptions_refused_total",
+        "counter",
+        "Named subscriptions (MQTT persistent sessions' included) refused at topics.max_subscriptions.",
+        engine.refused_subscriptions,
+    );
+    o.single(
         "sluice_retention_deleted_segments_total",
         "counter",
         "Segments deleted by retention.",
@@ -892,6 +898,7 @@ mod tests {
             rejected_batches: 1,
             unreadable_batches: 0,
             refused_topics: 0,
+            refused_subscriptions: 0,
             groups: vec![sluice_core::GroupLag {
                 group: "analytics \"eu\"".into(),
                 topic: "cams".into(),

@@ -231,7 +231,7 @@ pub(crate) struct Attachment {
     params(("topic" = String, Path, pattern = "^[A-Za-z0-9._-]{1,249}$"), ("subscription" = String, Path, pattern = "^[A-Za-z0-9._-]{1,249}$")),
     request_body(content = Option<AttachRequest>, description = "Optional; an empty body takes the defaults"),
     responses((status = 201, description = "Attached", body = Attachment), (status = 400, description = "Bad parameters", body = ProblemBody, content_type = "application/problem+json"), (status = 404, description = "Unknown topic, partition or record", body = ProblemBody, content_type = "application/problem+json"),
-        (status = 409, description = "An exclusive subscription already has its consumer",
+        (status = 409, description = "An exclusive subscription already has its consumer, or a new subscription would pass topics.max_subscriptions",
             body = ProblemBody, content_type = "application/problem+json"),
         (status = 429, description = "Too many consumers attached; retry after Retry-After seconds",
             body = ProblemBody, content_type = "application/problem+json",
