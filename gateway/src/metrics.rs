@@ -424,6 +424,12 @@ pub(crate) fn render_mqtt(body: &mut String, server: &sluice_mqtt::MqttServer) {
         m.expired.load(Relaxed),
     );
     o.single(
+        "sluice_mqtt_properties_dropped_total",
+        "counter",
+        "Record headers left out of MQTT 5 deliveries: no property can hold them (over 65,535 bytes, a NUL, or past the packet's size).",
+        m.properties_dropped.load(Relaxed),
+    );
+    o.single(
         "sluice_mqtt_auth_failures_total",
         "counter",
         "CONNECTs refused for a wrong or missing user name or password.",

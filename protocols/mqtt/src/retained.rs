@@ -153,7 +153,9 @@ impl Retained {
 fn apply(map: &mut BTreeMap<String, RetainedMsg>, name: &str, r: DecodedRecord) {
     match r.record.value.filter(|v| !v.is_empty()) {
         Some(payload) => {
-            let (props, origin) = message::from_headers(&r.record.headers);
+            // Only the gateway writes this topic, from MQTT publishes whose properties were
+            // all encodable, so nothing is dropped here to count.
+            let (props, origin, _) = message::from_headers(&r.record.headers, payload.len());
             let msg = RetainedMsg {
                 payload,
                 qos: origin.qos.unwrap_or(0),

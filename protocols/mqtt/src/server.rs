@@ -48,6 +48,9 @@ pub struct MqttMetrics {
     pub deliveries_too_large: AtomicU64,
     pub takeovers: AtomicU64,
     pub wills_published: AtomicU64,
+    /// Record headers left out of deliveries because no MQTT 5 property can hold them (a
+    /// name or value past 65,535 bytes, a NUL in a string, or past the packet's size).
+    pub properties_dropped: AtomicU64,
     /// Messages dropped on delivery because their MQTT 5 expiry had passed.
     pub expired: AtomicU64,
     /// CONNECTs refused for a wrong or missing user name or password.

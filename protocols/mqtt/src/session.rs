@@ -43,7 +43,9 @@ use crate::codec::{
 use crate::direct::{Conn, DirectWriter};
 use crate::message::{self, Origin};
 use crate::retained::RetainedMsg;
-use crate::server::{EGRESS_BUDGET, EGRESS_UNIT, LARGE_PAYLOAD, MqttServer, Registered};
+use crate::server::{
+    EGRESS_BUDGET, EGRESS_UNIT, LARGE_PAYLOAD, MqttMetrics, MqttServer, Registered,
+};
 use crate::sessions::{SavedSession, SavedSub};
 use crate::topic;
 
@@ -107,9 +109,10 @@ pub(crate) struct RecordShare {
 }
 
 impl RecordShare {
-    fn new(name: String, record: &DecodedRecord) -> Self {
-        let (props, origin) = message::from_headers(&record.record.headers);
+    fn new(name: String, record: &DecodedRecord, metrics: &MqttMetrics) -> Self {
         let len = record.record.value.as_ref().map_or(0, Bytes::len);
+        let (props, origin, dropped) = message::from_headers(&record.record.headers, len);
+        count_dropped_properties(metrics, dropped);
         let header = |version, props: &Props| {
             let mut out = BytesMut::with_capacity(64 + name.len());
             codec::publish_header(version, &name, 0, false, 0, props, None, len, &mut out);
@@ -129,6 +132,15 @@ impl RecordShare {
             origin,
             plain,
         }
+    }
+}
+
+/// Counts headers left out of a delivery because no MQTT 5 property could hold them.
+fn count_dropped_properties(metrics: &MqttMetrics, dropped: usize) {
+    if dropped > 0 {
+        metrics
+            .properties_dropped
+            .fetch_add(dropped as u64, Ordering::Relaxed);
     }
 }
 
@@ -1607,7 +1619,9 @@ impl<S: Conn> Session<'_, S> {
         let (name, props, origin) = match &d.source {
             Source::Shared(s) => (&*s.name, &s.props, &s.origin),
             Source::Named(name) => {
-                parsed = message::from_headers(&d.record.record.headers);
+                let len = d.record.record.value.as_ref().map_or(0, Bytes::len);
+                parsed = message::from_headers(&d.record.record.headers, len);
+                count_dropped_properties(&self.server.metrics, parsed.2);
                 (&**name, &parsed.0, &parsed.1)
             }
         };
@@ -1910,7 +1924,7 @@ impl Feed {
                 .server
                 .routes
                 .name_for(&self.ledger_topic, r.record.key.as_deref());
-            Arc::new(RecordShare::new(name, r))
+            Arc::new(RecordShare::new(name, r, &self.server.metrics))
         })
     }
 
@@ -2084,7 +2098,7 @@ mod tests {
                 headers: message::to_headers(props, &origin),
             },
         };
-        let share = RecordShare::new("cars/1".into(), &record(&props));
+        let share = RecordShare::new("cars/1".into(), &record(&props), &MqttMetrics::default());
         for (slot, version, p) in [
             (0, Version::V4, Props::default()),
             (1, Version::V5, props.clone()),
@@ -2100,7 +2114,7 @@ mod tests {
             ..props
         };
         assert_eq!(
-            RecordShare::new("cars/1".into(), &record(&expiring)).plain,
+            RecordShare::new("cars/1".into(), &record(&expiring), &MqttMetrics::default()).plain,
             [None, None]
         );
     }

@@ -1,0 +1,205 @@
+"""MQTT output limits and state durability under hostile or unlucky input (hardening rules 3, 8
+and 9): what the MQTT side of the gateway sends stays well-formed whatever other protocols
+stored, QoS 2 exactly-once holds across a reconnect, a retained message is current only once
+durable, and start-up survives unreadable state records.
+
+Raw MQTT sockets throughout: the checks are on the exact bytes the gateway sends.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+
+from harness import WAIT_S, Gateway, recv_exact, unique
+
+# ---- raw MQTT packets (as tests/mqtt/conftest.py builds them) ---------------------------------
+
+
+def encode_varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        out.append(b | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def mqtt_str(s: str | bytes) -> bytes:
+    b = s.encode() if isinstance(s, str) else s
+    return struct.pack(">H", len(b)) + b
+
+
+def packet(first_byte: int, body: bytes) -> bytes:
+    return bytes([first_byte]) + encode_varint(len(body)) + body
+
+
+def connect_v5(client_id: str, clean: bool = True, session_expiry: int = 0) -> bytes:
+    props = b""
+    if session_expiry:
+        props += b"\x11" + struct.pack(">I", session_expiry)
+    body = mqtt_str("MQTT") + bytes([5, 0x02 if clean else 0]) + struct.pack(">H", 60)
+    body += encode_varint(len(props)) + props + mqtt_str(client_id)
+    return packet(0x10, body)
+
+
+def connect_v4(client_id: str, clean: bool = True) -> bytes:
+    body = mqtt_str("MQTT") + bytes([4, 0x02 if clean else 0]) + struct.pack(">H", 60)
+    return packet(0x10, body + mqtt_str(client_id))
+
+
+def subscribe_v5(topic_filter: str, qos: int, packet_id: int = 1) -> bytes:
+    body = struct.pack(">H", packet_id) + b"\x00" + mqtt_str(topic_filter) + bytes([qos])
+    return packet(0x82, body)
+
+
+def publish(topic: str, payload: bytes, qos: int = 0, packet_id: int = 1, dup: bool = False, retain: bool = False, version: int = 4) -> bytes:
+    body = mqtt_str(topic)
+    if qos:
+        body += struct.pack(">H", packet_id)
+    if version == 5:
+        body += b"\x00"
+    first = 0x30 | (0x08 if dup else 0) | (qos << 1) | (1 if retain else 0)
+    return packet(first, body + payload)
+
+
+def read_packet(sock: socket.socket, timeout: float = WAIT_S) -> tuple[int, bytes]:
+    """One packet: (first byte, body). Raises ConnectionError on close, socket.timeout on time."""
+    deadline = time.monotonic() + timeout
+    first = recv_exact(sock, 1, deadline)[0]
+    length, shift = 0, 0
+    for _ in range(4):
+        b = recv_exact(sock, 1, deadline)[0]
+        length |= (b & 0x7F) << shift
+        shift += 7
+        if not b & 0x80:
+            break
+    else:
+        raise AssertionError("malformed remaining length from the server")
+    return first, recv_exact(sock, length, deadline)
+
+
+def read_varint(buf: bytes, i: int) -> tuple[int, int]:
+    n, shift = 0, 0
+    while True:
+        b = buf[i]
+        i += 1
+        n |= (b & 0x7F) << shift
+        shift += 7
+        if not b & 0x80:
+            return n, i
+
+
+def parse_props(block: bytes) -> list[tuple[int, object]]:
+    """MQTT 5 publish properties, strictly: any length running past the block fails."""
+    out, i = [], 0
+
+    def string(i):
+        n = struct.unpack_from(">H", block, i)[0]
+        assert i + 2 + n <= len(block), "a property string runs past the property block"
+        return block[i + 2 : i + 2 + n], i + 2 + n
+
+    while i < len(block):
+        ident = block[i]
+        i += 1
+        if ident == 0x01:
+            out.append((ident, block[i]))
+            i += 1
+        elif ident == 0x02:
+            out.append((ident, struct.unpack_from(">I", block, i)[0]))
+            i += 4
+        elif ident in (0x03, 0x08, 0x09):
+            v, i = string(i)
+            out.append((ident, v))
+        elif ident == 0x0B:
+            v, i = read_varint(block, i)
+            out.append((ident, v))
+        elif ident == 0x26:
+            k, i = string(i)
+            v, i = string(i)
+            out.append((ident, (k.decode(), v.decode())))
+        else:
+            raise AssertionError(f"unexpected property identifier {ident:#x} in a PUBLISH")
+    assert i == len(block), "properties overran their block"
+    return out
+
+
+def parse_publish_v5(first: int, body: bytes) -> tuple[str, list, bytes]:
+    """(topic, properties, payload) of an MQTT 5 PUBLISH."""
+    assert first >> 4 == 3, f"expected a PUBLISH, got packet type {first >> 4}"
+    n = struct.unpack_from(">H", body)[0]
+    topic = body[2 : 2 + n].decode()
+    i = 2 + n
+    if (first >> 1) & 3:
+        i += 2
+    plen, i = read_varint(body, i)
+    props = parse_props(body[i : i + plen])
+    return topic, props, body[i + plen :]
+
+
+def connected(gw: Gateway, connect: bytes) -> socket.socket:
+    sock = socket.create_connection(gw.mqtt_addr, timeout=WAIT_S)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.sendall(connect)
+    first, body = read_packet(sock)
+    assert first == 0x20 and body[1] == 0, f"CONNACK refused: {first:#x} {body!r}"
+    return sock
+
+
+def subscribed(sock: socket.socket, topic_filter: str, qos: int) -> None:
+    sock.sendall(subscribe_v5(topic_filter, qos))
+    first, body = read_packet(sock)
+    assert first == 0x90 and body[-1] == qos, f"SUBACK: {first:#x} {body!r}"
+
+
+def still_connected(sock: socket.socket) -> None:
+    """A PINGREQ is answered: the connection was not closed for a protocol error."""
+    sock.sendall(b"\xc0\x00")
+    first, _ = read_packet(sock)
+    assert first == 0xD0, f"expected PINGRESP, got {first:#x}"
+
+
+def wait_metric(gw: Gateway, name: str, at_least: float, timeout: float = WAIT_S) -> float:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = gw.metrics().get(name, 0.0)
+        if value >= at_least or time.monotonic() >= deadline:
+            return value
+        time.sleep(0.05)
+
+
+# ---- 8: MQTT 5 properties that no packet can hold --------------------------------------------
+
+
+def test_a_header_too_long_for_a_property_is_left_out_of_the_delivery(gateway):
+    """A Kafka record in `mqtt` with a 65,600-byte header: each MQTT 5 subscriber (live QoS 0
+    and a persistent session's QoS 1) gets the message with its other properties, well formed,
+    and stays connected; the left-out header is counted."""
+    name = f"hardz/{unique('big')}"
+    live = connected(gateway, connect_v5(unique("live")))
+    subscribed(live, "hardz/#", 0)
+    durable = connected(gateway, connect_v5(unique("durable"), clean=False, session_expiry=300))
+    subscribed(durable, "hardz/#", 1)
+
+    gateway.produce(
+        "mqtt",
+        [
+            {
+                "key": name.encode(),
+                "value": b"payload",
+                "headers": [("big", b"x" * 65_600), ("site", b"north")],
+            }
+        ],
+    )
+    for sock in (live, durable):
+        first, body = read_packet(sock)
+        topic, props, payload = parse_publish_v5(first, body)
+        assert (topic, payload) == (name, b"payload")
+        assert props == [(0x26, ("site", "north"))]
+        if (first >> 1) & 3:
+            pkid = struct.unpack_from(">H", body, 2 + len(name))[0]
+            sock.sendall(packet(0x40, struct.pack(">H", pkid)))
+        still_connected(sock)
+    assert wait_metric(gateway, "sluice_mqtt_properties_dropped_total", 2) >= 2
