@@ -819,6 +819,18 @@ pub(crate) fn render_rest(body: &mut String, m: &sluice_rest::RestMetrics) {
             &m.sse_streams,
         ),
         (
+            "sluice_rest_fetches_capped_total",
+            "counter",
+            "REST fetches whose max_bytes was over http.max_fetch_bytes and were capped to it.",
+            &m.fetches_capped,
+        ),
+        (
+            "sluice_http_websocket_origins_refused_total",
+            "counter",
+            "WebSocket handshakes (live streams, MQTT over WebSocket) refused with 403 for their Origin.",
+            &m.websocket_origins_refused,
+        ),
+        (
             "sluice_rest_records_streamed_total",
             "counter",
             "Records sent on WebSocket and SSE streams.",
