@@ -203,3 +203,74 @@ def test_a_header_too_long_for_a_property_is_left_out_of_the_delivery(gateway):
             sock.sendall(packet(0x40, struct.pack(">H", pkid)))
         still_connected(sock)
     assert wait_metric(gateway, "sluice_mqtt_properties_dropped_total", 2) >= 2
+
+
+# ---- 9: QoS 2 exactly-once across a reconnect of a persistent session ------------------------
+
+
+def count_in_ledger(gw: Gateway, name: str, payload: bytes) -> int:
+    """How many records of `mqtt` carry `payload` under key `name`, read up to a marker
+    published after them under the same key (so in the same partition, after them)."""
+    marker = unique("marker").encode()
+    sock = connected(gw, connect_v4(unique("marker")))
+    sock.sendall(publish(name, marker, qos=1, packet_id=1))
+    first, _ = read_packet(sock)
+    assert first == 0x40, f"expected the marker's PUBACK, got {first:#x}"
+    sock.close()
+    from confluent_kafka import OFFSET_BEGINNING, TopicPartition
+
+    parts = gw.admin().list_topics("mqtt", timeout=WAIT_S).topics["mqtt"].partitions
+    consumer = gw.consumer()
+    consumer.assign([TopicPartition("mqtt", p, OFFSET_BEGINNING) for p in parts])
+    seen, deadline = 0, time.monotonic() + 30
+    while time.monotonic() < deadline:
+        m = consumer.poll(0.5)
+        if m is None or m.error() or m.key() != name.encode():
+            continue
+        if m.value() == marker:
+            return seen
+        seen += m.value() == payload
+    raise AssertionError("the marker never arrived")
+
+
+def publish_qos2_and_drop(gw: Gateway, client_id: str, name: str, payload: bytes, pkid: int) -> None:
+    """A persistent MQTT 3.1.1 session sends PUBLISH QoS 2, gets PUBREC, and its connection
+    drops before it sends PUBREL."""
+    sock = connected(gw, connect_v4(client_id, clean=False))
+    sock.sendall(publish(name, payload, qos=2, packet_id=pkid))
+    first, body = read_packet(sock)
+    assert (first, body) == (0x50, struct.pack(">H", pkid)), f"expected PUBREC: {first:#x} {body!r}"
+    sock.close()
+
+
+def resend_and_release(gw: Gateway, client_id: str, name: str, payload: bytes, pkid: int) -> None:
+    """The session comes back, resends the PUBLISH with DUP, and completes the exchange."""
+    sock = connected(gw, connect_v4(client_id, clean=False))
+    sock.sendall(publish(name, payload, qos=2, packet_id=pkid, dup=True))
+    first, body = read_packet(sock)
+    assert (first, body) == (0x50, struct.pack(">H", pkid)), f"expected PUBREC: {first:#x} {body!r}"
+    sock.sendall(packet(0x62, struct.pack(">H", pkid)))
+    first, body = read_packet(sock)
+    assert (first, body) == (0x70, struct.pack(">H", pkid)), f"expected PUBCOMP: {first:#x} {body!r}"
+    sock.sendall(b"\xe0\x00")
+    sock.close()
+
+
+def test_a_qos2_resend_after_a_reconnect_is_stored_once(gateway):
+    client_id, name, payload = unique("q2"), f"hardz/{unique('q2')}", b"exactly-once"
+    publish_qos2_and_drop(gateway, client_id, name, payload, 7)
+    resend_and_release(gateway, client_id, name, payload, 7)
+    assert count_in_ledger(gateway, name, payload) == 1
+
+
+def test_a_qos2_resend_after_a_gateway_restart_is_stored_once(gateway):
+    client_id, name, payload = unique("q2"), f"hardz/{unique('q2')}", b"exactly-once"
+    publish_qos2_and_drop(gateway, client_id, name, payload, 9)
+    # The session record is written as its connection ends; a restart waits for that.
+    deadline = time.monotonic() + WAIT_S
+    while gateway.metrics().get("sluice_mqtt_connections_open", 0) > 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    gateway.close_clients()
+    gateway.restart()
+    resend_and_release(gateway, client_id, name, payload, 9)
+    assert count_in_ledger(gateway, name, payload) == 1

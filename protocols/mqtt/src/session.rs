@@ -46,7 +46,7 @@ use crate::retained::RetainedMsg;
 use crate::server::{
     EGRESS_BUDGET, EGRESS_UNIT, LARGE_PAYLOAD, MqttMetrics, MqttServer, Registered,
 };
-use crate::sessions::{SavedSession, SavedSub};
+use crate::sessions::{AwaitingRelease, SavedSession, SavedSub};
 use crate::topic;
 
 /// Records a subscription may have queued toward its connection before its forwarders wait.
@@ -343,8 +343,10 @@ struct Session<'a, S> {
     /// A TCP connection's receive mark, raised while it owes only PUBACKs.
     held: Option<HeldAcks>,
     next_pkid: u16,
-    /// QoS 2 publishes received (PUBREC sent) and not yet released.
-    qos2_in: std::collections::HashSet<u16>,
+    /// QoS 2 publishes received (PUBREC sent) and not yet released. A persistent session's
+    /// set is the session's (see `Sessions::awaiting_release`): shared with a connection that
+    /// takes this one over and saved with the session record.
+    qos2_in: AwaitingRelease,
     aliases: HashMap<u16, String>,
     /// Publishes queued for the ledger, in arrival order, awaiting durability.
     pending: VecDeque<PendingPublish>,
@@ -546,7 +548,7 @@ pub(crate) async fn run<S: Conn>(
         qos2_out: 0,
         held: fd.map(|fd| HeldAcks::new(fd, Duration::from_secs(u64::from(connect.keep_alive)))),
         next_pkid: 0,
-        qos2_in: std::collections::HashSet::new(),
+        qos2_in: AwaitingRelease::default(),
         aliases: HashMap::new(),
         pending: VecDeque::new(),
         pending_bytes: 0,
@@ -582,6 +584,9 @@ pub(crate) async fn run<S: Conn>(
     // After a takeover the session belongs to the newer connection, which may have cleared it.
     if s.persistent && !taken_over {
         s.save_session(Some(server.engine.now_ms())).await;
+    } else if !taken_over {
+        // The session ends with its connection.
+        server.sessions.forget_awaiting_release(&s.client_id);
     }
     // Dropping the subscriptions stops their feeds; durable ones keep their cursors.
     s.subs.clear();
@@ -695,6 +700,12 @@ impl<S: Conn> Session<'_, S> {
             }
             None => None,
         };
+        // A resumed session keeps the QoS 2 publishes it had not seen released, so a resend
+        // with DUP is answered without storing the message twice (MQTT 5 §4.3.3).
+        self.qos2_in = self.server.sessions.awaiting_release(
+            &self.client_id,
+            resumed.as_ref().map(|s| s.awaiting_release.as_slice()),
+        );
         if self.persistent && resumed.is_none() {
             // Durable before CONNACK: a client that reconnects right after it (or a takeover
             // racing this connection) must find the session it was told about.
@@ -782,6 +793,7 @@ impl<S: Conn> Session<'_, S> {
             subs: self.subs.values().map(|s| s.saved.clone()).collect(),
             expiry_secs: self.expiry_secs,
             disconnected_at_ms,
+            awaiting_release: self.qos2_in.lock().iter().copied().collect(),
         };
         if let Err(e) = self
             .server
@@ -1137,7 +1149,7 @@ impl<S: Conn> Session<'_, S> {
                 self.flush().await?;
             }
             In::PubRel(pkid) => {
-                let known = self.qos2_in.remove(&pkid);
+                let known = self.qos2_in.lock().remove(&pkid);
                 let code = if known {
                     reason::SUCCESS
                 } else {
@@ -1221,7 +1233,7 @@ impl<S: Conn> Session<'_, S> {
                 .await
                 .map(|()| None);
         }
-        if p.qos == 2 && self.qos2_in.contains(&p.pkid) {
+        if p.qos == 2 && self.qos2_in.lock().contains(&p.pkid) {
             // The client resent a QoS 2 publish we already stored: only the PUBREC again.
             codec::ack(
                 self.version,
@@ -1239,7 +1251,7 @@ impl<S: Conn> Session<'_, S> {
         };
         if p.qos == 2 {
             // Known from now on, so a resend while the append is pending is not stored twice.
-            self.qos2_in.insert(p.pkid);
+            self.qos2_in.lock().insert(p.pkid);
         }
         let done = queue(self.server, &p.topic, p.payload.clone(), &origin, &p.props).await;
         self.track(p.pkid, p.qos, p.payload.len(), done);
@@ -1378,7 +1390,7 @@ impl<S: Conn> Session<'_, S> {
             (Ok(()), 2) => Ack::Pubrec,
             (Ok(()), _) => return Ok(()),
             (Err(code), qos) => {
-                self.qos2_in.remove(&done.pkid);
+                self.qos2_in.lock().remove(&done.pkid);
                 return self.refusal(done.pkid, qos, code);
             }
         };
