@@ -3,6 +3,8 @@
 //! properties; an empty value clears). Replayed at start, so they survive restarts.
 
 use std::collections::BTreeMap;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -11,6 +13,7 @@ use sluice_core::{
     CoreError, DecodedRecord, Engine, LiveOptions, PartitionChoice, PendingAck, Record, SlowPolicy,
     StartAt,
 };
+use tokio::sync::{mpsc, oneshot};
 use tracing::warn;
 
 use crate::codec::Props;
@@ -31,12 +34,29 @@ pub(crate) struct RetainedMsg {
     pub(crate) published_ms: i64,
 }
 
+type Map = Arc<RwLock<BTreeMap<String, RetainedMsg>>>;
+
+/// A retained write queued for the ledger, to apply to the map once durable.
+#[derive(Debug)]
+struct Queued {
+    name: String,
+    msg: RetainedMsg,
+    ack: PendingAck,
+    done: oneshot::Sender<Result<(), CoreError>>,
+}
+
+/// Resolves once a retained write is durable (and current), or with why it is not.
+pub(crate) type Durable = Pin<Box<dyn Future<Output = Result<(), CoreError>> + Send>>;
+
 #[derive(Debug)]
 pub(crate) struct Retained {
     engine: Engine,
-    map: RwLock<BTreeMap<String, RetainedMsg>>,
-    /// Held while a write is queued and applied, so records and map agree on the order.
+    map: Map,
+    /// Held while a write is queued and handed to the applier, so records and applications
+    /// have one order.
     writing: tokio::sync::Mutex<()>,
+    /// To the task that applies queued writes to the map, in queue order, each once durable.
+    applier: mpsc::UnboundedSender<Queued>,
 }
 
 impl Retained {
@@ -44,11 +64,19 @@ impl Retained {
     pub(crate) async fn load(engine: Engine) -> Result<Self, CoreError> {
         let mut map = BTreeMap::new();
         state::replay(&engine, RETAINED_TOPIC, |name, r| apply(&mut map, name, r)).await?;
-        Ok(Self {
+        Ok(Self::new(engine, map))
+    }
+
+    fn new(engine: Engine, map: BTreeMap<String, RetainedMsg>) -> Self {
+        let map = Arc::new(RwLock::new(map));
+        let (applier, queued) = mpsc::unbounded_channel();
+        tokio::spawn(apply_when_durable(map.clone(), queued));
+        Self {
             engine,
-            map: RwLock::new(map),
+            map,
             writing: tokio::sync::Mutex::new(()),
-        })
+            applier,
+        }
     }
 
     /// A relay's retained messages: the topic is the upstream's, mirrored into the local
@@ -65,11 +93,7 @@ impl Retained {
                 max_lag: 1 << 20,
             },
         )?;
-        let this = Arc::new(Self {
-            engine,
-            map: RwLock::new(BTreeMap::new()),
-            writing: tokio::sync::Mutex::new(()),
-        });
+        let this = Arc::new(Self::new(engine, BTreeMap::new()));
         let weak = Arc::downgrade(&this);
         tokio::spawn(async move {
             loop {
@@ -101,14 +125,11 @@ impl Retained {
     }
 
     /// Queues the durable record storing (or, with an empty payload, clearing) the retained
-    /// message of `name`, and makes it current at once, so a subscriber arriving after its
-    /// live delivery gets it too (as with Mosquitto). Writes are serialized, so the last one
-    /// queued is both the current message and the last record, which wins at replay.
-    pub(crate) async fn queue(
-        &self,
-        name: &str,
-        msg: RetainedMsg,
-    ) -> Result<PendingAck, CoreError> {
+    /// message of `name`; it becomes current once durable, so no subscriber is handed a
+    /// retained message that a crash could still take back. Writes are queued and applied in
+    /// one order, so the current message is always the last durable record, which wins at
+    /// replay. The returned future resolves once it is current.
+    pub(crate) async fn queue(&self, name: &str, msg: RetainedMsg) -> Result<Durable, CoreError> {
         let origin = message::Origin {
             client: None,
             qos: Some(msg.qos),
@@ -125,13 +146,19 @@ impl Retained {
             .engine
             .produce_queued(RETAINED_TOPIC, PartitionChoice::Id(0), &[record])
             .await?;
-        let mut map = self.map.write();
-        if msg.payload.is_empty() {
-            map.remove(name);
-        } else {
-            map.insert(name.to_owned(), msg);
+        let (done, applied) = oneshot::channel();
+        let queued = Queued {
+            name: name.to_owned(),
+            msg,
+            ack,
+            done,
+        };
+        if self.applier.send(queued).is_err() {
+            return Err(CoreError::ShuttingDown);
         }
-        Ok(ack)
+        Ok(Box::pin(async move {
+            applied.await.unwrap_or(Err(CoreError::ShuttingDown))
+        }))
     }
 
     /// Retained messages whose names match `filter`.
@@ -146,6 +173,23 @@ impl Retained {
 
     pub(crate) fn len(&self) -> usize {
         self.map.read().len()
+    }
+}
+
+/// Applies queued writes to the map in queue order, each once its record is durable; a write
+/// the ledger refused leaves the map as it was. Ends when the [`Retained`] goes.
+async fn apply_when_durable(map: Map, mut queued: mpsc::UnboundedReceiver<Queued>) {
+    while let Some(q) = queued.recv().await {
+        let stored = q.ack.await.map(|_| ());
+        if stored.is_ok() {
+            let mut map = map.write();
+            if q.msg.payload.is_empty() {
+                map.remove(&q.name);
+            } else {
+                map.insert(q.name, q.msg);
+            }
+        }
+        let _ = q.done.send(stored);
     }
 }
 

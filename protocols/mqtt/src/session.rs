@@ -1838,7 +1838,7 @@ async fn queue(
 fn stored(
     topic: &str,
     queued: Result<sluice_core::PendingAck, CoreError>,
-    retained: Option<sluice_core::PendingAck>,
+    retained: Option<crate::retained::Durable>,
 ) -> PendingStore {
     let ack = match queued {
         Ok(ack) => ack,
