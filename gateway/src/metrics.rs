@@ -435,6 +435,12 @@ pub(crate) fn render_mqtt(body: &mut String, server: &sluice_mqtt::MqttServer) {
         "CONNECTs refused for a wrong or missing user name or password.",
         m.auth_failures.load(Relaxed),
     );
+    o.single(
+        "sluice_mqtt_state_unreadable_total",
+        "counter",
+        "Batches or records of __mqtt_retained and __mqtt_sessions skipped at start because they could not be read (each logged with its offset).",
+        m.state_unreadable.load(Relaxed),
+    );
     *body = o.0;
 }
 

@@ -60,11 +60,16 @@ pub(crate) struct Retained {
 }
 
 impl Retained {
-    /// Creates the topic if needed (kept forever, one partition) and replays it.
-    pub(crate) async fn load(engine: Engine) -> Result<Self, CoreError> {
+    /// Creates the topic if needed (kept forever, one partition) and replays it; also returns
+    /// how many records could not be read and were skipped.
+    pub(crate) async fn load(engine: Engine) -> Result<(Self, u64), CoreError> {
         let mut map = BTreeMap::new();
-        state::replay(&engine, RETAINED_TOPIC, |name, r| apply(&mut map, name, r)).await?;
-        Ok(Self::new(engine, map))
+        let skipped = state::replay(&engine, RETAINED_TOPIC, |name, r| {
+            apply(&mut map, name, r);
+            true
+        })
+        .await?;
+        Ok((Self::new(engine, map), skipped))
     }
 
     fn new(engine: Engine, map: BTreeMap<String, RetainedMsg>) -> Self {

@@ -55,6 +55,9 @@ pub struct MqttMetrics {
     pub expired: AtomicU64,
     /// CONNECTs refused for a wrong or missing user name or password.
     pub auth_failures: AtomicU64,
+    /// Batches or records of `__mqtt_retained` and `__mqtt_sessions` skipped at start because
+    /// they could not be read (each logged with its offset).
+    pub state_unreadable: AtomicU64,
 }
 
 /// Packet counts by MQTT control packet type (the high nibble of the fixed header).
@@ -152,8 +155,8 @@ fn limit_unsent<S: std::os::fd::AsRawFd>(stream: &S) {
 impl MqttServer {
     /// Builds the server: validates the routes and replays the retained messages.
     pub async fn new(engine: Engine, settings: MqttSettings) -> Result<Arc<Self>, CoreError> {
-        let retained = Arc::new(Retained::load(engine.clone()).await?);
-        Self::build(engine, settings, retained, None).await
+        let (retained, skipped) = Retained::load(engine.clone()).await?;
+        Self::build(engine, settings, Arc::new(retained), None, skipped).await
     }
 
     /// Builds a relay's server: `engine` mirrors the upstream's topics (see
@@ -166,7 +169,7 @@ impl MqttServer {
         upstream: Arc<Upstream>,
     ) -> Result<Arc<Self>, CoreError> {
         let retained = Retained::mirrored(engine.clone()).await?;
-        Self::build(engine, settings, retained, Some(upstream)).await
+        Self::build(engine, settings, retained, Some(upstream), 0).await
     }
 
     async fn build(
@@ -174,10 +177,15 @@ impl MqttServer {
         settings: MqttSettings,
         retained: Arc<Retained>,
         upstream: Option<Arc<Upstream>>,
+        retained_unreadable: u64,
     ) -> Result<Arc<Self>, CoreError> {
         let routes = Routes::new(settings.routes.clone(), &settings.default_topic)
             .map_err(|reason| CoreError::InvalidPolicy { reason })?;
-        let sessions = Sessions::load(engine.clone()).await?;
+        let (sessions, sessions_unreadable) = Sessions::load(engine.clone()).await?;
+        let metrics = MqttMetrics {
+            state_unreadable: AtomicU64::new(retained_unreadable + sessions_unreadable),
+            ..MqttMetrics::default()
+        };
         if retained.len() > 0 || sessions.len() > 0 {
             info!(
                 retained = retained.len(),
@@ -196,7 +204,7 @@ impl MqttServer {
             pending_wills: DashMap::new(),
             next_connection: AtomicU64::new(1),
             egress: tokio::sync::Semaphore::new(EGRESS_BUDGET / EGRESS_UNIT),
-            metrics: MqttMetrics::default(),
+            metrics,
         }))
     }
 

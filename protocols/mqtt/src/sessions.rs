@@ -65,25 +65,31 @@ pub(crate) struct Sessions {
 }
 
 impl Sessions {
-    pub(crate) async fn load(engine: Engine) -> Result<Self, CoreError> {
+    /// Replays the sessions topic; also returns how many records could not be read and were
+    /// skipped (a value that is not a session leaves the session as it was).
+    pub(crate) async fn load(engine: Engine) -> Result<(Self, u64), CoreError> {
         let mut map = BTreeMap::new();
-        state::replay(&engine, SESSIONS_TOPIC, |id, r| {
-            match r
-                .record
-                .value
-                .as_ref()
-                .and_then(|v| serde_json::from_slice(v).ok())
-            {
-                Some(s) => map.insert(id.to_owned(), s),
-                None => map.remove(id),
-            };
+        let skipped = state::replay(&engine, SESSIONS_TOPIC, |id, r| {
+            match r.record.value.as_deref() {
+                None | Some([]) => {
+                    map.remove(id);
+                }
+                Some(v) => match serde_json::from_slice(v) {
+                    Ok(s) => {
+                        map.insert(id.to_owned(), s);
+                    }
+                    Err(_) => return false,
+                },
+            }
+            true
         })
         .await?;
-        Ok(Self {
+        let sessions = Self {
             engine,
             map: RwLock::new(map),
             awaiting: DashMap::new(),
-        })
+        };
+        Ok((sessions, skipped))
     }
 
     pub(crate) fn get(&self, client_id: &str) -> Option<SavedSession> {
