@@ -436,6 +436,12 @@ pub(crate) fn render_mqtt(body: &mut String, server: &sluice_mqtt::MqttServer) {
         m.auth_failures.load(Relaxed),
     );
     o.single(
+        "sluice_mqtt_sessions_expired_total",
+        "counter",
+        "Persistent MQTT sessions removed by the background sweep after their expiry passed.",
+        m.sessions_expired.load(Relaxed),
+    );
+    o.single(
         "sluice_mqtt_state_unreadable_total",
         "counter",
         "Batches or records of __mqtt_retained and __mqtt_sessions skipped at start because they could not be read (each logged with its offset).",

@@ -310,3 +310,29 @@ def test_an_unreadable_state_record_is_skipped_at_start(gateway):
     m = gateway.metrics()
     assert m.get("sluice_mqtt_state_unreadable_total") == 1
     assert m.get("sluice_mqtt_retained_messages") == 2
+
+
+def test_an_expired_session_is_swept_in_the_background(gateway_factory):
+    """A persistent MQTT 5 session with a one-second expiry whose client never returns is
+    removed by the sweep: its record (a tombstone, so a restart does not bring it back) and its
+    durable cursor."""
+    import json
+
+    gw = gateway_factory(env={"SLUICE_MQTT__SESSION_SWEEP_INTERVAL_MS": "100"})
+    sock = connected(gw, connect_v5(unique("gone"), clean=True, session_expiry=1))
+    subscribed(sock, "hardz/sweep/#", 1)
+    status, body = gw.http_get("/topics/mqtt/subscriptions")
+    assert status == 200 and len(json.loads(body)["subscriptions"]) == 1, body
+    sock.sendall(b"\xe0\x00")
+    sock.close()
+
+    deadline = time.monotonic() + 30
+    while gw.metrics().get("sluice_mqtt_sessions_expired_total", 0) < 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    m = gw.metrics()
+    assert m.get("sluice_mqtt_sessions_expired_total") == 1
+    assert m.get("sluice_mqtt_sessions") == 0
+    status, body = gw.http_get("/topics/mqtt/subscriptions")
+    assert status == 200 and json.loads(body)["subscriptions"] == [], body
+    gw.restart()
+    assert gw.metrics().get("sluice_mqtt_sessions") == 0

@@ -77,6 +77,8 @@ pub struct MqttSettings {
     pub routes: Vec<Route>,
     /// Users allowed to connect, as `name = "sha256:<hex>"`; empty: no authentication.
     pub users: BTreeMap<String, String>,
+    /// How often persistent sessions whose expiry has passed are removed (ms).
+    pub session_sweep_interval_ms: u64,
 }
 
 /// Entry point for fuzzing the packet decoder: a CONNECT (to pick the version) followed by any

@@ -55,6 +55,8 @@ pub struct MqttMetrics {
     pub expired: AtomicU64,
     /// CONNECTs refused for a wrong or missing user name or password.
     pub auth_failures: AtomicU64,
+    /// Persistent sessions removed by the sweep because their expiry had passed.
+    pub sessions_expired: AtomicU64,
     /// Batches or records of `__mqtt_retained` and `__mqtt_sessions` skipped at start because
     /// they could not be read (each logged with its offset).
     pub state_unreadable: AtomicU64,
@@ -152,6 +154,40 @@ fn limit_unsent<S: std::os::fd::AsRawFd>(stream: &S) {
     );
 }
 
+/// Removes expired persistent sessions every `every` (their record, then their cursors) for as
+/// long as the server lives; without it a client that never returns keeps its session, and
+/// its durable cursors hold the log, forever.
+async fn sweep_sessions(server: std::sync::Weak<MqttServer>, every: Duration) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let Some(server) = server.upgrade() else {
+            return;
+        };
+        let now = server.engine.now_ms();
+        let swept = match server
+            .sessions
+            .sweep(now, |id| server.clients.contains_key(id))
+            .await
+        {
+            Ok(swept) => swept,
+            Err(e) => {
+                warn!(error = %e, "sweeping expired mqtt sessions failed");
+                continue;
+            }
+        };
+        for (client_id, saved) in &swept {
+            session::delete_cursors(&server, client_id, saved).await;
+            debug!(client = client_id, "expired mqtt session removed");
+        }
+        server
+            .metrics
+            .sessions_expired
+            .fetch_add(swept.len() as u64, Ordering::Relaxed);
+    }
+}
+
 impl MqttServer {
     /// Builds the server: validates the routes and replays the retained messages.
     pub async fn new(engine: Engine, settings: MqttSettings) -> Result<Arc<Self>, CoreError> {
@@ -193,7 +229,8 @@ impl MqttServer {
                 "mqtt state recovered"
             );
         }
-        Ok(Arc::new(Self {
+        let sweep_every = Duration::from_millis(settings.session_sweep_interval_ms.max(1));
+        let server = Arc::new(Self {
             engine,
             settings,
             routes,
@@ -205,7 +242,12 @@ impl MqttServer {
             next_connection: AtomicU64::new(1),
             egress: tokio::sync::Semaphore::new(EGRESS_BUDGET / EGRESS_UNIT),
             metrics,
-        }))
+        });
+        // A relay keeps no sessions of its own: the upstream's sweep removes them.
+        if server.upstream.is_none() {
+            tokio::spawn(sweep_sessions(Arc::downgrade(&server), sweep_every));
+        }
+        Ok(server)
     }
 
     /// Retained messages held.

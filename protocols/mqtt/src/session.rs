@@ -766,23 +766,7 @@ impl<S: Conn> Session<'_, S> {
 
     /// Deletes a discarded persistent session's cursors and record.
     async fn discard_session(&mut self, saved: &SavedSession) {
-        let engine = &self.server.engine;
-        for sub in &saved.subs {
-            let Some(target) = Target::parse(&sub.filter) else {
-                continue;
-            };
-            if target.share_group.is_some() || sub.qos == 0 {
-                continue;
-            }
-            let name = format!(
-                "mqtt-session-{}-{}",
-                fnv(&self.client_id),
-                fnv(&target.filter)
-            );
-            for t in self.server.routes.topics_for_filter(&target.filter) {
-                let _ = engine.delete_subscription(&t, &name).await;
-            }
-        }
+        delete_cursors(self.server, &self.client_id, saved).await;
         if let Err(e) = self.server.sessions.put(&self.client_id, None).await {
             warn!(client = self.client_id, error = %e, "deleting an mqtt session failed");
         }
@@ -1778,6 +1762,22 @@ impl<S: Conn> Session<'_, S> {
             self.server
                 .pending_wills
                 .insert(self.client_id.clone(), task);
+        }
+    }
+}
+
+/// Deletes the named subscriptions (durable cursors) of a session that is discarded or expired.
+pub(crate) async fn delete_cursors(server: &MqttServer, client_id: &str, saved: &SavedSession) {
+    for sub in &saved.subs {
+        let Some(target) = Target::parse(&sub.filter) else {
+            continue;
+        };
+        if target.share_group.is_some() || sub.qos == 0 {
+            continue;
+        }
+        let name = format!("mqtt-session-{}-{}", fnv(client_id), fnv(&target.filter));
+        for t in server.routes.topics_for_filter(&target.filter) {
+            let _ = server.engine.delete_subscription(&t, &name).await;
         }
     }
 }

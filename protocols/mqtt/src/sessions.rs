@@ -62,7 +62,14 @@ pub(crate) struct Sessions {
     /// The QoS 2 ids awaiting release of sessions with a connection now, or whose connection
     /// was taken over: in memory, so a takeover or a quick reconnect sees the latest set.
     awaiting: DashMap<String, AwaitingRelease>,
+    /// Held shared by each write of a session, and alone by the sweep of expired ones, so
+    /// a session saved again (its client came back) is never swept by a sweep that looked
+    /// before, and the log's order matches the map's.
+    sweeping: tokio::sync::RwLock<()>,
 }
+
+/// Tombstones written in one append by a sweep.
+const SWEEP_BATCH: usize = 1_000;
 
 impl Sessions {
     /// Replays the sessions topic; also returns how many records could not be read and were
@@ -88,6 +95,7 @@ impl Sessions {
             engine,
             map: RwLock::new(map),
             awaiting: DashMap::new(),
+            sweeping: tokio::sync::RwLock::new(()),
         };
         Ok((sessions, skipped))
     }
@@ -112,6 +120,7 @@ impl Sessions {
             value: Some(value),
             headers: vec![],
         };
+        let _not_sweeping = self.sweeping.read().await;
         self.engine
             .produce(SESSIONS_TOPIC, PartitionChoice::Id(0), &[record])
             .await?;
@@ -149,6 +158,44 @@ impl Sessions {
                 fresh
             }
         }
+    }
+
+    /// Removes the sessions whose expiry has passed at `now_ms` and that no connection holds
+    /// (`connected` says which do): their tombstones are written durably first. Returns them,
+    /// so that their cursors can be deleted.
+    pub(crate) async fn sweep(
+        &self,
+        now_ms: i64,
+        connected: impl Fn(&str) -> bool,
+    ) -> Result<Vec<(String, SavedSession)>, CoreError> {
+        let _alone = self.sweeping.write().await;
+        let expired: Vec<(String, SavedSession)> = self
+            .map
+            .read()
+            .iter()
+            .filter(|(id, s)| s.expired(now_ms) && !connected(id))
+            .map(|(id, s)| (id.clone(), s.clone()))
+            .collect();
+        for chunk in expired.chunks(SWEEP_BATCH) {
+            let tombstones: Vec<Record> = chunk
+                .iter()
+                .map(|(id, _)| Record {
+                    timestamp: now_ms,
+                    key: Some(Bytes::copy_from_slice(id.as_bytes())),
+                    value: Some(Bytes::new()),
+                    headers: vec![],
+                })
+                .collect();
+            self.engine
+                .produce(SESSIONS_TOPIC, PartitionChoice::Id(0), &tombstones)
+                .await?;
+            let mut map = self.map.write();
+            for (id, _) in chunk {
+                map.remove(id);
+                self.awaiting.remove(id);
+            }
+        }
+        Ok(expired)
     }
 
     /// Drops what a session that has ended kept in memory.
