@@ -442,6 +442,18 @@ pub(crate) fn render_mqtt(body: &mut String, server: &sluice_mqtt::MqttServer) {
         m.sessions_expired.load(Relaxed),
     );
     o.single(
+        "sluice_mqtt_state_snapshots_total",
+        "counter",
+        "Snapshots written of __mqtt_retained and __mqtt_sessions (every live entry again), so start-up replays from there.",
+        m.state_snapshots.load(Relaxed),
+    );
+    o.single(
+        "sluice_mqtt_state_records_replayed",
+        "gauge",
+        "Records of __mqtt_retained and __mqtt_sessions read at the last start, from their newest snapshots on.",
+        m.state_records_replayed.load(Relaxed),
+    );
+    o.single(
         "sluice_mqtt_state_unreadable_total",
         "counter",
         "Batches or records of __mqtt_retained and __mqtt_sessions skipped at start because they could not be read (each logged with its offset).",

@@ -336,3 +336,83 @@ def test_an_expired_session_is_swept_in_the_background(gateway_factory):
     assert status == 200 and json.loads(body)["subscriptions"] == [], body
     gw.restart()
     assert gw.metrics().get("sluice_mqtt_sessions") == 0
+
+
+def retained_publishes(gw: Gateway, messages: list[tuple[str, bytes]]) -> None:
+    """Publishes retained messages at QoS 1, pipelined, and waits for every PUBACK."""
+    sock = connected(gw, connect_v4(unique("pub")))
+    sock.sendall(b"".join(publish(n, p, qos=1, packet_id=i + 1, retain=True) for i, (n, p) in enumerate(messages)))
+    for _ in messages:
+        first, _ = read_packet(sock)
+        assert first == 0x40, f"expected PUBACK, got {first:#x}"
+    sock.close()
+
+
+def test_start_up_replays_mqtt_state_from_its_newest_snapshot(gateway_factory):
+    """A retained name rewritten 60 times: once the topic holds far more records than retained
+    messages, a snapshot is written, and the next start reads from it rather than every
+    record, with the same retained messages."""
+    gw = gateway_factory(
+        env={"SLUICE_MQTT__SESSION_SWEEP_INTERVAL_MS": "100", "SLUICE_MQTT__STATE_SNAPSHOT_MIN_RECORDS": "50"}
+    )
+    churn = [("snap/a", f"v{i}".encode()) for i in range(60)]
+    retained_publishes(gw, churn + [("snap/b", b"b"), ("snap/c", b"c"), ("snap/c", b"")])
+    assert gw.metrics().get("sluice_mqtt_state_records_replayed") == 0
+    deadline = time.monotonic() + 30
+    while gw.metrics().get("sluice_mqtt_state_snapshots_total", 0) < 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert gw.metrics().get("sluice_mqtt_state_snapshots_total") == 1
+    retained_publishes(gw, [("snap/a", b"final")])
+
+    gw.close_clients()
+    gw.restart()
+    m = gw.metrics()
+    # The snapshot's two entries and marker, and the publish after it: not the 64 before.
+    assert m.get("sluice_mqtt_state_records_replayed") == 4
+    assert m.get("sluice_mqtt_retained_messages") == 2
+    sock = connected(gw, connect_v5(unique("sub")))
+    subscribed(sock, "snap/#", 0)
+    got = {}
+    for _ in range(2):
+        topic, _, payload = parse_publish_v5(*read_packet(sock))
+        got[topic] = payload
+    assert got == {"snap/a": b"final", "snap/b": b"b"}
+
+
+def test_a_session_survives_the_snapshot_of_its_topic(gateway_factory):
+    """A persistent session that reconnects 40 times writes its record twice each time (80
+    records); the snapshot written once 50 have gathered leaves the next start at most the
+    snapshot and what came after it to read, and the session is still there, with its
+    subscription."""
+    gw = gateway_factory(
+        env={"SLUICE_MQTT__SESSION_SWEEP_INTERVAL_MS": "100", "SLUICE_MQTT__STATE_SNAPSHOT_MIN_RECORDS": "50"}
+    )
+    client_id = unique("again")
+    for i in range(40):
+        sock = connected(gw, connect_v4(client_id, clean=False))
+        if i == 0:
+            sock.sendall(packet(0x82, struct.pack(">H", 1) + mqtt_str("again/#") + b"\x01"))
+            first, _ = read_packet(sock)
+            assert first == 0x90
+        sock.sendall(b"\xe0\x00")
+        sock.close()
+        deadline = time.monotonic() + WAIT_S
+        while gw.metrics().get("sluice_mqtt_connections_open", 0) > 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    deadline = time.monotonic() + 30
+    while gw.metrics().get("sluice_mqtt_state_snapshots_total", 0) < 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert gw.metrics().get("sluice_mqtt_state_snapshots_total") == 1
+
+    gw.close_clients()
+    gw.restart()
+    m = gw.metrics()
+    assert m.get("sluice_mqtt_sessions") == 1
+    assert m.get("sluice_mqtt_state_records_replayed") <= 40
+    sock = connected(gw, connect_v4(client_id, clean=False))
+    sock.sendall(publish("again/1", b"still subscribed", qos=1, packet_id=5))
+    seen = set()
+    for _ in range(2):
+        first, body = read_packet(sock)
+        seen.add(first >> 4)
+    assert seen == {3, 4}, "the resumed session got its own publish back and the PUBACK"

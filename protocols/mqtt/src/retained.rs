@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::Bytes;
 use parking_lot::RwLock;
@@ -38,11 +39,19 @@ type Map = Arc<RwLock<BTreeMap<String, RetainedMsg>>>;
 
 /// A retained write queued for the ledger, to apply to the map once durable.
 #[derive(Debug)]
-struct Queued {
+struct Write {
     name: String,
     msg: RetainedMsg,
     ack: PendingAck,
     done: oneshot::Sender<Result<(), CoreError>>,
+}
+
+/// What the applier task is given, in queue order.
+#[derive(Debug)]
+enum Job {
+    Write(Box<Write>),
+    /// Answered once every write queued before it is applied (or refused).
+    Barrier(oneshot::Sender<()>),
 }
 
 /// Resolves once a retained write is durable (and current), or with why it is not.
@@ -56,20 +65,25 @@ pub(crate) struct Retained {
     /// have one order.
     writing: tokio::sync::Mutex<()>,
     /// To the task that applies queued writes to the map, in queue order, each once durable.
-    applier: mpsc::UnboundedSender<Queued>,
+    applier: mpsc::UnboundedSender<Job>,
+    /// Records written since the newest snapshot (see `state`).
+    since_snapshot: AtomicU64,
 }
 
 impl Retained {
     /// Creates the topic if needed (kept forever, one partition) and replays it; also returns
-    /// how many records could not be read and were skipped.
-    pub(crate) async fn load(engine: Engine) -> Result<(Self, u64), CoreError> {
+    /// what the replay read.
+    pub(crate) async fn load(engine: Engine) -> Result<(Self, state::Replayed), CoreError> {
         let mut map = BTreeMap::new();
-        let skipped = state::replay(&engine, RETAINED_TOPIC, |name, r| {
+        let replayed = state::replay(&engine, RETAINED_TOPIC, |name, r| {
             apply(&mut map, name, r);
             true
         })
         .await?;
-        Ok((Self::new(engine, map), skipped))
+        let this = Self::new(engine, map);
+        this.since_snapshot
+            .store(replayed.records, Ordering::Relaxed);
+        Ok((this, replayed))
     }
 
     fn new(engine: Engine, map: BTreeMap<String, RetainedMsg>) -> Self {
@@ -81,6 +95,7 @@ impl Retained {
             map,
             writing: tokio::sync::Mutex::new(()),
             applier,
+            since_snapshot: AtomicU64::new(0),
         }
     }
 
@@ -135,35 +150,51 @@ impl Retained {
     /// one order, so the current message is always the last durable record, which wins at
     /// replay. The returned future resolves once it is current.
     pub(crate) async fn queue(&self, name: &str, msg: RetainedMsg) -> Result<Durable, CoreError> {
-        let origin = message::Origin {
-            client: None,
-            qos: Some(msg.qos),
-            retain: true,
-        };
-        let record = Record {
-            timestamp: msg.published_ms,
-            key: Some(Bytes::copy_from_slice(name.as_bytes())),
-            value: Some(msg.payload.clone()),
-            headers: message::to_headers(&msg.props, &origin),
-        };
+        let record = record_of(name, &msg);
         let _order = self.writing.lock().await;
         let ack = self
             .engine
             .produce_queued(RETAINED_TOPIC, PartitionChoice::Id(0), &[record])
             .await?;
+        self.since_snapshot.fetch_add(1, Ordering::Relaxed);
         let (done, applied) = oneshot::channel();
-        let queued = Queued {
+        let queued = Job::Write(Box::new(Write {
             name: name.to_owned(),
             msg,
             ack,
             done,
-        };
+        }));
         if self.applier.send(queued).is_err() {
             return Err(CoreError::ShuttingDown);
         }
         Ok(Box::pin(async move {
             applied.await.unwrap_or(Err(CoreError::ShuttingDown))
         }))
+    }
+
+    /// Writes a snapshot of the retained messages when the topic holds far more records since
+    /// the last one than messages (see `state`); returns whether it did. Retained publishes
+    /// wait meanwhile, and the snapshot is taken once every write queued before is applied,
+    /// so it is exactly the state at its marker.
+    pub(crate) async fn snapshot_if_due(&self, min_records: u64) -> Result<bool, CoreError> {
+        let since = self.since_snapshot.load(Ordering::Relaxed);
+        if !state::snapshot_due(since, self.len(), min_records) {
+            return Ok(false);
+        }
+        let _order = self.writing.lock().await;
+        let (barrier, drained) = oneshot::channel();
+        if self.applier.send(Job::Barrier(barrier)).is_err() || drained.await.is_err() {
+            return Err(CoreError::ShuttingDown);
+        }
+        let entries: Vec<Record> = self
+            .map
+            .read()
+            .iter()
+            .map(|(name, msg)| record_of(name, msg))
+            .collect();
+        state::write_snapshot(&self.engine, RETAINED_TOPIC, entries).await?;
+        self.since_snapshot.store(0, Ordering::Relaxed);
+        Ok(true)
     }
 
     /// Retained messages whose names match `filter`.
@@ -183,18 +214,46 @@ impl Retained {
 
 /// Applies queued writes to the map in queue order, each once its record is durable; a write
 /// the ledger refused leaves the map as it was. Ends when the [`Retained`] goes.
-async fn apply_when_durable(map: Map, mut queued: mpsc::UnboundedReceiver<Queued>) {
-    while let Some(q) = queued.recv().await {
-        let stored = q.ack.await.map(|_| ());
-        if stored.is_ok() {
-            let mut map = map.write();
-            if q.msg.payload.is_empty() {
-                map.remove(&q.name);
-            } else {
-                map.insert(q.name, q.msg);
+async fn apply_when_durable(map: Map, mut queued: mpsc::UnboundedReceiver<Job>) {
+    while let Some(job) = queued.recv().await {
+        match job {
+            Job::Write(w) => {
+                let Write {
+                    name,
+                    msg,
+                    ack,
+                    done,
+                } = *w;
+                let stored = ack.await.map(|_| ());
+                if stored.is_ok() {
+                    let mut map = map.write();
+                    if msg.payload.is_empty() {
+                        map.remove(&name);
+                    } else {
+                        map.insert(name, msg);
+                    }
+                }
+                let _ = done.send(stored);
+            }
+            Job::Barrier(reached) => {
+                let _ = reached.send(());
             }
         }
-        let _ = q.done.send(stored);
+    }
+}
+
+/// The record of `__mqtt_retained` storing `msg` as the retained message of `name`.
+fn record_of(name: &str, msg: &RetainedMsg) -> Record {
+    let origin = message::Origin {
+        client: None,
+        qos: Some(msg.qos),
+        retain: true,
+    };
+    Record {
+        timestamp: msg.published_ms,
+        key: Some(Bytes::copy_from_slice(name.as_bytes())),
+        value: Some(msg.payload.clone()),
+        headers: message::to_headers(&msg.props, &origin),
     }
 }
 

@@ -13,10 +13,11 @@ use tracing::{debug, info, warn};
 
 use crate::MqttSettings;
 use crate::direct::{Plain, TcpConn};
-use crate::retained::Retained;
+use crate::retained::{RETAINED_TOPIC, Retained};
 use crate::routes::Routes;
 use crate::session;
-use crate::sessions::Sessions;
+use crate::sessions::{SESSIONS_TOPIC, Sessions};
+use crate::state::Replayed;
 use crate::upstream::Upstream;
 
 /// Counters of the MQTT listener (no label per client).
@@ -57,6 +58,11 @@ pub struct MqttMetrics {
     pub auth_failures: AtomicU64,
     /// Persistent sessions removed by the sweep because their expiry had passed.
     pub sessions_expired: AtomicU64,
+    /// Records of `__mqtt_retained` and `__mqtt_sessions` read at start (from their newest
+    /// snapshots on).
+    pub state_records_replayed: AtomicU64,
+    /// Snapshots written of `__mqtt_retained` and `__mqtt_sessions`.
+    pub state_snapshots: AtomicU64,
     /// Batches or records of `__mqtt_retained` and `__mqtt_sessions` skipped at start because
     /// they could not be read (each logged with its offset).
     pub state_unreadable: AtomicU64,
@@ -154,10 +160,11 @@ fn limit_unsent<S: std::os::fd::AsRawFd>(stream: &S) {
     );
 }
 
-/// Removes expired persistent sessions every `every` (their record, then their cursors) for as
-/// long as the server lives; without it a client that never returns keeps its session, and
-/// its durable cursors hold the log, forever.
-async fn sweep_sessions(server: std::sync::Weak<MqttServer>, every: Duration) {
+/// Every `every`, for as long as the server lives: removes expired persistent sessions (their
+/// record, then their cursors; without it a client that never returns keeps its session, and
+/// its durable cursors hold the log, forever), and snapshots a state topic that has grown far
+/// past its live entries, so the next start replays little.
+async fn upkeep(server: std::sync::Weak<MqttServer>, every: Duration) {
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -185,14 +192,30 @@ async fn sweep_sessions(server: std::sync::Weak<MqttServer>, every: Duration) {
             .metrics
             .sessions_expired
             .fetch_add(swept.len() as u64, Ordering::Relaxed);
+        let min = server.settings.state_snapshot_min_records;
+        for (topic, written) in [
+            (RETAINED_TOPIC, server.retained.snapshot_if_due(min).await),
+            (SESSIONS_TOPIC, server.sessions.snapshot_if_due(min).await),
+        ] {
+            match written {
+                Ok(true) => {
+                    server
+                        .metrics
+                        .state_snapshots
+                        .fetch_add(1, Ordering::Relaxed);
+                }
+                Ok(false) => {}
+                Err(e) => warn!(topic, error = %e, "writing an mqtt state snapshot failed"),
+            }
+        }
     }
 }
 
 impl MqttServer {
     /// Builds the server: validates the routes and replays the retained messages.
     pub async fn new(engine: Engine, settings: MqttSettings) -> Result<Arc<Self>, CoreError> {
-        let (retained, skipped) = Retained::load(engine.clone()).await?;
-        Self::build(engine, settings, Arc::new(retained), None, skipped).await
+        let (retained, replayed) = Retained::load(engine.clone()).await?;
+        Self::build(engine, settings, Arc::new(retained), None, replayed).await
     }
 
     /// Builds a relay's server: `engine` mirrors the upstream's topics (see
@@ -205,7 +228,14 @@ impl MqttServer {
         upstream: Arc<Upstream>,
     ) -> Result<Arc<Self>, CoreError> {
         let retained = Retained::mirrored(engine.clone()).await?;
-        Self::build(engine, settings, retained, Some(upstream), 0).await
+        Self::build(
+            engine,
+            settings,
+            retained,
+            Some(upstream),
+            Replayed::default(),
+        )
+        .await
     }
 
     async fn build(
@@ -213,13 +243,16 @@ impl MqttServer {
         settings: MqttSettings,
         retained: Arc<Retained>,
         upstream: Option<Arc<Upstream>>,
-        retained_unreadable: u64,
+        retained_replayed: Replayed,
     ) -> Result<Arc<Self>, CoreError> {
         let routes = Routes::new(settings.routes.clone(), &settings.default_topic)
             .map_err(|reason| CoreError::InvalidPolicy { reason })?;
-        let (sessions, sessions_unreadable) = Sessions::load(engine.clone()).await?;
+        let (sessions, sessions_replayed) = Sessions::load(engine.clone()).await?;
         let metrics = MqttMetrics {
-            state_unreadable: AtomicU64::new(retained_unreadable + sessions_unreadable),
+            state_unreadable: AtomicU64::new(retained_replayed.skipped + sessions_replayed.skipped),
+            state_records_replayed: AtomicU64::new(
+                retained_replayed.records + sessions_replayed.records,
+            ),
             ..MqttMetrics::default()
         };
         if retained.len() > 0 || sessions.len() > 0 {
@@ -245,7 +278,7 @@ impl MqttServer {
         });
         // A relay keeps no sessions of its own: the upstream's sweep removes them.
         if server.upstream.is_none() {
-            tokio::spawn(sweep_sessions(Arc::downgrade(&server), sweep_every));
+            tokio::spawn(upkeep(Arc::downgrade(&server), sweep_every));
         }
         Ok(server)
     }

@@ -6,6 +6,7 @@
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::Bytes;
 use dashmap::DashMap;
@@ -66,17 +67,19 @@ pub(crate) struct Sessions {
     /// a session saved again (its client came back) is never swept by a sweep that looked
     /// before, and the log's order matches the map's.
     sweeping: tokio::sync::RwLock<()>,
+    /// Records written since the newest snapshot (see `state`).
+    since_snapshot: AtomicU64,
 }
 
 /// Tombstones written in one append by a sweep.
 const SWEEP_BATCH: usize = 1_000;
 
 impl Sessions {
-    /// Replays the sessions topic; also returns how many records could not be read and were
-    /// skipped (a value that is not a session leaves the session as it was).
-    pub(crate) async fn load(engine: Engine) -> Result<(Self, u64), CoreError> {
+    /// Replays the sessions topic; also returns what the replay read (a value that is not a
+    /// session is skipped and leaves the session as it was).
+    pub(crate) async fn load(engine: Engine) -> Result<(Self, state::Replayed), CoreError> {
         let mut map = BTreeMap::new();
-        let skipped = state::replay(&engine, SESSIONS_TOPIC, |id, r| {
+        let replayed = state::replay(&engine, SESSIONS_TOPIC, |id, r| {
             match r.record.value.as_deref() {
                 None | Some([]) => {
                     map.remove(id);
@@ -96,8 +99,9 @@ impl Sessions {
             map: RwLock::new(map),
             awaiting: DashMap::new(),
             sweeping: tokio::sync::RwLock::new(()),
+            since_snapshot: AtomicU64::new(replayed.records),
         };
-        Ok((sessions, skipped))
+        Ok((sessions, replayed))
     }
 
     pub(crate) fn get(&self, client_id: &str) -> Option<SavedSession> {
@@ -124,6 +128,7 @@ impl Sessions {
         self.engine
             .produce(SESSIONS_TOPIC, PartitionChoice::Id(0), &[record])
             .await?;
+        self.since_snapshot.fetch_add(1, Ordering::Relaxed);
         let mut map = self.map.write();
         match session {
             Some(s) => map.insert(client_id.to_owned(), s),
@@ -189,6 +194,8 @@ impl Sessions {
             self.engine
                 .produce(SESSIONS_TOPIC, PartitionChoice::Id(0), &tombstones)
                 .await?;
+            self.since_snapshot
+                .fetch_add(tombstones.len() as u64, Ordering::Relaxed);
             let mut map = self.map.write();
             for (id, _) in chunk {
                 map.remove(id);
@@ -196,6 +203,31 @@ impl Sessions {
             }
         }
         Ok(expired)
+    }
+
+    /// Writes a snapshot of the sessions when the topic holds far more records since the last
+    /// one than sessions (see `state`); returns whether it did. Session writes wait meanwhile.
+    pub(crate) async fn snapshot_if_due(&self, min_records: u64) -> Result<bool, CoreError> {
+        let since = self.since_snapshot.load(Ordering::Relaxed);
+        if !state::snapshot_due(since, self.len(), min_records) {
+            return Ok(false);
+        }
+        let _alone = self.sweeping.write().await;
+        let now = self.engine.now_ms();
+        let entries: Vec<Record> = self
+            .map
+            .read()
+            .iter()
+            .map(|(id, s)| Record {
+                timestamp: now,
+                key: Some(Bytes::copy_from_slice(id.as_bytes())),
+                value: Some(Bytes::from(serde_json::to_vec(s).unwrap_or_default())),
+                headers: vec![],
+            })
+            .collect();
+        state::write_snapshot(&self.engine, SESSIONS_TOPIC, entries).await?;
+        self.since_snapshot.store(0, Ordering::Relaxed);
+        Ok(true)
     }
 
     /// Drops what a session that has ended kept in memory.

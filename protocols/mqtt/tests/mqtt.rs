@@ -63,6 +63,7 @@ async fn start_engine(
         }],
         users,
         session_sweep_interval_ms: 60_000,
+        state_snapshot_min_records: 10_000,
     };
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
