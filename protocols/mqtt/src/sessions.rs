@@ -173,6 +173,10 @@ impl Sessions {
         now_ms: i64,
         connected: impl Fn(&str) -> bool,
     ) -> Result<Vec<(String, SavedSession)>, CoreError> {
+        // Most sweeps find nothing: they need not hold session writes back to learn it.
+        if !self.map.read().values().any(|s| s.expired(now_ms)) {
+            return Ok(Vec::new());
+        }
         let _alone = self.sweeping.write().await;
         let expired: Vec<(String, SavedSession)> = self
             .map
