@@ -263,6 +263,18 @@ def test_a_qos2_resend_after_a_reconnect_is_stored_once(gateway):
     assert count_in_ledger(gateway, name, payload) == 1
 
 
+def test_a_qos2_resend_after_a_takeover_is_stored_once(gateway):
+    """The first connection is still open when the second takes the session over."""
+    client_id, name, payload = unique("q2"), f"hardz/{unique('q2')}", b"exactly-once"
+    first_conn = connected(gateway, connect_v4(client_id, clean=False))
+    first_conn.sendall(publish(name, payload, qos=2, packet_id=3))
+    first, body = read_packet(first_conn)
+    assert (first, body) == (0x50, struct.pack(">H", 3)), f"expected PUBREC: {first:#x} {body!r}"
+    resend_and_release(gateway, client_id, name, payload, 3)
+    first_conn.close()
+    assert count_in_ledger(gateway, name, payload) == 1
+
+
 def test_a_qos2_resend_after_a_gateway_restart_is_stored_once(gateway):
     client_id, name, payload = unique("q2"), f"hardz/{unique('q2')}", b"exactly-once"
     publish_qos2_and_drop(gateway, client_id, name, payload, 9)
