@@ -89,6 +89,8 @@ pub(crate) async fn start_sluice(
         connect_timeout_ms: 10_000,
         routes: vec![],
         users: Default::default(),
+        session_sweep_interval_ms: 60_000,
+        state_snapshot_min_records: 10_000,
     };
     let listener = sluice_mqtt::bind_listener("127.0.0.1:0", false).await?;
     let port = listener.local_addr()?.port();

@@ -37,7 +37,7 @@ const ENV_ALIASES: [(&str, &[&str]); 6] = [
 pub(crate) struct Config {
     pub(crate) data_dir: PathBuf,
     pub(crate) log: LogSection,
-    pub(crate) http: ListenerSection,
+    pub(crate) http: HttpSection,
     pub(crate) mqtt: sluice_mqtt::MqttSettings,
     pub(crate) kafka: sluice_kafka::KafkaSettings,
     pub(crate) topics: TopicsSection,
@@ -105,8 +105,12 @@ pub(crate) struct LogSection {
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub(crate) struct ListenerSection {
+pub(crate) struct HttpSection {
     pub(crate) addr: String,
+    /// Most bytes one REST fetch reads from the log, whatever its `max_bytes` asks.
+    pub(crate) max_fetch_bytes: usize,
+    /// Origins whose pages may open WebSockets besides same-origin pages; `*`: any.
+    pub(crate) websocket_allowed_origins: Vec<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -322,6 +326,9 @@ impl Config {
 
     fn validate(&self) -> Result<(), ConfigError> {
         let invalid = |m: String| Err(ConfigError::Invalid(m));
+        if self.http.max_fetch_bytes == 0 {
+            return invalid("http.max_fetch_bytes must be at least 1".into());
+        }
         for (key, addr) in [
             ("http.addr", &self.http.addr),
             ("mqtt.addr", &self.mqtt.addr),

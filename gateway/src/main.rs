@@ -306,11 +306,16 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         ready: ready.clone(),
         kafka: kafka_metrics.clone(),
         mqtt: mqtt_metrics.clone(),
-        rest: sluice_rest::RestApi::with_gateway(
-            engine.clone(),
-            stop_rx.clone(),
-            connection_lister(kafka_metrics.clone(), mqtt_metrics.clone()),
-        ),
+        rest: {
+            let rest = sluice_rest::RestApi::with_gateway(
+                engine.clone(),
+                stop_rx.clone(),
+                connection_lister(kafka_metrics.clone(), mqtt_metrics.clone()),
+            );
+            rest.limit_fetch_bytes(config.http.max_fetch_bytes);
+            rest.allow_websocket_origins(config.http.websocket_allowed_origins.clone());
+            rest
+        },
         stop: stop_rx.clone(),
         relay: relay.clone(),
         direct_writes: direct_stats,

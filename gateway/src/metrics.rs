@@ -430,10 +430,40 @@ pub(crate) fn render_mqtt(body: &mut String, server: &sluice_mqtt::MqttServer) {
         m.expired.load(Relaxed),
     );
     o.single(
+        "sluice_mqtt_properties_dropped_total",
+        "counter",
+        "Record headers left out of MQTT 5 deliveries: no property can hold them (over 65,535 bytes, a NUL, or past the packet's size).",
+        m.properties_dropped.load(Relaxed),
+    );
+    o.single(
         "sluice_mqtt_auth_failures_total",
         "counter",
         "CONNECTs refused for a wrong or missing user name or password.",
         m.auth_failures.load(Relaxed),
+    );
+    o.single(
+        "sluice_mqtt_sessions_expired_total",
+        "counter",
+        "Persistent MQTT sessions removed by the background sweep after their expiry passed.",
+        m.sessions_expired.load(Relaxed),
+    );
+    o.single(
+        "sluice_mqtt_state_snapshots_total",
+        "counter",
+        "Snapshots written of __mqtt_retained and __mqtt_sessions (every live entry again), so start-up replays from there.",
+        m.state_snapshots.load(Relaxed),
+    );
+    o.single(
+        "sluice_mqtt_state_records_replayed",
+        "gauge",
+        "Records of __mqtt_retained and __mqtt_sessions read at the last start, from their newest snapshots on.",
+        m.state_records_replayed.load(Relaxed),
+    );
+    o.single(
+        "sluice_mqtt_state_unreadable_total",
+        "counter",
+        "Batches or records of __mqtt_retained and __mqtt_sessions skipped at start because they could not be read (each logged with its offset).",
+        m.state_unreadable.load(Relaxed),
     );
     *body = o.0;
 }
@@ -835,6 +865,18 @@ pub(crate) fn render_rest(body: &mut String, m: &sluice_rest::RestMetrics) {
             "gauge",
             "Server-Sent Events streams open.",
             &m.sse_streams,
+        ),
+        (
+            "sluice_rest_fetches_capped_total",
+            "counter",
+            "REST fetches whose max_bytes was over http.max_fetch_bytes and were capped to it.",
+            &m.fetches_capped,
+        ),
+        (
+            "sluice_http_websocket_origins_refused_total",
+            "counter",
+            "WebSocket handshakes (live streams, MQTT over WebSocket) refused with 403 for their Origin.",
+            &m.websocket_origins_refused,
         ),
         (
             "sluice_rest_records_streamed_total",

@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 
 use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
 use axum::extract::{ConnectInfo, State};
-use axum::http::StatusCode;
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -18,8 +18,12 @@ const BRIDGE_BUFFER: usize = 256 * 1024;
 pub(crate) async fn mqtt(
     State(state): State<AppState>,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
     upgrade: WebSocketUpgrade,
 ) -> Response {
+    if let Some(refused) = state.rest.check_websocket_origin(&headers) {
+        return refused.into_response();
+    }
     let Some(server) = state.mqtt.get().cloned() else {
         return (StatusCode::SERVICE_UNAVAILABLE, "MQTT is not ready\n").into_response();
     };

@@ -77,6 +77,12 @@ pub struct MqttSettings {
     pub routes: Vec<Route>,
     /// Users allowed to connect, as `name = "sha256:<hex>"`; empty: no authentication.
     pub users: BTreeMap<String, String>,
+    /// How often persistent sessions whose expiry has passed are removed, and the state
+    /// topics checked for a snapshot (ms).
+    pub session_sweep_interval_ms: u64,
+    /// Records a state topic (`__mqtt_retained`, `__mqtt_sessions`) gathers since its last
+    /// snapshot before a new one is written (also needing four times its live entries).
+    pub state_snapshot_min_records: u64,
 }
 
 /// Entry point for fuzzing the packet decoder: a CONNECT (to pick the version) followed by any

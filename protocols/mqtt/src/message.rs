@@ -55,11 +55,52 @@ pub(crate) fn to_headers(p: &Props, origin: &Origin) -> Vec<(String, Bytes)> {
     h
 }
 
-pub(crate) fn from_headers(headers: &[(String, Bytes)]) -> (Props, Origin) {
+/// The longest string (or binary value) an MQTT 5 property can carry: its length is a u16.
+const MAX_PROPERTY_STRING: usize = 65_535;
+
+/// The most bytes a PUBLISH's properties may take: the packet's remaining length is at most
+/// 268,435,455 (a four-byte varint), less room for the topic name (a u16-prefixed string), the
+/// packet id, a subscription identifier and the properties' own length.
+const MAX_PROPERTY_BLOCK: usize = 268_435_455 - (2 + MAX_PROPERTY_STRING) - 2 - 5 - 4;
+
+/// The properties and origin a record's headers describe, and how many headers could not be
+/// sent as MQTT 5 properties and were left out. Records from Kafka or REST may carry headers
+/// no MQTT packet can hold (a name or value past 65,535 bytes, whose u16 length would wrap, or
+/// more than the packet's remaining length allows): those are dropped from the delivery rather
+/// than sent malformed, which would make the subscriber disconnect, and, for a persistent
+/// session, meet the same record again at every reconnect. A payload of `payload_len` bytes
+/// leaves that much less room for the properties.
+pub(crate) fn from_headers(
+    headers: &[(String, Bytes)],
+    payload_len: usize,
+) -> (Props, Origin, usize) {
     let text = |v: &Bytes| String::from_utf8_lossy(v).into_owned();
     let mut p = Props::default();
     let mut o = Origin::default();
+    let mut dropped = 0;
+    let mut room = MAX_PROPERTY_BLOCK.saturating_sub(payload_len);
     for (k, v) in headers {
+        // A user property's encoded size (the largest of the kinds), and whether it fits.
+        let size = 1 + 2 + k.len() + 2 + v.len();
+        let is_user = !matches!(
+            k.as_str(),
+            CLIENT
+                | QOS
+                | RETAIN
+                | CONTENT_TYPE
+                | RESPONSE_TOPIC
+                | CORRELATION_DATA
+                | PAYLOAD_FORMAT
+                | MESSAGE_EXPIRY
+        );
+        let too_long = v.len() > MAX_PROPERTY_STRING || (is_user && k.len() > MAX_PROPERTY_STRING);
+        // MQTT 5 strings must not hold U+0000 (§1.5.4): a client may close on one.
+        let has_nul = (is_user && k.contains('\0')) || (k != CORRELATION_DATA && v.contains(&0));
+        if too_long || has_nul || size > room {
+            dropped += 1;
+            continue;
+        }
+        room -= size;
         match k.as_str() {
             CLIENT => o.client = Some(text(v)),
             QOS => o.qos = text(v).parse().ok(),
@@ -72,7 +113,7 @@ pub(crate) fn from_headers(headers: &[(String, Bytes)]) -> (Props, Origin) {
             _ => p.user.push((k.clone(), text(v))),
         }
     }
-    (p, o)
+    (p, o, dropped)
 }
 
 #[cfg(test)]
@@ -97,10 +138,33 @@ mod tests {
             qos: Some(1),
             retain: true,
         };
-        assert_eq!(from_headers(&to_headers(&p, &o)), (p.clone(), o));
+        assert_eq!(from_headers(&to_headers(&p, &o), 0), (p.clone(), o, 0));
         assert_eq!(
-            from_headers(&to_headers(&p, &Origin::default())),
-            (p, Origin::default())
+            from_headers(&to_headers(&p, &Origin::default()), 0),
+            (p, Origin::default(), 0)
         );
+    }
+
+    #[test]
+    fn headers_no_property_can_hold_are_dropped_and_counted() {
+        let long = Bytes::from(vec![b'x'; 65_536]);
+        let headers = vec![
+            ("content-type".to_owned(), Bytes::from_static(b"text/plain")),
+            ("big".to_owned(), long.clone()),
+            ("x".repeat(65_536), Bytes::from_static(b"v")),
+            ("mqtt-response-topic".to_owned(), long),
+            ("nul".to_owned(), Bytes::from_static(b"a\0b")),
+            ("site".to_owned(), Bytes::from_static(b"north")),
+        ];
+        let (p, _, dropped) = from_headers(&headers, 0);
+        assert_eq!(dropped, 4);
+        assert_eq!(p.content_type.as_deref(), Some("text/plain"));
+        assert_eq!(p.response_topic, None);
+        assert_eq!(p.user, vec![("site".to_owned(), "north".to_owned())]);
+        // Exactly at the u16 limit still fits.
+        let edge = vec![("edge".to_owned(), Bytes::from(vec![b'y'; 65_535]))];
+        assert_eq!(from_headers(&edge, 0).2, 0);
+        // A payload that leaves no room for properties leaves them all out.
+        assert_eq!(from_headers(&edge, MAX_PROPERTY_BLOCK).2, 1);
     }
 }

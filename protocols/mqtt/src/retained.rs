@@ -3,7 +3,10 @@
 //! properties; an empty value clears). Replayed at start, so they survive restarts.
 
 use std::collections::BTreeMap;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::Bytes;
 use parking_lot::RwLock;
@@ -11,6 +14,7 @@ use sluice_core::{
     CoreError, DecodedRecord, Engine, LiveOptions, PartitionChoice, PendingAck, Record, SlowPolicy,
     StartAt,
 };
+use tokio::sync::{mpsc, oneshot};
 use tracing::warn;
 
 use crate::codec::Props;
@@ -31,26 +35,70 @@ pub(crate) struct RetainedMsg {
     pub(crate) published_ms: i64,
 }
 
+type Map = Arc<RwLock<BTreeMap<String, RetainedMsg>>>;
+
+/// A retained write queued for the ledger, to apply to the map once durable.
+#[derive(Debug)]
+struct Write {
+    name: String,
+    msg: RetainedMsg,
+    ack: PendingAck,
+    done: oneshot::Sender<Result<(), CoreError>>,
+}
+
+/// What the applier task is given, in queue order.
+#[derive(Debug)]
+enum Job {
+    Write(Box<Write>),
+    /// Answered once every write queued before it is applied (or refused).
+    Barrier(oneshot::Sender<()>),
+}
+
+/// Resolves once a retained write is durable (and current), or with why it is not.
+pub(crate) type Durable = Pin<Box<dyn Future<Output = Result<(), CoreError>> + Send>>;
+
 #[derive(Debug)]
 pub(crate) struct Retained {
     engine: Engine,
-    map: RwLock<BTreeMap<String, RetainedMsg>>,
-    /// Held while a write is queued and applied, so records and map agree on the order.
+    map: Map,
+    /// Held while a write is queued and handed to the applier, so records and applications
+    /// have one order.
     writing: tokio::sync::Mutex<()>,
+    /// To the task that applies queued writes to the map, in queue order, each once durable.
+    applier: mpsc::UnboundedSender<Job>,
+    /// Records written since the newest snapshot (see `state`).
+    since_snapshot: AtomicU64,
 }
 
 impl Retained {
-    /// Creates the topic if needed (kept forever, one partition) and replays it.
-    pub(crate) async fn load(engine: Engine) -> Result<Self, CoreError> {
+    /// Creates the topic if needed (kept forever, one partition) and replays it; also returns
+    /// what the replay read.
+    pub(crate) async fn load(engine: Engine) -> Result<(Self, state::Replayed), CoreError> {
         // The store is the gateway's own writer of its internal topic.
         let engine = engine.system();
         let mut map = BTreeMap::new();
-        state::replay(&engine, RETAINED_TOPIC, |name, r| apply(&mut map, name, r)).await?;
-        Ok(Self {
-            engine,
-            map: RwLock::new(map),
-            writing: tokio::sync::Mutex::new(()),
+        let replayed = state::replay(&engine, RETAINED_TOPIC, |name, r| {
+            apply(&mut map, name, r);
+            true
         })
+        .await?;
+        let this = Self::new(engine, map);
+        this.since_snapshot
+            .store(replayed.records, Ordering::Relaxed);
+        Ok((this, replayed))
+    }
+
+    fn new(engine: Engine, map: BTreeMap<String, RetainedMsg>) -> Self {
+        let map = Arc::new(RwLock::new(map));
+        let (applier, queued) = mpsc::unbounded_channel();
+        tokio::spawn(apply_when_durable(map.clone(), queued));
+        Self {
+            engine,
+            map,
+            writing: tokio::sync::Mutex::new(()),
+            applier,
+            since_snapshot: AtomicU64::new(0),
+        }
     }
 
     /// A relay's retained messages: the topic is the upstream's, mirrored into the local
@@ -67,11 +115,7 @@ impl Retained {
                 max_lag: 1 << 20,
             },
         )?;
-        let this = Arc::new(Self {
-            engine,
-            map: RwLock::new(BTreeMap::new()),
-            writing: tokio::sync::Mutex::new(()),
-        });
+        let this = Arc::new(Self::new(engine, BTreeMap::new()));
         let weak = Arc::downgrade(&this);
         tokio::spawn(async move {
             loop {
@@ -103,37 +147,56 @@ impl Retained {
     }
 
     /// Queues the durable record storing (or, with an empty payload, clearing) the retained
-    /// message of `name`, and makes it current at once, so a subscriber arriving after its
-    /// live delivery gets it too (as with Mosquitto). Writes are serialized, so the last one
-    /// queued is both the current message and the last record, which wins at replay.
-    pub(crate) async fn queue(
-        &self,
-        name: &str,
-        msg: RetainedMsg,
-    ) -> Result<PendingAck, CoreError> {
-        let origin = message::Origin {
-            client: None,
-            qos: Some(msg.qos),
-            retain: true,
-        };
-        let record = Record {
-            timestamp: msg.published_ms,
-            key: Some(Bytes::copy_from_slice(name.as_bytes())),
-            value: Some(msg.payload.clone()),
-            headers: message::to_headers(&msg.props, &origin),
-        };
+    /// message of `name`; it becomes current once durable, so no subscriber is handed a
+    /// retained message that a crash could still take back. Writes are queued and applied in
+    /// one order, so the current message is always the last durable record, which wins at
+    /// replay. The returned future resolves once it is current.
+    pub(crate) async fn queue(&self, name: &str, msg: RetainedMsg) -> Result<Durable, CoreError> {
+        let record = record_of(name, &msg);
         let _order = self.writing.lock().await;
         let ack = self
             .engine
             .produce_queued(RETAINED_TOPIC, PartitionChoice::Id(0), &[record])
             .await?;
-        let mut map = self.map.write();
-        if msg.payload.is_empty() {
-            map.remove(name);
-        } else {
-            map.insert(name.to_owned(), msg);
+        self.since_snapshot.fetch_add(1, Ordering::Relaxed);
+        let (done, applied) = oneshot::channel();
+        let queued = Job::Write(Box::new(Write {
+            name: name.to_owned(),
+            msg,
+            ack,
+            done,
+        }));
+        if self.applier.send(queued).is_err() {
+            return Err(CoreError::ShuttingDown);
         }
-        Ok(ack)
+        Ok(Box::pin(async move {
+            applied.await.unwrap_or(Err(CoreError::ShuttingDown))
+        }))
+    }
+
+    /// Writes a snapshot of the retained messages when the topic holds far more records since
+    /// the last one than messages (see `state`); returns whether it did. Retained publishes
+    /// wait meanwhile, and the snapshot is taken once every write queued before is applied,
+    /// so it is exactly the state at its marker.
+    pub(crate) async fn snapshot_if_due(&self, min_records: u64) -> Result<bool, CoreError> {
+        let since = self.since_snapshot.load(Ordering::Relaxed);
+        if !state::snapshot_due(since, self.len(), min_records) {
+            return Ok(false);
+        }
+        let _order = self.writing.lock().await;
+        let (barrier, drained) = oneshot::channel();
+        if self.applier.send(Job::Barrier(barrier)).is_err() || drained.await.is_err() {
+            return Err(CoreError::ShuttingDown);
+        }
+        let entries: Vec<Record> = self
+            .map
+            .read()
+            .iter()
+            .map(|(name, msg)| record_of(name, msg))
+            .collect();
+        state::write_snapshot(&self.engine, RETAINED_TOPIC, entries).await?;
+        self.since_snapshot.store(0, Ordering::Relaxed);
+        Ok(true)
     }
 
     /// Retained messages whose names match `filter`.
@@ -151,11 +214,58 @@ impl Retained {
     }
 }
 
+/// Applies queued writes to the map in queue order, each once its record is durable; a write
+/// the ledger refused leaves the map as it was. Ends when the [`Retained`] goes.
+async fn apply_when_durable(map: Map, mut queued: mpsc::UnboundedReceiver<Job>) {
+    while let Some(job) = queued.recv().await {
+        match job {
+            Job::Write(w) => {
+                let Write {
+                    name,
+                    msg,
+                    ack,
+                    done,
+                } = *w;
+                let stored = ack.await.map(|_| ());
+                if stored.is_ok() {
+                    let mut map = map.write();
+                    if msg.payload.is_empty() {
+                        map.remove(&name);
+                    } else {
+                        map.insert(name, msg);
+                    }
+                }
+                let _ = done.send(stored);
+            }
+            Job::Barrier(reached) => {
+                let _ = reached.send(());
+            }
+        }
+    }
+}
+
+/// The record of `__mqtt_retained` storing `msg` as the retained message of `name`.
+fn record_of(name: &str, msg: &RetainedMsg) -> Record {
+    let origin = message::Origin {
+        client: None,
+        qos: Some(msg.qos),
+        retain: true,
+    };
+    Record {
+        timestamp: msg.published_ms,
+        key: Some(Bytes::copy_from_slice(name.as_bytes())),
+        value: Some(msg.payload.clone()),
+        headers: message::to_headers(&msg.props, &origin),
+    }
+}
+
 /// Applies one record of the retained topic: stores the message, or clears it when empty.
 fn apply(map: &mut BTreeMap<String, RetainedMsg>, name: &str, r: DecodedRecord) {
     match r.record.value.filter(|v| !v.is_empty()) {
         Some(payload) => {
-            let (props, origin) = message::from_headers(&r.record.headers);
+            // Only the gateway writes this topic, from MQTT publishes whose properties were
+            // all encodable, so nothing is dropped here to count.
+            let (props, origin, _) = message::from_headers(&r.record.headers, payload.len());
             let msg = RetainedMsg {
                 payload,
                 qos: origin.qos.unwrap_or(0),

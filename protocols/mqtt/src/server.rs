@@ -13,10 +13,11 @@ use tracing::{debug, info, warn};
 
 use crate::MqttSettings;
 use crate::direct::{Plain, TcpConn};
-use crate::retained::Retained;
+use crate::retained::{RETAINED_TOPIC, Retained};
 use crate::routes::Routes;
 use crate::session;
-use crate::sessions::Sessions;
+use crate::sessions::{SESSIONS_TOPIC, Sessions};
+use crate::state::Replayed;
 use crate::upstream::Upstream;
 
 /// Counters of the MQTT listener (no label per client).
@@ -48,10 +49,23 @@ pub struct MqttMetrics {
     pub deliveries_too_large: AtomicU64,
     pub takeovers: AtomicU64,
     pub wills_published: AtomicU64,
+    /// Record headers left out of deliveries because no MQTT 5 property can hold them (a
+    /// name or value past 65,535 bytes, a NUL in a string, or past the packet's size).
+    pub properties_dropped: AtomicU64,
     /// Messages dropped on delivery because their MQTT 5 expiry had passed.
     pub expired: AtomicU64,
     /// CONNECTs refused for a wrong or missing user name or password.
     pub auth_failures: AtomicU64,
+    /// Persistent sessions removed by the sweep because their expiry had passed.
+    pub sessions_expired: AtomicU64,
+    /// Records of `__mqtt_retained` and `__mqtt_sessions` read at start (from their newest
+    /// snapshots on).
+    pub state_records_replayed: AtomicU64,
+    /// Snapshots written of `__mqtt_retained` and `__mqtt_sessions`.
+    pub state_snapshots: AtomicU64,
+    /// Batches or records of `__mqtt_retained` and `__mqtt_sessions` skipped at start because
+    /// they could not be read (each logged with its offset).
+    pub state_unreadable: AtomicU64,
 }
 
 /// Packet counts by MQTT control packet type (the high nibble of the fixed header).
@@ -146,11 +160,62 @@ fn limit_unsent<S: std::os::fd::AsRawFd>(stream: &S) {
     );
 }
 
+/// Every `every`, for as long as the server lives: removes expired persistent sessions (their
+/// record, then their cursors; without it a client that never returns keeps its session, and
+/// its durable cursors hold the log, forever), and snapshots a state topic that has grown far
+/// past its live entries, so the next start replays little.
+async fn upkeep(server: std::sync::Weak<MqttServer>, every: Duration) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let Some(server) = server.upgrade() else {
+            return;
+        };
+        let now = server.engine.now_ms();
+        let swept = match server
+            .sessions
+            .sweep(now, |id| server.clients.contains_key(id))
+            .await
+        {
+            Ok(swept) => swept,
+            Err(e) => {
+                warn!(error = %e, "sweeping expired mqtt sessions failed");
+                continue;
+            }
+        };
+        for (client_id, saved) in &swept {
+            session::delete_cursors(&server, client_id, saved).await;
+            debug!(client = client_id, "expired mqtt session removed");
+        }
+        server
+            .metrics
+            .sessions_expired
+            .fetch_add(swept.len() as u64, Ordering::Relaxed);
+        let min = server.settings.state_snapshot_min_records;
+        for (topic, written) in [
+            (RETAINED_TOPIC, server.retained.snapshot_if_due(min).await),
+            (SESSIONS_TOPIC, server.sessions.snapshot_if_due(min).await),
+        ] {
+            match written {
+                Ok(true) => {
+                    server
+                        .metrics
+                        .state_snapshots
+                        .fetch_add(1, Ordering::Relaxed);
+                }
+                Ok(false) => {}
+                Err(e) => warn!(topic, error = %e, "writing an mqtt state snapshot failed"),
+            }
+        }
+    }
+}
+
 impl MqttServer {
     /// Builds the server: validates the routes and replays the retained messages.
     pub async fn new(engine: Engine, settings: MqttSettings) -> Result<Arc<Self>, CoreError> {
-        let retained = Arc::new(Retained::load(engine.clone()).await?);
-        Self::build(engine, settings, retained, None).await
+        let (retained, replayed) = Retained::load(engine.clone()).await?;
+        Self::build(engine, settings, Arc::new(retained), None, replayed).await
     }
 
     /// Builds a relay's server: `engine` mirrors the upstream's topics (see
@@ -163,7 +228,14 @@ impl MqttServer {
         upstream: Arc<Upstream>,
     ) -> Result<Arc<Self>, CoreError> {
         let retained = Retained::mirrored(engine.clone()).await?;
-        Self::build(engine, settings, retained, Some(upstream)).await
+        Self::build(
+            engine,
+            settings,
+            retained,
+            Some(upstream),
+            Replayed::default(),
+        )
+        .await
     }
 
     async fn build(
@@ -171,10 +243,18 @@ impl MqttServer {
         settings: MqttSettings,
         retained: Arc<Retained>,
         upstream: Option<Arc<Upstream>>,
+        retained_replayed: Replayed,
     ) -> Result<Arc<Self>, CoreError> {
         let routes = Routes::new(settings.routes.clone(), &settings.default_topic)
             .map_err(|reason| CoreError::InvalidPolicy { reason })?;
-        let sessions = Sessions::load(engine.clone()).await?;
+        let (sessions, sessions_replayed) = Sessions::load(engine.clone()).await?;
+        let metrics = MqttMetrics {
+            state_unreadable: AtomicU64::new(retained_replayed.skipped + sessions_replayed.skipped),
+            state_records_replayed: AtomicU64::new(
+                retained_replayed.records + sessions_replayed.records,
+            ),
+            ..MqttMetrics::default()
+        };
         if retained.len() > 0 || sessions.len() > 0 {
             info!(
                 retained = retained.len(),
@@ -182,7 +262,8 @@ impl MqttServer {
                 "mqtt state recovered"
             );
         }
-        Ok(Arc::new(Self {
+        let sweep_every = Duration::from_millis(settings.session_sweep_interval_ms.max(1));
+        let server = Arc::new(Self {
             engine,
             settings,
             routes,
@@ -193,8 +274,13 @@ impl MqttServer {
             pending_wills: DashMap::new(),
             next_connection: AtomicU64::new(1),
             egress: tokio::sync::Semaphore::new(EGRESS_BUDGET / EGRESS_UNIT),
-            metrics: MqttMetrics::default(),
-        }))
+            metrics,
+        });
+        // A relay keeps no sessions of its own: the upstream's sweep removes them.
+        if server.upstream.is_none() {
+            tokio::spawn(upkeep(Arc::downgrade(&server), sweep_every));
+        }
+        Ok(server)
     }
 
     /// Retained messages held.

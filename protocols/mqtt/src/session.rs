@@ -43,8 +43,10 @@ use crate::codec::{
 use crate::direct::{Conn, DirectWriter};
 use crate::message::{self, Origin};
 use crate::retained::RetainedMsg;
-use crate::server::{EGRESS_BUDGET, EGRESS_UNIT, LARGE_PAYLOAD, MqttServer, Registered};
-use crate::sessions::{SavedSession, SavedSub};
+use crate::server::{
+    EGRESS_BUDGET, EGRESS_UNIT, LARGE_PAYLOAD, MqttMetrics, MqttServer, Registered,
+};
+use crate::sessions::{AwaitingRelease, SavedSession, SavedSub};
 use crate::topic;
 
 /// Records a subscription may have queued toward its connection before its forwarders wait.
@@ -107,9 +109,10 @@ pub(crate) struct RecordShare {
 }
 
 impl RecordShare {
-    fn new(name: String, record: &DecodedRecord) -> Self {
-        let (props, origin) = message::from_headers(&record.record.headers);
+    fn new(name: String, record: &DecodedRecord, metrics: &MqttMetrics) -> Self {
         let len = record.record.value.as_ref().map_or(0, Bytes::len);
+        let (props, origin, dropped) = message::from_headers(&record.record.headers, len);
+        count_dropped_properties(metrics, dropped);
         let header = |version, props: &Props| {
             let mut out = BytesMut::with_capacity(64 + name.len());
             codec::publish_header(version, &name, 0, false, 0, props, None, len, &mut out);
@@ -129,6 +132,15 @@ impl RecordShare {
             origin,
             plain,
         }
+    }
+}
+
+/// Counts headers left out of a delivery because no MQTT 5 property could hold them.
+fn count_dropped_properties(metrics: &MqttMetrics, dropped: usize) {
+    if dropped > 0 {
+        metrics
+            .properties_dropped
+            .fetch_add(dropped as u64, Ordering::Relaxed);
     }
 }
 
@@ -331,8 +343,10 @@ struct Session<'a, S> {
     /// A TCP connection's receive mark, raised while it owes only PUBACKs.
     held: Option<HeldAcks>,
     next_pkid: u16,
-    /// QoS 2 publishes received (PUBREC sent) and not yet released.
-    qos2_in: std::collections::HashSet<u16>,
+    /// QoS 2 publishes received (PUBREC sent) and not yet released. A persistent session's
+    /// set is the session's (see `Sessions::awaiting_release`): shared with a connection that
+    /// takes this one over and saved with the session record.
+    qos2_in: AwaitingRelease,
     aliases: HashMap<u16, String>,
     /// Publishes queued for the ledger, in arrival order, awaiting durability.
     pending: VecDeque<PendingPublish>,
@@ -534,7 +548,7 @@ pub(crate) async fn run<S: Conn>(
         qos2_out: 0,
         held: fd.map(|fd| HeldAcks::new(fd, Duration::from_secs(u64::from(connect.keep_alive)))),
         next_pkid: 0,
-        qos2_in: std::collections::HashSet::new(),
+        qos2_in: AwaitingRelease::default(),
         aliases: HashMap::new(),
         pending: VecDeque::new(),
         pending_bytes: 0,
@@ -570,6 +584,9 @@ pub(crate) async fn run<S: Conn>(
     // After a takeover the session belongs to the newer connection, which may have cleared it.
     if s.persistent && !taken_over {
         s.save_session(Some(server.engine.now_ms())).await;
+    } else if !taken_over {
+        // The session ends with its connection.
+        server.sessions.forget_awaiting_release(&s.client_id);
     }
     // Dropping the subscriptions stops their feeds; durable ones keep their cursors.
     s.subs.clear();
@@ -683,6 +700,12 @@ impl<S: Conn> Session<'_, S> {
             }
             None => None,
         };
+        // A resumed session keeps the QoS 2 publishes it had not seen released, so a resend
+        // with DUP is answered without storing the message twice (MQTT 5 §4.3.3).
+        self.qos2_in = self.server.sessions.awaiting_release(
+            &self.client_id,
+            resumed.as_ref().map(|s| s.awaiting_release.as_slice()),
+        );
         if self.persistent && resumed.is_none() {
             // Durable before CONNACK: a client that reconnects right after it (or a takeover
             // racing this connection) must find the session it was told about.
@@ -743,23 +766,7 @@ impl<S: Conn> Session<'_, S> {
 
     /// Deletes a discarded persistent session's cursors and record.
     async fn discard_session(&mut self, saved: &SavedSession) {
-        let engine = &self.server.engine;
-        for sub in &saved.subs {
-            let Some(target) = Target::parse(&sub.filter) else {
-                continue;
-            };
-            if target.share_group.is_some() || sub.qos == 0 {
-                continue;
-            }
-            let name = format!(
-                "mqtt-session-{}-{}",
-                fnv(&self.client_id),
-                fnv(&target.filter)
-            );
-            for t in self.server.routes.topics_for_filter(&target.filter) {
-                let _ = engine.delete_subscription(&t, &name).await;
-            }
-        }
+        delete_cursors(self.server, &self.client_id, saved).await;
         if let Err(e) = self.server.sessions.put(&self.client_id, None).await {
             warn!(client = self.client_id, error = %e, "deleting an mqtt session failed");
         }
@@ -770,6 +777,7 @@ impl<S: Conn> Session<'_, S> {
             subs: self.subs.values().map(|s| s.saved.clone()).collect(),
             expiry_secs: self.expiry_secs,
             disconnected_at_ms,
+            awaiting_release: self.qos2_in.lock().iter().copied().collect(),
         };
         if let Err(e) = self
             .server
@@ -1125,7 +1133,7 @@ impl<S: Conn> Session<'_, S> {
                 self.flush().await?;
             }
             In::PubRel(pkid) => {
-                let known = self.qos2_in.remove(&pkid);
+                let known = self.qos2_in.lock().remove(&pkid);
                 let code = if known {
                     reason::SUCCESS
                 } else {
@@ -1209,7 +1217,7 @@ impl<S: Conn> Session<'_, S> {
                 .await
                 .map(|()| None);
         }
-        if p.qos == 2 && self.qos2_in.contains(&p.pkid) {
+        if p.qos == 2 && self.qos2_in.lock().contains(&p.pkid) {
             // The client resent a QoS 2 publish we already stored: only the PUBREC again.
             codec::ack(
                 self.version,
@@ -1227,7 +1235,7 @@ impl<S: Conn> Session<'_, S> {
         };
         if p.qos == 2 {
             // Known from now on, so a resend while the append is pending is not stored twice.
-            self.qos2_in.insert(p.pkid);
+            self.qos2_in.lock().insert(p.pkid);
         }
         let done = queue(self.server, &p.topic, p.payload.clone(), &origin, &p.props).await;
         self.track(p.pkid, p.qos, p.payload.len(), done);
@@ -1366,7 +1374,7 @@ impl<S: Conn> Session<'_, S> {
             (Ok(()), 2) => Ack::Pubrec,
             (Ok(()), _) => return Ok(()),
             (Err(code), qos) => {
-                self.qos2_in.remove(&done.pkid);
+                self.qos2_in.lock().remove(&done.pkid);
                 return self.refusal(done.pkid, qos, code);
             }
         };
@@ -1607,7 +1615,9 @@ impl<S: Conn> Session<'_, S> {
         let (name, props, origin) = match &d.source {
             Source::Shared(s) => (&*s.name, &s.props, &s.origin),
             Source::Named(name) => {
-                parsed = message::from_headers(&d.record.record.headers);
+                let len = d.record.record.value.as_ref().map_or(0, Bytes::len);
+                parsed = message::from_headers(&d.record.record.headers, len);
+                count_dropped_properties(&self.server.metrics, parsed.2);
                 (&**name, &parsed.0, &parsed.1)
             }
         };
@@ -1756,6 +1766,22 @@ impl<S: Conn> Session<'_, S> {
     }
 }
 
+/// Deletes the named subscriptions (durable cursors) of a session that is discarded or expired.
+pub(crate) async fn delete_cursors(server: &MqttServer, client_id: &str, saved: &SavedSession) {
+    for sub in &saved.subs {
+        let Some(target) = Target::parse(&sub.filter) else {
+            continue;
+        };
+        if target.share_group.is_some() || sub.qos == 0 {
+            continue;
+        }
+        let name = format!("mqtt-session-{}-{}", fnv(client_id), fnv(&target.filter));
+        for t in server.routes.topics_for_filter(&target.filter) {
+            let _ = server.engine.delete_subscription(&t, &name).await;
+        }
+    }
+}
+
 /// Queues a publish for its routed ledger topic (in arrival order) and returns what resolves
 /// once it is durable, and stored as the retained message when it is retained.
 async fn queue(
@@ -1812,7 +1838,7 @@ async fn queue(
 fn stored(
     topic: &str,
     queued: Result<sluice_core::PendingAck, CoreError>,
-    retained: Option<sluice_core::PendingAck>,
+    retained: Option<crate::retained::Durable>,
 ) -> PendingStore {
     let ack = match queued {
         Ok(ack) => ack,
@@ -1915,7 +1941,7 @@ impl Feed {
                 .server
                 .routes
                 .name_for(&self.ledger_topic, r.record.key.as_deref());
-            Arc::new(RecordShare::new(name, r))
+            Arc::new(RecordShare::new(name, r, &self.server.metrics))
         })
     }
 
@@ -2089,7 +2115,7 @@ mod tests {
                 headers: message::to_headers(props, &origin),
             },
         };
-        let share = RecordShare::new("cars/1".into(), &record(&props));
+        let share = RecordShare::new("cars/1".into(), &record(&props), &MqttMetrics::default());
         for (slot, version, p) in [
             (0, Version::V4, Props::default()),
             (1, Version::V5, props.clone()),
@@ -2105,7 +2131,7 @@ mod tests {
             ..props
         };
         assert_eq!(
-            RecordShare::new("cars/1".into(), &record(&expiring)).plain,
+            RecordShare::new("cars/1".into(), &record(&expiring), &MqttMetrics::default()).plain,
             [None, None]
         );
     }

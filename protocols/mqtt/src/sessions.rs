@@ -4,10 +4,13 @@
 //! here: each QoS 1/2 subscription of a persistent session reads the ledger through a named
 //! subscription of the core (a durable cursor), so offline messages come from the log.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::Bytes;
-use parking_lot::RwLock;
+use dashmap::DashMap;
+use parking_lot::{Mutex, RwLock};
 use serde::{Deserialize, Serialize};
 use sluice_core::{CoreError, Engine, PartitionChoice, Record};
 
@@ -33,7 +36,16 @@ pub(crate) struct SavedSession {
     pub(crate) expiry_secs: u32,
     /// When the last connection ended (ms since the epoch); `None` while connected.
     pub(crate) disconnected_at_ms: Option<i64>,
+    /// Packet ids of QoS 2 publishes received (PUBREC sent) and not released by PUBREL when
+    /// the last connection ended. Saved with the session when a connection ends rather than
+    /// at each publish, which would cost a durable write per QoS 2 message: a graceful restart
+    /// keeps them, a crash loses them. Absent from records written before it existed.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub(crate) awaiting_release: Vec<u16>,
 }
+
+/// A session's QoS 2 packet ids awaiting PUBREL, shared by its connections.
+pub(crate) type AwaitingRelease = Arc<Mutex<HashSet<u16>>>;
 
 impl SavedSession {
     pub(crate) fn expired(&self, now_ms: i64) -> bool {
@@ -48,29 +60,50 @@ impl SavedSession {
 pub(crate) struct Sessions {
     engine: Engine,
     map: RwLock<BTreeMap<String, SavedSession>>,
+    /// The QoS 2 ids awaiting release of sessions with a connection now, or whose connection
+    /// was taken over: in memory, so a takeover or a quick reconnect sees the latest set.
+    awaiting: DashMap<String, AwaitingRelease>,
+    /// Held shared by each write of a session, and alone by the sweep of expired ones, so
+    /// a session saved again (its client came back) is never swept by a sweep that looked
+    /// before, and the log's order matches the map's.
+    sweeping: tokio::sync::RwLock<()>,
+    /// Records written since the newest snapshot (see `state`).
+    since_snapshot: AtomicU64,
 }
 
+/// Tombstones written in one append by a sweep.
+const SWEEP_BATCH: usize = 1_000;
+
 impl Sessions {
-    pub(crate) async fn load(engine: Engine) -> Result<Self, CoreError> {
+    /// Replays the sessions topic; also returns what the replay read (a value that is not a
+    /// session is skipped and leaves the session as it was).
+    pub(crate) async fn load(engine: Engine) -> Result<(Self, state::Replayed), CoreError> {
         // The store is the gateway's own writer of its internal topic.
         let engine = engine.system();
         let mut map = BTreeMap::new();
-        state::replay(&engine, SESSIONS_TOPIC, |id, r| {
-            match r
-                .record
-                .value
-                .as_ref()
-                .and_then(|v| serde_json::from_slice(v).ok())
-            {
-                Some(s) => map.insert(id.to_owned(), s),
-                None => map.remove(id),
-            };
+        let replayed = state::replay(&engine, SESSIONS_TOPIC, |id, r| {
+            match r.record.value.as_deref() {
+                None | Some([]) => {
+                    map.remove(id);
+                }
+                Some(v) => match serde_json::from_slice(v) {
+                    Ok(s) => {
+                        map.insert(id.to_owned(), s);
+                    }
+                    Err(_) => return false,
+                },
+            }
+            true
         })
         .await?;
-        Ok(Self {
+        let sessions = Self {
             engine,
             map: RwLock::new(map),
-        })
+            awaiting: DashMap::new(),
+            sweeping: tokio::sync::RwLock::new(()),
+            since_snapshot: AtomicU64::new(replayed.records),
+        };
+        Ok((sessions, replayed))
     }
 
     pub(crate) fn get(&self, client_id: &str) -> Option<SavedSession> {
@@ -93,19 +126,119 @@ impl Sessions {
             value: Some(value),
             headers: vec![],
         };
+        let _not_sweeping = self.sweeping.read().await;
         self.engine
             .produce(SESSIONS_TOPIC, PartitionChoice::Id(0), &[record])
             .await?;
+        self.since_snapshot.fetch_add(1, Ordering::Relaxed);
         let mut map = self.map.write();
         match session {
             Some(s) => map.insert(client_id.to_owned(), s),
-            None => map.remove(client_id),
+            None => {
+                self.awaiting.remove(client_id);
+                map.remove(client_id)
+            }
         };
         Ok(())
     }
 
     pub(crate) fn len(&self) -> usize {
         self.map.read().len()
+    }
+
+    /// The set of QoS 2 ids awaiting release for a connection of `client_id`: a resumed
+    /// session's (the one in memory, or else the ids `saved` with it), or a new empty one.
+    pub(crate) fn awaiting_release(
+        &self,
+        client_id: &str,
+        resumed: Option<&[u16]>,
+    ) -> AwaitingRelease {
+        match resumed {
+            Some(saved) => self
+                .awaiting
+                .entry(client_id.to_owned())
+                .or_insert_with(|| Arc::new(Mutex::new(saved.iter().copied().collect())))
+                .clone(),
+            None => {
+                let fresh = AwaitingRelease::default();
+                self.awaiting.insert(client_id.to_owned(), fresh.clone());
+                fresh
+            }
+        }
+    }
+
+    /// Removes the sessions whose expiry has passed at `now_ms` and that no connection holds
+    /// (`connected` says which do): their tombstones are written durably first. Returns them,
+    /// so that their cursors can be deleted.
+    pub(crate) async fn sweep(
+        &self,
+        now_ms: i64,
+        connected: impl Fn(&str) -> bool,
+    ) -> Result<Vec<(String, SavedSession)>, CoreError> {
+        // Most sweeps find nothing: they need not hold session writes back to learn it.
+        if !self.map.read().values().any(|s| s.expired(now_ms)) {
+            return Ok(Vec::new());
+        }
+        let _alone = self.sweeping.write().await;
+        let expired: Vec<(String, SavedSession)> = self
+            .map
+            .read()
+            .iter()
+            .filter(|(id, s)| s.expired(now_ms) && !connected(id))
+            .map(|(id, s)| (id.clone(), s.clone()))
+            .collect();
+        for chunk in expired.chunks(SWEEP_BATCH) {
+            let tombstones: Vec<Record> = chunk
+                .iter()
+                .map(|(id, _)| Record {
+                    timestamp: now_ms,
+                    key: Some(Bytes::copy_from_slice(id.as_bytes())),
+                    value: Some(Bytes::new()),
+                    headers: vec![],
+                })
+                .collect();
+            self.engine
+                .produce(SESSIONS_TOPIC, PartitionChoice::Id(0), &tombstones)
+                .await?;
+            self.since_snapshot
+                .fetch_add(tombstones.len() as u64, Ordering::Relaxed);
+            let mut map = self.map.write();
+            for (id, _) in chunk {
+                map.remove(id);
+                self.awaiting.remove(id);
+            }
+        }
+        Ok(expired)
+    }
+
+    /// Writes a snapshot of the sessions when the topic holds far more records since the last
+    /// one than sessions (see `state`); returns whether it did. Session writes wait meanwhile.
+    pub(crate) async fn snapshot_if_due(&self, min_records: u64) -> Result<bool, CoreError> {
+        let since = self.since_snapshot.load(Ordering::Relaxed);
+        if !state::snapshot_due(since, self.len(), min_records) {
+            return Ok(false);
+        }
+        let _alone = self.sweeping.write().await;
+        let now = self.engine.now_ms();
+        let entries: Vec<Record> = self
+            .map
+            .read()
+            .iter()
+            .map(|(id, s)| Record {
+                timestamp: now,
+                key: Some(Bytes::copy_from_slice(id.as_bytes())),
+                value: Some(Bytes::from(serde_json::to_vec(s).unwrap_or_default())),
+                headers: vec![],
+            })
+            .collect();
+        state::write_snapshot(&self.engine, SESSIONS_TOPIC, entries).await?;
+        self.since_snapshot.store(0, Ordering::Relaxed);
+        Ok(true)
+    }
+
+    /// Drops what a session that has ended kept in memory.
+    pub(crate) fn forget_awaiting_release(&self, client_id: &str) {
+        self.awaiting.remove(client_id);
     }
 }
 
@@ -119,6 +252,7 @@ mod tests {
             subs: vec![],
             expiry_secs: 10,
             disconnected_at_ms: None,
+            awaiting_release: vec![],
         };
         assert!(!s.expired(1_000_000), "connected sessions never expire");
         s.disconnected_at_ms = Some(1_000_000);
@@ -126,5 +260,19 @@ mod tests {
         assert!(s.expired(1_010_000));
         s.expiry_secs = u32::MAX;
         assert!(!s.expired(i64::MAX / 2));
+    }
+
+    #[test]
+    fn records_without_awaiting_release_still_read() {
+        let old = br#"{"subs":[],"expiry_secs":10,"disconnected_at_ms":5}"#;
+        let s: SavedSession = serde_json::from_slice(old).unwrap();
+        assert!(s.awaiting_release.is_empty());
+        let with = SavedSession {
+            awaiting_release: vec![7, 9],
+            ..s
+        };
+        let back: SavedSession =
+            serde_json::from_slice(&serde_json::to_vec(&with).unwrap()).unwrap();
+        assert_eq!(back, with);
     }
 }

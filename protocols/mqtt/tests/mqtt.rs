@@ -62,6 +62,8 @@ async fn start_engine(
             topic: "camera-images".into(),
         }],
         users,
+        session_sweep_interval_ms: 60_000,
+        state_snapshot_min_records: 10_000,
     };
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
@@ -1743,5 +1745,38 @@ async fn an_idle_qos1_subscriber_is_written_to_by_the_fan_out_within_its_receive
         assert!(!owed.contains(&next), "packet id {next} in flight twice");
         owed.push(next);
     }
+    gw.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retained_message_becomes_current_only_once_durable() {
+    let dir = tempfile::tempdir().unwrap();
+    let (storage, faults) = FaultyStorage::new(Arc::new(FsStorage));
+    let gw = start_on(dir.path(), Default::default(), Arc::new(storage)).await;
+    // The disk stops: the retained publish is queued but not durable.
+    faults.stall_appends_from(1);
+    let _resume_at_the_end = ResumeOnDrop(faults.clone());
+    let mut s = raw_client(gw.port, "pub").await;
+    let mut retained = publish(1, 1, "status/x", b"pending");
+    retained[0] |= 1;
+    s.write_all(&retained).await.unwrap();
+    let m = &gw.server.metrics;
+    // Counted once queue() returned, which queues the data and the retained record both.
+    until("the publish is queued", || {
+        m.pending_publish_bytes.load(Ordering::Relaxed) > 0
+    })
+    .await;
+    assert_eq!(
+        gw.server.retained_count(),
+        0,
+        "current before it is durable"
+    );
+
+    faults.resume_appends();
+    let (kind, body) = tokio::time::timeout(PATIENCE, read_packet(&mut s))
+        .await
+        .unwrap();
+    assert_eq!((kind, body), (0x40, vec![0, 1]), "PUBACK");
+    assert_eq!(gw.server.retained_count(), 1, "current once acknowledged");
     gw.stop().await;
 }

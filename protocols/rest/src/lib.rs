@@ -8,6 +8,7 @@
 
 mod admin;
 mod groups;
+mod origin;
 pub mod problem;
 mod records;
 mod streams;
@@ -15,10 +16,10 @@ mod subscriptions;
 mod topics;
 
 use std::sync::Arc;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use axum::Router;
-use axum::http::header;
+use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
 use sluice_core::Engine;
@@ -57,7 +58,15 @@ pub struct RestMetrics {
     /// Batches a stream skipped because they cannot be decoded here (compressed by a Kafka
     /// producer).
     pub stream_batches_skipped: AtomicU64,
+    /// Fetches that asked for more than the server's `max_fetch_bytes` and got that much.
+    pub fetches_capped: AtomicU64,
+    /// WebSocket handshakes (live streams and MQTT over WebSocket) refused for their `Origin`.
+    pub websocket_origins_refused: AtomicU64,
 }
+
+/// Most bytes one fetch reads from the log, unless [`RestApi::limit_fetch_bytes`] says
+/// otherwise: Kafka's `fetch.max.bytes` default.
+pub const DEFAULT_MAX_FETCH_BYTES: usize = 50 << 20;
 
 /// What the handlers share.
 pub struct RestApi {
@@ -69,6 +78,9 @@ pub struct RestApi {
     _stop_tx: Option<watch::Sender<bool>>,
     connections: Option<ConnectionLister>,
     consumers: subscriptions::Consumers,
+    max_fetch_bytes: AtomicUsize,
+    /// Origins allowed to open WebSockets beyond the same origin (see `origin`).
+    websocket_origins: std::sync::OnceLock<Vec<String>>,
 }
 
 impl std::fmt::Debug for RestApi {
@@ -110,15 +122,55 @@ impl RestApi {
             _stop_tx: stop_tx,
             connections,
             consumers: subscriptions::Consumers::default(),
+            max_fetch_bytes: AtomicUsize::new(DEFAULT_MAX_FETCH_BYTES),
+            websocket_origins: std::sync::OnceLock::new(),
         })
+    }
+
+    /// Caps the bytes one fetch (range or group read) reads from the log, whatever its
+    /// `max_bytes` asks (default [`DEFAULT_MAX_FETCH_BYTES`]); at least one batch is still
+    /// returned, as a Kafka broker does.
+    pub fn limit_fetch_bytes(&self, max: usize) {
+        self.max_fetch_bytes.store(max.max(1), Ordering::Relaxed);
+    }
+
+    /// The bytes a fetch that asked for `asked` reads, counting the fetches capped.
+    pub(crate) fn fetch_bytes(&self, asked: usize) -> usize {
+        let max = self.max_fetch_bytes.load(Ordering::Relaxed);
+        if asked > max {
+            self.metrics.fetches_capped.fetch_add(1, Ordering::Relaxed);
+        }
+        asked.min(max)
+    }
+
+    /// Sets the origins (`scheme://host[:port]`, or `*` for any) whose pages may open
+    /// WebSockets besides same-origin pages and clients that send no `Origin`. Only the first
+    /// call counts.
+    pub fn allow_websocket_origins(&self, origins: Vec<String>) {
+        let _ = self.websocket_origins.set(origins);
+    }
+
+    /// Checks a WebSocket handshake's `Origin` (see [`Self::allow_websocket_origins`]): `None`
+    /// when it may proceed, otherwise the 403 to answer, counted.
+    pub fn check_websocket_origin(&self, headers: &HeaderMap) -> Option<Problem> {
+        let listed = self.websocket_origins.get().map_or(&[][..], Vec::as_slice);
+        if origin::allowed(headers, listed) {
+            return None;
+        }
+        self.metrics
+            .websocket_origins_refused
+            .fetch_add(1, Ordering::Relaxed);
+        Some(Problem::new(
+            StatusCode::FORBIDDEN,
+            "origin-not-allowed",
+            "this page's origin may not open WebSockets here (http.websocket_allowed_origins)",
+        ))
     }
 
     /// Caps the consumers attached over REST at once (default
     /// [`DEFAULT_MAX_CONSUMERS`]); attaching beyond it gets 429 with Retry-After.
     pub fn limit_consumers(&self, max: usize) {
-        self.consumers
-            .limit
-            .store(max, std::sync::atomic::Ordering::Relaxed);
+        self.consumers.limit.store(max, Ordering::Relaxed);
     }
 
     /// Resolves once the gateway begins to stop (never for an API built with [`Self::new`]).

@@ -358,6 +358,12 @@ pub(crate) async fn get_one(
     let mut response = r.record.value.unwrap_or_default().into_response();
     let h = response.headers_mut();
     h.insert(header::CONTENT_TYPE, content_type);
+    // The content type is whatever the producer said: a browser must not sniff a value sent
+    // as text/plain into HTML and run it on this origin.
+    h.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
+    );
     h.insert("sluice-offset", HeaderValue::from(offset));
     h.insert("sluice-timestamp", HeaderValue::from(r.record.timestamp));
     Ok(response)
@@ -374,7 +380,8 @@ pub(crate) struct FetchQuery {
     #[serde(default = "default_max_records")]
     #[param(default = 100, minimum = 1, maximum = 10000)]
     pub(crate) max_records: usize,
-    /// Bytes read from the log (whole batches; at least one record is returned).
+    /// Bytes read from the log (whole batches; at least one record is returned); the server
+    /// caps it (`http.max_fetch_bytes`).
     #[serde(default = "default_max_bytes")]
     #[param(default = 1048576, minimum = 1, maximum = 2147483647)]
     pub(crate) max_bytes: usize,
@@ -505,9 +512,8 @@ pub(crate) async fn read(
     limits: &Limits,
 ) -> Result<FetchResponse, Problem> {
     let engine = &api.engine;
-    let mut fetched = engine
-        .fetch(topic, partition, offset, limits.max_bytes)
-        .await?;
+    let max_bytes = api.fetch_bytes(limits.max_bytes);
+    let mut fetched = engine.fetch(topic, partition, offset, max_bytes).await?;
     api.metrics.fetches.fetch_add(1, Ordering::Relaxed);
     if fetched.data.is_empty() && limits.wait_ms > 0 {
         api.metrics
@@ -523,9 +529,7 @@ pub(crate) async fn read(
             .long_polls_waiting
             .fetch_sub(1, Ordering::Relaxed);
         waited?;
-        fetched = engine
-            .fetch(topic, partition, offset, limits.max_bytes)
-            .await?;
+        fetched = engine.fetch(topic, partition, offset, max_bytes).await?;
     }
     let records: Vec<JsonRecord> = records_from(fetched.data, offset)?
         .into_iter()

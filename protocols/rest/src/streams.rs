@@ -13,7 +13,7 @@ use axum::extract::rejection::{PathRejection, QueryRejection};
 use axum::extract::ws::rejection::WebSocketUpgradeRejection;
 use axum::extract::ws::{CloseFrame, Message, Utf8Bytes, WebSocket, WebSocketUpgrade};
 use axum::extract::{Path, Query, State};
-use axum::http::StatusCode;
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use base64::Engine as _;
@@ -184,14 +184,19 @@ fn meta(partition: u32, r: &DecodedRecord) -> Meta<'_> {
     responses(
         (status = 101, description = "Switching to WebSocket: binary frames carry values unchanged"),
         (status = 400, description = "Bad parameters", body = ProblemBody, content_type = "application/problem+json"), (status = 404, description = "Unknown topic, partition or record", body = ProblemBody, content_type = "application/problem+json"),
+        (status = 403, description = "The page's Origin may not open WebSockets here", body = ProblemBody, content_type = "application/problem+json"),
         (status = 426, description = "Not a WebSocket upgrade request", body = ProblemBody,
             content_type = "application/problem+json")))]
 pub(crate) async fn websocket(
     State(api): State<Arc<RestApi>>,
     p: Result<Path<String>, PathRejection>,
     q: Result<Query<StreamQuery>, QueryRejection>,
+    headers: HeaderMap,
     ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
 ) -> Result<Response, Problem> {
+    if let Some(refused) = api.check_websocket_origin(&headers) {
+        return Err(refused);
+    }
     let topic = path(p)?;
     let q = query(q)?;
     let rx = attach(&api, &topic, &q).await?;
