@@ -827,9 +827,11 @@ pub(crate) fn peer(args: PeerArgs) -> anyhow::Result<()> {
             .enable_io()
             .build()?
             .block_on(async {
-                sluice_mqtt::bind_listener(&args.listen, relay)
-                    .await?
-                    .into_std()
+                let options = sluice_net::BindOptions {
+                    reuse_port: relay,
+                    ..Default::default()
+                };
+                sluice_net::bind(&args.listen, options).await?.into_std()
             })?;
         let upstream = args
             .upstream

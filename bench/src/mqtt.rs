@@ -92,11 +92,11 @@ pub(crate) async fn start_sluice(
         session_sweep_interval_ms: 60_000,
         state_snapshot_min_records: 10_000,
     };
-    let listener = sluice_mqtt::bind_listener("127.0.0.1:0", false).await?;
+    let listener = sluice_net::bind("127.0.0.1:0", Default::default()).await?;
     let port = listener.local_addr()?.port();
     let server = MqttServer::new(engine.clone(), settings).await?;
     let (stop, stop_rx) = tokio::sync::watch::channel(false);
-    tokio::spawn(server.serve(listener, stop_rx));
+    tokio::spawn(server.serve(listener, sluice_net::Listening::unbounded(), stop_rx));
     Ok((port, engine, stop))
 }
 

@@ -37,6 +37,7 @@ const ENV_ALIASES: [(&str, &[&str]); 6] = [
 pub(crate) struct Config {
     pub(crate) data_dir: PathBuf,
     pub(crate) log: LogSection,
+    pub(crate) listeners: ListenersSection,
     pub(crate) http: HttpSection,
     pub(crate) mqtt: sluice_mqtt::MqttSettings,
     pub(crate) kafka: sluice_kafka::KafkaSettings,
@@ -44,6 +45,49 @@ pub(crate) struct Config {
     pub(crate) storage: StorageSection,
     pub(crate) runtime: RuntimeSection,
     pub(crate) relay: RelaySection,
+}
+
+/// The fewest connections the default total cap allows, however few files are left.
+pub(crate) const MIN_CONNECTIONS: usize = 64;
+
+/// What every listener shares (the listener runtime, `sluice-net`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct ListenersSection {
+    /// 0: what the open-file limit leaves at start.
+    pub(crate) max_connections: usize,
+    pub(crate) max_connections_per_ip: usize,
+    pub(crate) request_timeout_ms: u64,
+    pub(crate) idle_timeout_ms: u64,
+    pub(crate) write_timeout_ms: u64,
+    pub(crate) drain_timeout_ms: u64,
+}
+
+impl ListenersSection {
+    /// The runtime's settings, with `capacity` (connections the open-file limit leaves) as the
+    /// total cap when `max_connections` is 0 or above it, but never below
+    /// [`MIN_CONNECTIONS`]: a data directory whose partitions hold nearly every file must not
+    /// lock out health checks and operators (past the real limit, accepts fail and back off).
+    pub(crate) fn listening(&self, capacity: usize) -> sluice_net::Listening {
+        let room = capacity.max(MIN_CONNECTIONS);
+        let max_connections = match self.max_connections {
+            0 => room,
+            n => n.min(room),
+        };
+        let ms = Duration::from_millis;
+        sluice_net::Listening {
+            admission: sluice_net::Admission::new(sluice_net::ConnectionLimits {
+                max_connections,
+                max_connections_per_ip: self.max_connections_per_ip,
+            }),
+            deadlines: sluice_net::Deadlines {
+                request: ms(self.request_timeout_ms),
+                idle: ms(self.idle_timeout_ms),
+                write: ms(self.write_timeout_ms),
+            },
+            drain: ms(self.drain_timeout_ms),
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -427,6 +471,20 @@ impl Config {
         if relay.local_retention_bytes < 4 << 20 {
             return invalid("relay.local_retention_bytes must be at least 4194304".into());
         }
+        let l = &self.listeners;
+        if l.max_connections_per_ip == 0 {
+            return invalid("listeners.max_connections_per_ip must be positive".into());
+        }
+        for (key, ms) in [
+            ("listeners.request_timeout_ms", l.request_timeout_ms),
+            ("listeners.idle_timeout_ms", l.idle_timeout_ms),
+            ("listeners.write_timeout_ms", l.write_timeout_ms),
+            ("listeners.drain_timeout_ms", l.drain_timeout_ms),
+        ] {
+            if ms == 0 {
+                return invalid(format!("{key} must be positive"));
+            }
+        }
         let t = &self.topics;
         if !(1..=MAX_PARTITIONS).contains(&t.max_partitions_per_topic) {
             return invalid(format!(
@@ -553,6 +611,22 @@ mod tests {
         let f = tempfile::NamedTempFile::new().unwrap();
         std::fs::write(f.path(), text).unwrap();
         f
+    }
+
+    #[test]
+    fn the_connection_cap_follows_the_file_limit_but_never_locks_everyone_out() {
+        let c = Config::load(None, env(&[]), &CliOverrides::default()).unwrap();
+        let cap = |l: &ListenersSection, capacity| {
+            l.listening(capacity).admission.limits().max_connections
+        };
+        let mut l = c.listeners.clone();
+        assert_eq!(l.max_connections, 0, "the default follows the file limit");
+        assert_eq!(cap(&l, 19_900), 19_900);
+        assert_eq!(cap(&l, 0), MIN_CONNECTIONS, "partitions took every file");
+        l.max_connections = 3;
+        assert_eq!(cap(&l, 19_900), 3, "an explicit cap below the room is kept");
+        l.max_connections = 1_000_000;
+        assert_eq!(cap(&l, 500), 500, "one above the room is lowered to it");
     }
 
     #[test]

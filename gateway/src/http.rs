@@ -5,11 +5,15 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use axum::Router;
-use axum::extract::State;
+use axum::extract::{ConnectInfo, State};
+use axum::http::Request;
 use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioIo, TokioTimer};
 use sluice_core::Engine;
+use tower::ServiceExt;
 
 #[derive(Debug, Clone)]
 pub(crate) struct AppState {
@@ -28,6 +32,37 @@ pub(crate) struct AppState {
     pub(crate) relay: Option<Relay>,
     /// Write counters of the segment files, when large appends go direct.
     pub(crate) direct_writes: Option<Arc<sluice_core::DirectStats>>,
+    pub(crate) listeners: Listeners,
+}
+
+/// A protocol's name and its listener's counts, set once it is bound.
+type BoundListener = (
+    &'static str,
+    std::sync::OnceLock<Arc<sluice_net::ListenerStats>>,
+);
+
+/// The listener runtime's counts: each listener's, once it is bound, and the shared caps.
+#[derive(Debug, Clone)]
+pub(crate) struct Listeners {
+    pub(crate) admission: Arc<sluice_net::Admission>,
+    pub(crate) stats: Arc<[BoundListener; 3]>,
+}
+
+impl Listeners {
+    pub(crate) fn new(admission: Arc<sluice_net::Admission>) -> Self {
+        let stats = ["http", "kafka", "mqtt"].map(|name| (name, std::sync::OnceLock::new()));
+        Self {
+            admission,
+            stats: Arc::new(stats),
+        }
+    }
+
+    /// Records `protocol`'s listener counts once it is bound.
+    pub(crate) fn bound(&self, protocol: &str, stats: Arc<sluice_net::ListenerStats>) {
+        if let Some((_, slot)) = self.stats.iter().find(|(p, _)| *p == protocol) {
+            let _ = slot.set(stats);
+        }
+    }
 }
 
 /// What a relay has beyond a main node: its name and its two links to the upstream.
@@ -49,6 +84,58 @@ impl Relay {
             None
         }
     }
+}
+
+/// Serves HTTP/1.1 on the listener runtime: hyper reads each connection, with the request
+/// deadline as its header read timeout (which closes idle keep-alive connections too) and the
+/// write deadline on the socket; upgrades (WebSockets) keep the connection's place under the
+/// caps for as long as they live. On shutdown each connection finishes its request in flight.
+pub(crate) async fn serve(
+    listener: tokio::net::TcpListener,
+    app: Router,
+    listening: sluice_net::Listening,
+    stats: Arc<sluice_net::ListenerStats>,
+    stop: tokio::sync::watch::Receiver<bool>,
+) {
+    let deadlines = listening.deadlines;
+    sluice_net::serve(
+        "http",
+        listener,
+        &listening,
+        stats,
+        stop.clone(),
+        |stream, peer, admitted| {
+            let app = app.clone();
+            let mut stop = stop.clone();
+            async move {
+                let io = sluice_net::WriteDeadline::new(
+                    sluice_net::Tracked::new(stream, admitted),
+                    deadlines.write,
+                );
+                let service = hyper::service::service_fn(move |mut req: Request<Incoming>| {
+                    req.extensions_mut().insert(ConnectInfo(peer));
+                    app.clone().oneshot(req)
+                });
+                let conn = hyper::server::conn::http1::Builder::new()
+                    .timer(TokioTimer::new())
+                    .header_read_timeout(deadlines.request)
+                    .serve_connection(TokioIo::new(io), service)
+                    .with_upgrades();
+                tokio::pin!(conn);
+                let done = tokio::select! {
+                    r = conn.as_mut() => r,
+                    () = async { let _ = stop.wait_for(|&s| s).await; } => {
+                        conn.as_mut().graceful_shutdown();
+                        conn.await
+                    }
+                };
+                if let Err(e) = done {
+                    tracing::debug!(%peer, error = %e, "http connection ended");
+                }
+            }
+        },
+    )
+    .await;
 }
 
 pub(crate) fn router(state: AppState) -> Router {
@@ -97,6 +184,7 @@ async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
         crate::metrics::render_mqtt(&mut body, mqtt);
     }
     crate::metrics::render_rest(&mut body, &state.rest.metrics);
+    crate::metrics::render_listeners(&mut body, &state.listeners);
     if let Some(relay) = &state.relay {
         crate::metrics::render_relay(&mut body, relay, &engine);
     }

@@ -18,7 +18,6 @@ use clap::{Args, Parser, Subcommand};
 use sluice_core::{DirectFsStorage, Engine, FsStorage, Storage, SystemClock};
 use sluice_kafka::{KafkaServer, Mirror, MirrorSettings};
 use sluice_mqtt::{MqttServer, Upstream};
-use tokio::net::TcpListener;
 use tracing::{info, warn};
 
 use crate::config::{CliOverrides, Config, DEFAULT_CONFIG, ENV_CONFIG_FILE, LogFormat};
@@ -241,13 +240,21 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     let partitions: usize = engine.metrics().partitions.len();
     info!(topics = topics.len(), partitions, "ledger recovered");
     let open_now = process::stats().open_fds;
+    let capacity = soft.saturating_sub(open_now + FILE_HEADROOM);
+    let listening = config
+        .listeners
+        .listening(usize::try_from(capacity).unwrap_or(usize::MAX));
+    let limits = listening.admission.limits();
     info!(
-        connections = soft.saturating_sub(open_now + FILE_HEADROOM),
+        connections = capacity,
+        max_connections = limits.max_connections,
+        max_connections_per_ip = limits.max_connections_per_ip,
         open_file_limit = soft,
         open_files = open_now,
         "connection capacity: each client connection (MQTT, Kafka, HTTP) holds one open file; \
-         beyond this many, new connections are refused until others close"
+         beyond max_connections, new connections are refused until others close"
     );
+    let listeners = http::Listeners::new(listening.admission.clone());
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let relay = if config.is_relay() {
@@ -295,7 +302,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     };
 
     let ready = Arc::new(AtomicBool::new(false));
-    let http_listener = TcpListener::bind(&config.http.addr)
+    let http_listener = sluice_net::bind(&config.http.addr, Default::default())
         .await
         .with_context(|| format!("binding the HTTP listener to {}", config.http.addr))?;
     let http_addr = http_listener.local_addr()?;
@@ -319,18 +326,17 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         stop: stop_rx.clone(),
         relay: relay.clone(),
         direct_writes: direct_stats,
+        listeners: listeners.clone(),
     });
-    let mut http_stop = stop_rx.clone();
-    let http_task = tokio::spawn(async move {
-        axum::serve(
-            http_listener,
-            app.into_make_service_with_connect_info::<std::net::SocketAddr>(),
-        )
-        .with_graceful_shutdown(async move {
-            let _ = http_stop.wait_for(|&s| s).await;
-        })
-        .await
-    });
+    let http_stats = Arc::new(sluice_net::ListenerStats::default());
+    listeners.bound("http", http_stats.clone());
+    let http_task = tokio::spawn(http::serve(
+        http_listener,
+        app,
+        listening.clone(),
+        http_stats,
+        stop_rx.clone(),
+    ));
     let routes = if relay.is_some() {
         "/healthz /readyz /metrics /mqtt (MQTT over WebSocket) and the streams /topics/{topic}/ws and /topics/{topic}/events"
     } else {
@@ -345,7 +351,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         Some(_) => Some(config.relay.downstream_addr.as_str()).filter(|a| !a.is_empty()),
     };
     let kafka_task = if let Some(addr) = kafka_addr {
-        let kafka_listener = TcpListener::bind(addr)
+        let kafka_listener = sluice_net::bind(addr, Default::default())
             .await
             .with_context(|| format!("binding the Kafka listener to {addr}"))?;
         let kafka_addr = kafka_listener.local_addr()?;
@@ -356,10 +362,13 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         };
         let (adv_host, adv_port) = kafka.advertised();
         let _ = kafka_metrics.set(kafka.clone());
+        listeners.bound("kafka", kafka.listener.clone());
         info!(protocol = "kafka", addr = %kafka_addr, advertised = %format!("{adv_host}:{adv_port}"), sasl = !config.kafka.sasl_plain_users.is_empty(), read_only = relay.is_some(), "listening");
-        Some(tokio::spawn(
-            kafka.clone().serve(kafka_listener, stop_rx.clone()),
-        ))
+        Some(tokio::spawn(kafka.clone().serve(
+            kafka_listener,
+            listening.clone(),
+            stop_rx.clone(),
+        )))
     } else {
         None
     };
@@ -374,12 +383,20 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         Ok(mqtt) => {
             // Bound only now: relays sharing the port through SO_REUSEPORT would otherwise
             // hand new clients to one still waiting for its upstream.
-            let mqtt_listener = sluice_mqtt::bind_listener(&config.mqtt.addr, relay.is_some())
+            let options = sluice_net::BindOptions {
+                reuse_port: relay.is_some(),
+                ..Default::default()
+            };
+            let mqtt_listener = sluice_net::bind(&config.mqtt.addr, options)
                 .await
                 .with_context(|| format!("binding the MQTT listener to {}", config.mqtt.addr))?;
             let mqtt_addr = mqtt_listener.local_addr()?;
             let _ = mqtt_metrics.set(mqtt.clone());
-            let task = tokio::spawn(mqtt.clone().serve(mqtt_listener, stop_rx.clone()));
+            listeners.bound("mqtt", mqtt.listener.clone());
+            let task = tokio::spawn(
+                mqtt.clone()
+                    .serve(mqtt_listener, listening, stop_rx.clone()),
+            );
             info!(protocol = "mqtt", addr = %mqtt_addr, routes = config.mqtt.routes.len(), default_topic = %config.mqtt.default_topic, "listening");
             ready.store(true, Ordering::Release);
             info!("ready");
@@ -393,10 +410,8 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     );
     ready.store(false, Ordering::Release);
     let _ = stop_tx.send(true);
-    match http_task.await {
-        Ok(Ok(())) => {}
-        Ok(Err(e)) => warn!(error = %e, "HTTP server stopped with an error"),
-        Err(e) => warn!(error = %e, "HTTP server task failed"),
+    if let Err(e) = http_task.await {
+        warn!(error = %e, "HTTP listener task failed");
     }
     if let Some(task) = kafka_task
         && let Err(e) = task.await

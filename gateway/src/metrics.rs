@@ -184,6 +184,66 @@ pub(crate) fn render_relay(body: &mut String, relay: &crate::http::Relay, engine
 }
 
 /// Appends how segment appends reached the disk.
+/// The listener runtime's figures: per protocol (each TCP listener; WebSockets are HTTP
+/// connections), and the process-wide caps.
+pub(crate) fn render_listeners(body: &mut String, listeners: &crate::http::Listeners) {
+    use std::sync::atomic::Ordering::Relaxed;
+    let mut o = Out(std::mem::take(body));
+    let all: Vec<(&str, &sluice_net::ListenerStats)> = listeners
+        .stats
+        .iter()
+        .filter_map(|(name, stats)| stats.get().map(|s| (*name, &**s)))
+        .collect();
+    type Read = fn(&sluice_net::ListenerStats) -> u64;
+    let families: [(&str, &str, &str, Read); 4] = [
+        (
+            "sluice_listener_connections_accepted_total",
+            "counter",
+            "Connections admitted by a listener.",
+            |s| s.accepted.load(Relaxed),
+        ),
+        (
+            "sluice_listener_connections_open",
+            "gauge",
+            "Connections of a listener open now (HTTP's include the WebSockets upgraded from them).",
+            |s| s.open.load(Relaxed),
+        ),
+        (
+            "sluice_listener_connections_refused_total",
+            "counter",
+            "Connections closed at once because listeners.max_connections or max_connections_per_ip was reached.",
+            |s| s.refused.load(Relaxed),
+        ),
+        (
+            "sluice_listener_accept_errors_total",
+            "counter",
+            "Failed accepts (mostly out of file descriptors), each followed by a pause.",
+            |s| s.accept_errors.load(Relaxed),
+        ),
+    ];
+    for (name, kind, help, read) in families {
+        o.header(name, kind, help);
+        for (protocol, stats) in &all {
+            o.sample(name, &format!("protocol=\"{protocol}\""), read(stats));
+        }
+    }
+    let (total, per_ip) = listeners.admission.refused();
+    o.header(
+        "sluice_connections_refused_total",
+        "counter",
+        "Connections refused by the process-wide caps, by the cap that refused them.",
+    );
+    o.sample("sluice_connections_refused_total", "cap=\"total\"", total);
+    o.sample("sluice_connections_refused_total", "cap=\"per_ip\"", per_ip);
+    o.single(
+        "sluice_connections_max",
+        "gauge",
+        "The total connection cap in force (listeners.max_connections, or what the open-file limit leaves).",
+        listeners.admission.limits().max_connections,
+    );
+    *body = o.0;
+}
+
 pub(crate) fn render_direct_writes(body: &mut String, d: &sluice_core::DirectStats) {
     use std::sync::atomic::Ordering::Relaxed;
     let mut o = Out(std::mem::take(body));
@@ -265,6 +325,12 @@ pub(crate) fn render_kafka(body: &mut String, k: &sluice_kafka::KafkaMetrics) {
         "counter",
         "Kafka connections closed for malformed, oversized or unsupported requests.",
         k.bad_requests.load(Relaxed),
+    );
+    o.single(
+        "sluice_kafka_timeouts_total",
+        "counter",
+        "Kafka connections closed because a request did not come (whole) within listeners.request_timeout_ms or idle_timeout_ms, or a response was not taken within write_timeout_ms.",
+        k.timeouts.load(Relaxed),
     );
     o.single(
         "sluice_kafka_auth_failures_total",
@@ -641,6 +707,12 @@ pub(crate) fn render(engine: &EngineMetrics, process: &ProcessStats, ready: bool
         engine.refused_subscriptions,
     );
     o.single(
+        "sluice_internal_topic_refusals_total",
+        "counter",
+        "Client produces, creations, deletions and policy changes of internal (__) topics refused.",
+        engine.refused_internal,
+    );
+    o.single(
         "sluice_retention_deleted_segments_total",
         "counter",
         "Segments deleted by retention.",
@@ -941,6 +1013,7 @@ mod tests {
             unreadable_batches: 0,
             refused_topics: 0,
             refused_subscriptions: 0,
+            refused_internal: 0,
             groups: vec![sluice_core::GroupLag {
                 group: "analytics \"eu\"".into(),
                 topic: "cams".into(),

@@ -9,10 +9,11 @@ use std::time::Duration;
 use bytes::Bytes;
 use kafka_protocol::messages::{ApiKey, RequestKind, ResponseKind};
 use sluice_core::Engine;
+use sluice_net::{Deadlines, ListenerStats, Listening, Tracked, WriteDeadline, within};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
-use tracing::{debug, info, warn};
+use tracing::{debug, warn};
 
 use crate::KafkaSettings;
 use crate::codec::{self, DecodeError};
@@ -34,6 +35,9 @@ pub struct KafkaMetrics {
     pub auth_failures: AtomicU64,
     /// Produce requests a relay's read-only listener refused.
     pub writes_refused: AtomicU64,
+    /// Connections closed because a request did not come, or did not come whole, within its
+    /// deadline, or because a response was not taken within the write deadline.
+    pub timeouts: AtomicU64,
     /// Fetch responses that left out data the client asked for because of the server's
     /// limits (`kafka.fetch_max_bytes`, `kafka.fetch_max_partition_bytes`).
     pub fetch_responses_capped: AtomicU64,
@@ -52,6 +56,8 @@ pub struct KafkaServer {
     /// produce requests are refused).
     pub(crate) read_only: bool,
     pub metrics: KafkaMetrics,
+    /// The listener runtime's counts for this listener (admitted, open, refused).
+    pub listener: Arc<ListenerStats>,
 }
 
 /// Per-connection facts handlers may need.
@@ -116,6 +122,7 @@ impl KafkaServer {
             cluster_id: "sluice".into(),
             read_only,
             metrics: KafkaMetrics::default(),
+            listener: Arc::default(),
         })
     }
 
@@ -136,54 +143,57 @@ impl KafkaServer {
         self.advertised.clone()
     }
 
-    /// Accepts connections until `shutdown` turns true; open connections end at their next
-    /// request boundary.
+    /// Accepts connections on the listener runtime until `shutdown` turns true (open
+    /// connections end at their next request boundary), then drains them.
     pub async fn serve(
         self: Arc<Self>,
         listener: TcpListener,
-        mut shutdown: watch::Receiver<bool>,
+        listening: Listening,
+        shutdown: watch::Receiver<bool>,
     ) {
-        loop {
-            let accepted = tokio::select! {
-                r = listener.accept() => r,
-                _ = shutdown.wait_for(|&s| s) => break,
-            };
-            match accepted {
-                Ok((stream, peer)) => {
-                    let _ = stream.set_nodelay(true);
-                    self.metrics
+        let deadlines = listening.deadlines;
+        let stats = self.listener.clone();
+        sluice_net::serve(
+            "kafka",
+            listener,
+            &listening,
+            stats,
+            shutdown.clone(),
+            |stream, peer, admitted| {
+                let server = self.clone();
+                let shutdown = shutdown.clone();
+                async move {
+                    let stream =
+                        WriteDeadline::new(Tracked::new(stream, admitted), deadlines.write);
+                    server
+                        .metrics
                         .connections_accepted
                         .fetch_add(1, Ordering::Relaxed);
-                    let server = self.clone();
-                    let shutdown = shutdown.clone();
-                    tokio::spawn(async move {
-                        server
-                            .metrics
-                            .connections_open
-                            .fetch_add(1, Ordering::Relaxed);
-                        if let Err(e) = server.connection(stream, peer, shutdown).await {
-                            debug!(%peer, error = %e, "kafka connection ended");
+                    server
+                        .metrics
+                        .connections_open
+                        .fetch_add(1, Ordering::Relaxed);
+                    if let Err(e) = server.connection(stream, peer, deadlines, shutdown).await {
+                        if e.kind() == std::io::ErrorKind::TimedOut {
+                            server.metrics.timeouts.fetch_add(1, Ordering::Relaxed);
                         }
-                        server
-                            .metrics
-                            .connections_open
-                            .fetch_sub(1, Ordering::Relaxed);
-                    });
+                        debug!(%peer, error = %e, "kafka connection ended");
+                    }
+                    server
+                        .metrics
+                        .connections_open
+                        .fetch_sub(1, Ordering::Relaxed);
                 }
-                Err(e) => {
-                    // Out of file descriptors or similar: back off instead of spinning.
-                    warn!(error = %e, "kafka accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-            }
-        }
-        info!("kafka listener stopped");
+            },
+        )
+        .await;
     }
 
     async fn connection(
         self: &Arc<Self>,
-        mut stream: TcpStream,
+        mut stream: WriteDeadline<Tracked<TcpStream>>,
         peer: SocketAddr,
+        deadlines: Deadlines,
         mut shutdown: watch::Receiver<bool>,
     ) -> std::io::Result<()> {
         let mut conn = Conn {
@@ -192,19 +202,28 @@ impl KafkaServer {
             sasl_mechanism_ok: false,
             authenticated: self.settings.sasl_plain_users.is_empty(),
         };
+        // The first request must come within the request deadline of the connect (a socket
+        // that never speaks holds a file for nothing); later ones within the idle deadline.
+        let mut wait = (deadlines.request, "the first request");
         loop {
             let mut len = [0u8; 4];
             tokio::select! {
-                r = stream.read_exact(&mut len) => { r?; }
+                r = within(wait.0, wait.1, stream.read_exact(&mut len)) => { r?; }
                 _ = shutdown.wait_for(|&s| s) => return Ok(()),
             }
+            wait = (deadlines.idle, "a request on an idle connection");
             let len = i32::from_be_bytes(len);
             if len < 0 || len as usize > self.settings.max_request_bytes {
                 self.metrics.bad_requests.fetch_add(1, Ordering::Relaxed);
                 warn!(%peer, len, max = self.settings.max_request_bytes, "kafka request size out of bounds; closing the connection");
                 return Ok(());
             }
-            let frame = read_frame(&mut stream, len as usize).await?;
+            let frame = within(
+                deadlines.request,
+                "the rest of a request",
+                read_frame(&mut stream, len as usize),
+            )
+            .await?;
             self.metrics
                 .bytes_in
                 .fetch_add(4 + len as u64, Ordering::Relaxed);

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use sluice_core::{Engine, EngineConfig, FsStorage, SystemClock};
 use sluice_kafka::{KafkaServer, KafkaSettings};
+use sluice_net::{Deadlines, Listening};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -16,6 +17,17 @@ const PATIENCE: Duration = Duration::from_secs(30);
 
 async fn start(
     dir: &std::path::Path,
+) -> (
+    Arc<KafkaServer>,
+    std::net::SocketAddr,
+    tokio::sync::watch::Sender<bool>,
+) {
+    start_with(dir, Listening::unbounded()).await
+}
+
+async fn start_with(
+    dir: &std::path::Path,
+    listening: Listening,
 ) -> (
     Arc<KafkaServer>,
     std::net::SocketAddr,
@@ -44,7 +56,7 @@ async fn start(
     let addr = listener.local_addr().unwrap();
     let server = KafkaServer::new(engine, settings, addr);
     let (stop, stop_rx) = tokio::sync::watch::channel(false);
-    tokio::spawn(server.clone().serve(listener, stop_rx));
+    tokio::spawn(server.clone().serve(listener, listening, stop_rx));
     (server, addr, stop)
 }
 
@@ -175,5 +187,53 @@ async fn oversized_requests_are_refused_before_being_read() {
     let answer = send_and_expect_close(addr, &(2 * 1024 * 1024i32).to_be_bytes()).await;
     assert!(answer.is_empty());
     assert_eq!(server.metrics.bad_requests.load(Ordering::Relaxed), 1);
+    api_versions_works(addr).await;
+}
+
+/// A connection that never sends a request, or stops halfway through one, is closed at the
+/// request deadline, and so is one idle past the idle deadline; each is counted, and working
+/// connections are untouched.
+#[tokio::test]
+async fn silent_half_sent_and_idle_connections_are_closed_at_their_deadlines() {
+    let dir = tempfile::tempdir().unwrap();
+    let listening = Listening {
+        deadlines: Deadlines {
+            request: Duration::from_millis(300),
+            idle: Duration::from_millis(600),
+            write: Duration::from_secs(30),
+        },
+        ..Listening::unbounded()
+    };
+    let (server, addr, _stop) = start_with(dir.path(), listening).await;
+    // Silent from the connect.
+    assert!(send_and_expect_close(addr, b"").await.is_empty());
+    // The length and 6 of its 20 bytes, then nothing.
+    let mut half = api_versions_v0(1);
+    half.truncate(10);
+    assert!(send_and_expect_close(addr, &half).await.is_empty());
+    // A request answered, then silence: closed once idle.
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(&api_versions_v0(3)).await.unwrap();
+    let mut len = [0u8; 4];
+    s.read_exact(&mut len).await.unwrap();
+    let mut body = vec![0u8; i32::from_be_bytes(len) as usize];
+    s.read_exact(&mut body).await.unwrap();
+    let mut rest = Vec::new();
+    tokio::time::timeout(PATIENCE, s.read_to_end(&mut rest))
+        .await
+        .expect("an idle connection is closed")
+        .unwrap();
+    // The client sees the close before the connection's task counts it and ends.
+    let settled = || {
+        server.metrics.timeouts.load(Ordering::Relaxed) == 3
+            && server.listener.open.load(Ordering::Relaxed) == 0
+    };
+    tokio::time::timeout(PATIENCE, async {
+        while !settled() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("three timeouts counted and every closed connection out of the gauge");
     api_versions_works(addr).await;
 }

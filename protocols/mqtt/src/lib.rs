@@ -30,37 +30,6 @@ pub use server::{MqttMetrics, MqttServer, PacketCounts};
 pub use sessions::SESSIONS_TOPIC;
 pub use upstream::{Upstream, UpstreamMetrics};
 
-/// Pending connections the kernel queues before `accept` (the usual `somaxconn` ceiling; the
-/// kernel caps it there). tokio's default of 1024 overflows when thousands of devices reconnect
-/// at once, and every overflowed SYN costs its client a retransmit timeout of a second or more.
-pub const LISTEN_BACKLOG: u32 = 4096;
-
-/// Binds the MQTT listener with [`LISTEN_BACKLOG`] (and `SO_REUSEADDR`, so a restart does not
-/// wait out TIME_WAIT). With `reuse_port`, `SO_REUSEPORT` too: several relays on one host
-/// then share the address and the kernel spreads new connections over them.
-pub async fn bind_listener(
-    addr: &str,
-    reuse_port: bool,
-) -> std::io::Result<tokio::net::TcpListener> {
-    let mut last = None;
-    for a in tokio::net::lookup_host(addr).await? {
-        let socket = if a.is_ipv4() {
-            tokio::net::TcpSocket::new_v4()?
-        } else {
-            tokio::net::TcpSocket::new_v6()?
-        };
-        socket.set_reuseaddr(true)?;
-        if reuse_port {
-            socket.set_reuseport(true)?;
-        }
-        match socket.bind(a).and_then(|()| socket.listen(LISTEN_BACKLOG)) {
-            Ok(listener) => return Ok(listener),
-            Err(e) => last = Some(e),
-        }
-    }
-    Err(last.unwrap_or_else(|| std::io::Error::other(format!("{addr} resolves to nothing"))))
-}
-
 /// Settings of the MQTT listener (the gateway's `[mqtt]` section).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

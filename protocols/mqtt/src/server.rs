@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use dashmap::DashMap;
 use sluice_core::{CoreError, Engine};
+use sluice_net::{ListenerStats, Listening};
 use tokio::net::TcpListener;
 use tokio::sync::{Notify, watch};
 use tracing::{debug, info, warn};
@@ -132,6 +133,8 @@ pub struct MqttServer {
     /// Bytes of large payloads being written to sockets now (see [`EGRESS_BUDGET`]).
     pub(crate) egress: tokio::sync::Semaphore,
     pub metrics: MqttMetrics,
+    /// The listener runtime's counts for the TCP listener (admitted, open, refused).
+    pub listener: Arc<ListenerStats>,
 }
 
 /// Payloads at least this large are written under the egress budget.
@@ -275,6 +278,7 @@ impl MqttServer {
             next_connection: AtomicU64::new(1),
             egress: tokio::sync::Semaphore::new(EGRESS_BUDGET / EGRESS_UNIT),
             metrics,
+            listener: Arc::default(),
         });
         // A relay keeps no sessions of its own: the upstream's sweep removes them.
         if server.upstream.is_none() {
@@ -333,55 +337,51 @@ impl MqttServer {
         self.next_connection.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// Accepts connections until `shutdown` turns true.
+    /// Accepts connections on the listener runtime until `shutdown` turns true, then drains
+    /// them (each connection sends MQTT 5 clients DISCONNECT 0x8B and closes).
     pub async fn serve(
         self: Arc<Self>,
         listener: TcpListener,
-        mut shutdown: watch::Receiver<bool>,
+        listening: Listening,
+        shutdown: watch::Receiver<bool>,
     ) {
-        loop {
-            let accepted = tokio::select! {
-                r = listener.accept() => r,
-                _ = shutdown.wait_for(|&s| s) => break,
-            };
-            match accepted {
-                Ok((stream, peer)) => {
-                    let _ = stream.set_nodelay(true);
-                    limit_unsent(&stream);
-                    let fd = std::os::fd::AsRawFd::as_raw_fd(&stream);
-                    self.metrics
+        let stats = self.listener.clone();
+        sluice_net::serve(
+            "mqtt",
+            listener,
+            &listening,
+            stats,
+            shutdown.clone(),
+            |stream, peer, admitted| {
+                limit_unsent(&stream);
+                let fd = std::os::fd::AsRawFd::as_raw_fd(&stream);
+                let server = self.clone();
+                let shutdown = shutdown.clone();
+                async move {
+                    // The connection's halves move between the session and the fan-out, so
+                    // its place under the caps is held here, for as long as the session runs.
+                    let _admitted = admitted;
+                    server
+                        .metrics
                         .connections_accepted
                         .fetch_add(1, Ordering::Relaxed);
-                    let server = self.clone();
-                    let shutdown = shutdown.clone();
-                    tokio::spawn(async move {
-                        server
-                            .metrics
-                            .connections_open
-                            .fetch_add(1, Ordering::Relaxed);
-                        if let Err(e) = session::run(
-                            &server,
-                            TcpConn::new(stream),
-                            Some(fd),
-                            peer.to_string(),
-                            shutdown,
-                        )
-                        .await
-                        {
-                            debug!(%peer, error = %e, "mqtt connection ended");
-                        }
-                        server
-                            .metrics
-                            .connections_open
-                            .fetch_sub(1, Ordering::Relaxed);
-                    });
+                    server
+                        .metrics
+                        .connections_open
+                        .fetch_add(1, Ordering::Relaxed);
+                    let conn = TcpConn::new(stream);
+                    if let Err(e) =
+                        session::run(&server, conn, Some(fd), peer.to_string(), shutdown).await
+                    {
+                        debug!(%peer, error = %e, "mqtt connection ended");
+                    }
+                    server
+                        .metrics
+                        .connections_open
+                        .fetch_sub(1, Ordering::Relaxed);
                 }
-                Err(e) => {
-                    warn!(error = %e, "mqtt accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-            }
-        }
-        info!("mqtt listener stopped");
+            },
+        )
+        .await;
     }
 }

@@ -69,7 +69,11 @@ async fn start_engine(
     let port = listener.local_addr().unwrap().port();
     let server = MqttServer::new(engine.clone(), settings).await.unwrap();
     let (stop, stop_rx) = tokio::sync::watch::channel(false);
-    tokio::spawn(server.clone().serve(listener, stop_rx));
+    tokio::spawn(
+        server
+            .clone()
+            .serve(listener, sluice_net::Listening::unbounded(), stop_rx),
+    );
     Gateway {
         engine,
         server,
