@@ -443,6 +443,11 @@ impl Engine {
     /// Refuses a change to an internal topic through a client's handle.
     fn check_writable(&self, name: &str) -> Result<()> {
         if is_internal_topic(name) && !self.system {
+            self.inner
+                .shared
+                .counters
+                .refused_internal
+                .fetch_add(1, Ordering::Relaxed);
             return Err(CoreError::InternalTopic {
                 topic: name.to_owned(),
             });
@@ -1424,6 +1429,7 @@ impl Engine {
             unreadable_batches: c.unreadable_batches.load(Ordering::Relaxed),
             refused_topics: c.refused_topics.load(Ordering::Relaxed),
             refused_subscriptions: c.refused_subscriptions.load(Ordering::Relaxed),
+            refused_internal: c.refused_internal.load(Ordering::Relaxed),
             retention_deleted_segments: c.retention_deleted_segments.load(Ordering::Relaxed),
             retention_deleted_bytes: c.retention_deleted_bytes.load(Ordering::Relaxed),
             groups: self.group_lags(),

@@ -77,6 +77,8 @@ pub(crate) struct EngineCounters {
     pub(crate) refused_topics: AtomicU64,
     /// Named subscriptions refused by `max_subscriptions`.
     pub(crate) refused_subscriptions: AtomicU64,
+    /// Client writes, creations, deletions and policy changes of internal topics refused.
+    pub(crate) refused_internal: AtomicU64,
     pub(crate) retention_deleted_segments: AtomicU64,
     pub(crate) retention_deleted_bytes: AtomicU64,
 }
@@ -122,6 +124,8 @@ pub struct EngineMetrics {
     pub refused_topics: u64,
     /// Named subscriptions refused because the engine holds its most.
     pub refused_subscriptions: u64,
+    /// Client changes of internal (`__`) topics refused.
+    pub refused_internal: u64,
     pub retention_deleted_segments: u64,
     pub retention_deleted_bytes: u64,
     /// Committed position and lag per group and partition.

@@ -63,6 +63,7 @@ def test_no_retained_message_can_be_planted_over_rest_or_kafka(gateway, uniq):
     )
     assert status == 403
     assert retained_on_subscribe(gateway, name) == []
+    assert gateway.metrics()["sluice_internal_topic_refusals_total"] >= 2
 
 
 @pytest.mark.parametrize("topic", INTERNAL)
