@@ -355,6 +355,9 @@ impl Config {
                     .into(),
             );
         }
+        if k.max_groups == 0 || k.group_max_size == 0 {
+            return invalid("kafka.max_groups and kafka.group_max_size must be positive".into());
+        }
         if k.group_min_session_timeout_ms == 0
             || k.group_min_session_timeout_ms > k.group_max_session_timeout_ms
         {
@@ -556,6 +559,7 @@ mod tests {
             (c.kafka.fetch_max_bytes, c.kafka.fetch_max_partition_bytes),
             (52_428_800, c.topics.defaults.max_message_bytes as usize)
         );
+        assert_eq!((c.kafka.max_groups, c.kafka.group_max_size), (10_000, 1000));
         assert_eq!(c.log.format, LogFormat::Text);
         assert!(c.topics.auto_create);
         // The file's policy is the library's default policy, key for key.
@@ -732,6 +736,8 @@ mod tests {
                 "[kafka]\nfetch_max_partition_bytes = 0\n",
                 "kafka.fetch_max_partition_bytes",
             ),
+            ("[kafka]\nmax_groups = 0\n", "kafka.max_groups"),
+            ("[kafka]\ngroup_max_size = 0\n", "kafka.group_max_size"),
             ("data_dir = 5\n", "data_dir"),
             ("not toml at all", "key"),
         ];

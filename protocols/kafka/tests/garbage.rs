@@ -38,6 +38,8 @@ async fn start(
         group_max_session_timeout_ms: 60_000,
         fetch_max_bytes: 52_428_800,
         fetch_max_partition_bytes: 8_388_608,
+        max_groups: 10_000,
+        group_max_size: 1000,
         sasl_plain_users: BTreeMap::new(),
     };
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
