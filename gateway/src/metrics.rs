@@ -297,6 +297,12 @@ pub(crate) fn render_kafka(body: &mut String, k: &sluice_kafka::KafkaMetrics) {
         k.group_members_refused.load(Relaxed),
     );
     o.single(
+        "sluice_kafka_producer_ids_refused_total",
+        "counter",
+        "Kafka InitProducerId requests (COORDINATOR_LOAD_IN_PROGRESS) and idempotent batches of producers without state (UNKNOWN_PRODUCER_ID) refused because kafka.max_producer_ids producers are tracked.",
+        k.producer_ids_refused.load(Relaxed),
+    );
+    o.single(
         "sluice_kafka_received_bytes_total",
         "counter",
         "Bytes of Kafka requests.",

@@ -42,6 +42,10 @@ pub struct KafkaMetrics {
     /// JoinGroup requests of new members refused because their group holds
     /// `kafka.group_max_size` members (GROUP_MAX_SIZE_REACHED).
     pub group_members_refused: AtomicU64,
+    /// InitProducerId requests, and idempotent batches of producers without state, refused
+    /// because `kafka.max_producer_ids` producers are tracked and none has been idle long
+    /// enough to expire.
+    pub producer_ids_refused: AtomicU64,
 }
 
 /// The Kafka protocol server; shared by its connection tasks.
@@ -115,7 +119,11 @@ impl KafkaServer {
             },
             settings.max_groups,
         );
-        let producers = Producers::new(engine.now_ms());
+        let producers = Producers::new(
+            engine.now_ms(),
+            settings.max_producer_ids,
+            settings.producer_id_expiration_ms,
+        );
         Arc::new(Self {
             engine,
             settings,
