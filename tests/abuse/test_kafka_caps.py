@@ -63,7 +63,8 @@ class Conn:
 
     def join(self, group: str, member_id: str = "") -> tuple[int, int, str]:
         """JoinGroup v5 (the two-step join); (error code, generation, member id)."""
-        body = _string(group) + struct.pack(">ii", 10_000, 10_000) + _string(member_id)
+        # Session and rebalance timeouts of five minutes: nothing a test holds expires under it.
+        body = _string(group) + struct.pack(">ii", 300_000, 300_000) + _string(member_id)
         body += _string(None) + _string("consumer")
         body += struct.pack(">i", 1) + _string("range") + struct.pack(">i", 4) + b"meta"
         resp = self.call(JOIN_GROUP, 5, body)
