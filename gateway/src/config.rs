@@ -407,6 +407,16 @@ impl Config {
                     .into(),
             );
         }
+        if k.max_groups == 0
+            || k.group_max_size == 0
+            || k.max_producer_ids == 0
+            || k.producer_id_expiration_ms == 0
+        {
+            return invalid(
+                "kafka.max_groups, kafka.group_max_size, kafka.max_producer_ids and kafka.producer_id_expiration_ms must be positive"
+                    .into(),
+            );
+        }
         if k.group_min_session_timeout_ms == 0
             || k.group_min_session_timeout_ms > k.group_max_session_timeout_ms
         {
@@ -641,6 +651,15 @@ mod tests {
             (c.kafka.fetch_max_bytes, c.kafka.fetch_max_partition_bytes),
             (52_428_800, c.topics.defaults.max_message_bytes as usize)
         );
+        assert_eq!(
+            (
+                c.kafka.max_groups,
+                c.kafka.group_max_size,
+                c.kafka.max_producer_ids,
+                c.kafka.producer_id_expiration_ms
+            ),
+            (10_000, 1000, 100_000, 86_400_000)
+        );
         assert_eq!(c.log.format, LogFormat::Text);
         assert!(c.topics.auto_create);
         // The file's policy is the library's default policy, key for key.
@@ -816,6 +835,13 @@ mod tests {
             (
                 "[kafka]\nfetch_max_partition_bytes = 0\n",
                 "kafka.fetch_max_partition_bytes",
+            ),
+            ("[kafka]\nmax_groups = 0\n", "kafka.max_groups"),
+            ("[kafka]\ngroup_max_size = 0\n", "kafka.group_max_size"),
+            ("[kafka]\nmax_producer_ids = 0\n", "kafka.max_producer_ids"),
+            (
+                "[kafka]\nproducer_id_expiration_ms = 0\n",
+                "kafka.producer_id_expiration_ms",
             ),
             ("data_dir = 5\n", "data_dir"),
             ("not toml at all", "key"),

@@ -351,6 +351,24 @@ pub(crate) fn render_kafka(body: &mut String, k: &sluice_kafka::KafkaMetrics) {
         k.fetch_responses_capped.load(Relaxed),
     );
     o.single(
+        "sluice_kafka_groups_refused_total",
+        "counter",
+        "Kafka JoinGroup requests for a new group refused because kafka.max_groups groups are held (COORDINATOR_NOT_AVAILABLE).",
+        k.groups_refused.load(Relaxed),
+    );
+    o.single(
+        "sluice_kafka_group_members_refused_total",
+        "counter",
+        "Kafka JoinGroup requests of new members refused because the group holds kafka.group_max_size members (GROUP_MAX_SIZE_REACHED).",
+        k.group_members_refused.load(Relaxed),
+    );
+    o.single(
+        "sluice_kafka_producer_ids_refused_total",
+        "counter",
+        "Kafka InitProducerId requests (COORDINATOR_LOAD_IN_PROGRESS) and idempotent batches of producers without state (UNKNOWN_PRODUCER_ID) refused because kafka.max_producer_ids producers are tracked.",
+        k.producer_ids_refused.load(Relaxed),
+    );
+    o.single(
         "sluice_kafka_received_bytes_total",
         "counter",
         "Bytes of Kafka requests.",

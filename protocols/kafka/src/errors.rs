@@ -9,6 +9,7 @@ pub(crate) const CORRUPT_MESSAGE: i16 = 2;
 pub(crate) const UNKNOWN_TOPIC_OR_PARTITION: i16 = 3;
 pub(crate) const NOT_LEADER_OR_FOLLOWER: i16 = 6;
 pub(crate) const MESSAGE_TOO_LARGE: i16 = 10;
+pub(crate) const COORDINATOR_LOAD_IN_PROGRESS: i16 = 14;
 pub(crate) const OFFSET_METADATA_TOO_LARGE: i16 = 12;
 pub(crate) const INVALID_TOPIC_EXCEPTION: i16 = 17;
 pub(crate) const INVALID_GROUP_ID: i16 = 24;
@@ -25,6 +26,7 @@ pub(crate) const INVALID_PRODUCER_EPOCH: i16 = 47;
 pub(crate) const TRANSACTIONAL_ID_AUTHORIZATION_FAILED: i16 = 53;
 pub(crate) const KAFKA_STORAGE_ERROR: i16 = 56;
 pub(crate) const SASL_AUTHENTICATION_FAILED: i16 = 58;
+pub(crate) const UNKNOWN_PRODUCER_ID: i16 = 59;
 pub(crate) const INVALID_RECORD: i16 = 87;
 
 /// The Kafka error code for a core error.

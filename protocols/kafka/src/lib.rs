@@ -62,6 +62,19 @@ pub struct KafkaSettings {
     /// Most record bytes one partition entry of a Fetch response carries, whatever the client
     /// asks; the first partition with data may pass it by one batch.
     pub fetch_max_partition_bytes: usize,
+    /// Most consumer groups the coordinator holds at once (groups with members, or member ids
+    /// handed out); a JoinGroup for a new group past it is refused (COORDINATOR_NOT_AVAILABLE).
+    pub max_groups: usize,
+    /// Most members of one group, member ids handed out and not yet used included (Kafka's
+    /// `group.max.size`); a new member past it is refused (GROUP_MAX_SIZE_REACHED).
+    pub group_max_size: usize,
+    /// Most idempotent producers whose state is kept; past it, after idle ones have expired,
+    /// InitProducerId is refused (COORDINATOR_LOAD_IN_PROGRESS), and so is an idempotent batch
+    /// of a producer without state (UNKNOWN_PRODUCER_ID).
+    pub max_producer_ids: usize,
+    /// A producer that has appended nothing for this long is forgotten (Kafka's
+    /// `producer.id.expiration.ms`).
+    pub producer_id_expiration_ms: u64,
     /// SASL/PLAIN users as `name = "sha256:<hex of SHA-256 of the password>"`. Empty: no
     /// authentication.
     pub sasl_plain_users: BTreeMap<String, String>,

@@ -41,6 +41,15 @@ pub struct KafkaMetrics {
     /// Fetch responses that left out data the client asked for because of the server's
     /// limits (`kafka.fetch_max_bytes`, `kafka.fetch_max_partition_bytes`).
     pub fetch_responses_capped: AtomicU64,
+    /// JoinGroup requests for a new group refused because `kafka.max_groups` groups are held.
+    pub groups_refused: AtomicU64,
+    /// JoinGroup requests of new members refused because their group holds
+    /// `kafka.group_max_size` members (GROUP_MAX_SIZE_REACHED).
+    pub group_members_refused: AtomicU64,
+    /// InitProducerId requests, and idempotent batches of producers without state, refused
+    /// because `kafka.max_producer_ids` producers are tracked and none has been idle long
+    /// enough to expire.
+    pub producer_ids_refused: AtomicU64,
 }
 
 /// The Kafka protocol server; shared by its connection tasks.
@@ -105,14 +114,22 @@ impl KafkaServer {
         } else {
             i32::from(bound.port())
         };
-        let coordinator = Coordinator::start(GroupSettings {
-            min_session_timeout: Duration::from_millis(settings.group_min_session_timeout_ms),
-            max_session_timeout: Duration::from_millis(settings.group_max_session_timeout_ms),
-            initial_rebalance_delay: Duration::from_millis(
-                settings.group_initial_rebalance_delay_ms,
-            ),
-        });
-        let producers = Producers::new(engine.now_ms());
+        let coordinator = Coordinator::start(
+            GroupSettings {
+                min_session_timeout: Duration::from_millis(settings.group_min_session_timeout_ms),
+                max_session_timeout: Duration::from_millis(settings.group_max_session_timeout_ms),
+                initial_rebalance_delay: Duration::from_millis(
+                    settings.group_initial_rebalance_delay_ms,
+                ),
+                max_size: settings.group_max_size,
+            },
+            settings.max_groups,
+        );
+        let producers = Producers::new(
+            engine.now_ms(),
+            settings.max_producer_ids,
+            settings.producer_id_expiration_ms,
+        );
         Arc::new(Self {
             engine,
             settings,

@@ -50,6 +50,10 @@ async fn start_with(
         group_max_session_timeout_ms: 60_000,
         fetch_max_bytes: 52_428_800,
         fetch_max_partition_bytes: 8_388_608,
+        max_groups: 10_000,
+        group_max_size: 1000,
+        max_producer_ids: 100_000,
+        producer_id_expiration_ms: 86_400_000,
         sasl_plain_users: BTreeMap::new(),
     };
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();

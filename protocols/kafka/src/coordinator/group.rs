@@ -12,12 +12,19 @@ use bytes::Bytes;
 /// Kafka error codes the coordinator returns.
 pub(crate) mod code {
     pub(crate) const NONE: i16 = 0;
+    /// The coordinator has no room for a new group (`kafka.max_groups`). Kafka has no cap on
+    /// groups and so no code of its own for one; this is what a Kafka coordinator answers when
+    /// it cannot take a group for now. It is retriable: clients look the coordinator up again
+    /// and retry with backoff, and get in once other groups have emptied and been forgotten,
+    /// where GROUP_MAX_SIZE_REACHED would stop a Java consumer for good and name the wrong limit.
+    pub(crate) const COORDINATOR_NOT_AVAILABLE: i16 = 15;
     pub(crate) const ILLEGAL_GENERATION: i16 = 22;
     pub(crate) const INCONSISTENT_GROUP_PROTOCOL: i16 = 23;
     pub(crate) const UNKNOWN_MEMBER_ID: i16 = 25;
     pub(crate) const INVALID_SESSION_TIMEOUT: i16 = 26;
     pub(crate) const REBALANCE_IN_PROGRESS: i16 = 27;
     pub(crate) const MEMBER_ID_REQUIRED: i16 = 79;
+    pub(crate) const GROUP_MAX_SIZE_REACHED: i16 = 81;
     pub(crate) const FENCED_INSTANCE_ID: i16 = 82;
 }
 
@@ -48,6 +55,9 @@ pub(crate) struct GroupSettings {
     pub(crate) max_session_timeout: Duration,
     /// Extra wait for more members when a rebalance starts from an empty group.
     pub(crate) initial_rebalance_delay: Duration,
+    /// Most members one group holds, member ids handed out and not yet joined included
+    /// (Kafka's `group.max.size`).
+    pub(crate) max_size: usize,
 }
 
 /// A JoinGroup as the coordinator needs it.
@@ -78,7 +88,7 @@ pub(crate) struct JoinResponse {
 }
 
 impl JoinResponse {
-    fn error(error: i16, member_id: &str) -> Self {
+    pub(crate) fn error(error: i16, member_id: &str) -> Self {
         Self {
             error,
             generation: -1,
@@ -287,10 +297,15 @@ impl Group {
                     }
                     member_id = new_id;
                 } else {
+                    if self.is_full(settings) {
+                        return Reply::Now(JoinResponse::error(code::GROUP_MAX_SIZE_REACHED, ""));
+                    }
                     member_id = self.new_member_id(&req.client_id);
                     self.static_members
                         .insert(instance.clone(), member_id.clone());
                 }
+            } else if self.is_full(settings) {
+                return Reply::Now(JoinResponse::error(code::GROUP_MAX_SIZE_REACHED, ""));
             } else if req.require_known_member_id {
                 let id = self.new_member_id(&req.client_id);
                 self.pending.insert(id.clone(), now + req.session_timeout);
@@ -361,6 +376,13 @@ impl Group {
             Some(m) if m.awaiting_join => Reply::Later(member_id),
             _ => Reply::Now(self.join_response(&member_id)),
         }
+    }
+
+    /// No room for another member. Ids handed out by MEMBER_ID_REQUIRED count: each is a
+    /// place held (until its session timeout) that a first-step join could otherwise repeat
+    /// without bound.
+    fn is_full(&self, settings: &GroupSettings) -> bool {
+        self.members.len() + self.pending.len() >= settings.max_size
     }
 
     fn supports_common_protocol(&self, protocols: &[(String, Bytes)]) -> bool {
@@ -677,6 +699,7 @@ mod tests {
             min_session_timeout: Duration::from_millis(100),
             max_session_timeout: Duration::from_secs(60),
             initial_rebalance_delay: Duration::from_millis(50),
+            max_size: 4,
         }
     }
 
@@ -835,6 +858,55 @@ mod tests {
             g.heartbeat(&member_id, r.generation, t0),
             code::UNKNOWN_MEMBER_ID
         );
+    }
+
+    #[test]
+    fn a_full_group_refuses_new_members_but_not_its_own() {
+        let s = GroupSettings {
+            max_size: 2,
+            ..settings()
+        };
+        let mut g = Group::new("g");
+        let t0 = Instant::now();
+        let mut out = Vec::new();
+        let first_step = |g: &mut Group, out: &mut Vec<Completion>| match g.join(
+            join_req("", None),
+            &s,
+            t0,
+            out,
+        ) {
+            Reply::Now(r) => r,
+            Reply::Later(_) => panic!("a first step is answered at once"),
+        };
+        let a = first_step(&mut g, &mut out);
+        assert_eq!(a.error, code::MEMBER_ID_REQUIRED);
+        assert!(matches!(
+            g.join(join_req(&a.member_id, None), &s, t0, &mut out),
+            Reply::Later(_)
+        ));
+        // A member id handed out holds its place before the member joins with it.
+        let b = first_step(&mut g, &mut out);
+        assert_eq!(b.error, code::MEMBER_ID_REQUIRED);
+        let refused = first_step(&mut g, &mut out);
+        assert_eq!(
+            (refused.error, refused.member_id.as_str()),
+            (code::GROUP_MAX_SIZE_REACHED, "")
+        );
+        for (instance, legacy) in [(Some("car-9"), false), (None, true)] {
+            let mut req = join_req("", instance);
+            req.require_known_member_id = !legacy;
+            assert!(
+                matches!(g.join(req, &s, t0, &mut out), Reply::Now(r) if r.error == code::GROUP_MAX_SIZE_REACHED)
+            );
+        }
+        // The member that holds the second place still gets in.
+        assert!(matches!(
+            g.join(join_req(&b.member_id, None), &s, t0, &mut out),
+            Reply::Later(_)
+        ));
+        g.tick(&s, t0 + Duration::from_millis(60), &mut out);
+        assert_eq!(out.len(), 2, "both members joined");
+        assert_eq!(g.members.len(), 2);
     }
 
     #[derive(Debug, Clone)]

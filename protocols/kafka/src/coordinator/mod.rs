@@ -1,6 +1,8 @@
 //! The group coordinator: every consumer group's state machine ([`group::Group`]) behind one
 //! lock, plus the waiting room for JoinGroup and SyncGroup requests that are answered when a
-//! rebalance completes. A ticker expires silent members and overdue rebalances.
+//! rebalance completes. A ticker expires silent members and overdue rebalances, and forgets
+//! groups left empty. It holds at most `max_groups` groups and each at most `max_size`
+//! members: state a client can create by naming new groups and members is bounded.
 
 pub(crate) mod group;
 
@@ -59,14 +61,17 @@ pub(crate) struct GroupInfo {
 pub(crate) struct Coordinator {
     state: Mutex<State>,
     settings: GroupSettings,
+    /// Most groups held at once.
+    max_groups: usize,
 }
 
 impl Coordinator {
     /// Creates the coordinator and its ticker (which stops when the coordinator is dropped).
-    pub(crate) fn start(settings: GroupSettings) -> Arc<Self> {
+    pub(crate) fn start(settings: GroupSettings, max_groups: usize) -> Arc<Self> {
         let c = Arc::new(Self {
             state: Mutex::new(State::default()),
             settings,
+            max_groups,
         });
         let weak: Weak<Self> = Arc::downgrade(&c);
         tokio::spawn(async move {
@@ -127,6 +132,9 @@ impl Coordinator {
         let rx = {
             let mut st = self.state.lock();
             let mut out = Vec::new();
+            if !st.groups.contains_key(group) && st.groups.len() >= self.max_groups {
+                return JoinResponse::error(code::COORDINATOR_NOT_AVAILABLE, &req.member_id);
+            }
             let g = st
                 .groups
                 .entry(group.to_owned())
@@ -290,5 +298,56 @@ impl Coordinator {
                 )
             })
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn first_step() -> JoinRequest {
+        JoinRequest {
+            member_id: String::new(),
+            instance_id: None,
+            client_id: "c".into(),
+            client_host: "127.0.0.1".into(),
+            session_timeout: Duration::from_secs(10),
+            rebalance_timeout: Duration::from_secs(10),
+            protocol_type: "consumer".into(),
+            protocols: vec![("range".into(), Bytes::from_static(b"meta"))],
+            require_known_member_id: true,
+        }
+    }
+
+    #[tokio::test]
+    async fn no_new_group_past_the_cap_until_one_is_forgotten() {
+        let settings = GroupSettings {
+            min_session_timeout: Duration::from_millis(1),
+            max_session_timeout: Duration::from_secs(60),
+            initial_rebalance_delay: Duration::ZERO,
+            max_size: 10,
+        };
+        let c = Coordinator::start(settings, 2);
+        for g in ["a", "b"] {
+            assert_eq!(
+                c.join(g, first_step()).await.error,
+                code::MEMBER_ID_REQUIRED
+            );
+        }
+        assert_eq!(
+            c.join("c", first_step()).await.error,
+            code::COORDINATOR_NOT_AVAILABLE
+        );
+        // Groups already held take more members.
+        assert_eq!(
+            c.join("a", first_step()).await.error,
+            code::MEMBER_ID_REQUIRED
+        );
+        // Once the member ids handed out expire unused, both groups are idle and forgotten.
+        c.tick(Instant::now() + Duration::from_secs(11));
+        assert_eq!(
+            c.join("c", first_step()).await.error,
+            code::MEMBER_ID_REQUIRED
+        );
     }
 }

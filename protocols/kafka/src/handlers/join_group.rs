@@ -1,11 +1,12 @@
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use kafka_protocol::messages::join_group_response::JoinGroupResponseMember;
 use kafka_protocol::messages::{JoinGroupRequest, JoinGroupResponse};
 
 use super::s;
-use crate::coordinator::JoinRequest;
+use crate::coordinator::{JoinRequest, code};
 use crate::server::{Conn, KafkaServer};
 
 pub(crate) async fn handle(
@@ -40,6 +41,14 @@ pub(crate) async fn handle(
         require_known_member_id: version >= 4,
     };
     let out = server.coordinator.join(req.group_id.0.as_str(), join).await;
+    let refused = match out.error {
+        code::COORDINATOR_NOT_AVAILABLE => Some(&server.metrics.groups_refused),
+        code::GROUP_MAX_SIZE_REACHED => Some(&server.metrics.group_members_refused),
+        _ => None,
+    };
+    if let Some(counter) = refused {
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
     let mut r = JoinGroupResponse::default();
     r.error_code = out.error;
     r.generation_id = out.generation;

@@ -129,9 +129,19 @@ async fn append(
         let Ok(header) = BatchHeader::parse(&batch) else {
             return (errors::CORRUPT_MESSAGE, -1, -1);
         };
-        let base = match server.producers.check(topic, partition, &header) {
+        let base = match server
+            .producers
+            .check(topic, partition, &header, server.engine.now_ms())
+        {
             Verdict::Duplicate(base) => base,
             Verdict::Reject(code) => return (code, -1, -1),
+            Verdict::NoRoom(code) => {
+                server
+                    .metrics
+                    .producer_ids_refused
+                    .fetch_add(1, Ordering::Relaxed);
+                return (code, -1, -1);
+            }
             Verdict::Append => {
                 // The request frame is shared and immutable; the log rewrites the base offset in
                 // place, so the batch gets its own buffer here (one copy per produced batch).
@@ -142,9 +152,13 @@ async fn append(
                     .await
                 {
                     Ok(ack) => {
-                        server
-                            .producers
-                            .appended(topic, partition, &header, ack.base_offset);
+                        server.producers.appended(
+                            topic,
+                            partition,
+                            &header,
+                            ack.base_offset,
+                            server.engine.now_ms(),
+                        );
                         ack.base_offset
                     }
                     Err(e) => return (errors::code(&e), -1, -1),
