@@ -693,6 +693,29 @@ impl Engine {
         Ok(topic.partitions.len() as u32)
     }
 
+    /// Deletes the sealed segments of a partition that hold only offsets below `offset` (whole
+    /// segments: the log may still start below it), after every append queued before; returns
+    /// the partition's log start after it. For logs whose older records a later one made
+    /// useless, such as the gateway's state topics below their newest snapshot.
+    pub async fn delete_segments_before(
+        &self,
+        topic: &str,
+        partition: u32,
+        offset: u64,
+    ) -> Result<u64> {
+        self.check_writable(topic)?;
+        let t = self.topic_with_partition(topic, partition)?;
+        match t.partitions[partition as usize].delete_before(offset).await {
+            Some(Ok(log_start)) => Ok(log_start),
+            Some(Err(source)) => Err(CoreError::Storage {
+                topic: topic.to_owned(),
+                partition,
+                source,
+            }),
+            None => Err(CoreError::ShuttingDown),
+        }
+    }
+
     /// Counts and logs a stored batch whose records cannot be decoded, which a reader passes
     /// over instead of stopping at it.
     pub(crate) fn note_unreadable(
@@ -929,8 +952,13 @@ impl Engine {
         let (ring, reader, counters) = self.partition(topic, partition, |p| {
             (p.ring.clone(), p.reader.clone(), p.counters.clone())
         })?;
-        // Tailing readers are served from memory, without a system call.
-        if let Some((data, next_offset, high_watermark)) = ring.read(offset, max_bytes) {
+        // Tailing readers are served from memory, without a system call. The ring may still
+        // hold batches that retention or a deletion took off the log: below the log start, the
+        // answer is the log's (out of range), as it would be without the ring.
+        let ring_read = (offset >= reader.log_start())
+            .then(|| ring.read(offset, max_bytes))
+            .flatten();
+        if let Some((data, next_offset, high_watermark)) = ring_read {
             counters.fetch_ring.fetch_add(1, Ordering::Relaxed);
             return Ok(Fetched {
                 data,

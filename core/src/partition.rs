@@ -23,6 +23,11 @@ enum WriterMsg {
         reply: AppendReply,
     },
     SetPolicy(TopicPolicy),
+    /// Delete the sealed segments wholly below the offset; the reply is the new log start.
+    DeleteBefore {
+        offset: u64,
+        reply: oneshot::Sender<Result<u64, Arc<StorageError>>>,
+    },
     Shutdown(oneshot::Sender<()>),
 }
 
@@ -168,6 +173,7 @@ impl std::fmt::Debug for WriterMsg {
         f.write_str(match self {
             Self::Append { .. } => "Append",
             Self::SetPolicy(_) => "SetPolicy",
+            Self::DeleteBefore { .. } => "DeleteBefore",
             Self::Shutdown(_) => "Shutdown",
         })
     }
@@ -269,6 +275,20 @@ impl Partition {
 
     pub(crate) async fn set_policy(&self, policy: TopicPolicy) {
         let _ = self.tx.send(WriterMsg::SetPolicy(policy)).await;
+    }
+
+    /// Has the writer delete the sealed segments wholly below `offset`, after every append
+    /// queued before; returns the log start after it (`None`: the writer is gone).
+    pub(crate) async fn delete_before(
+        &self,
+        offset: u64,
+    ) -> Option<Result<u64, Arc<StorageError>>> {
+        let (reply, rx) = oneshot::channel();
+        self.tx
+            .send(WriterMsg::DeleteBefore { offset, reply })
+            .await
+            .ok()?;
+        rx.await.ok()
     }
 
     /// Lets the writer finish every append queued so far, fsync and stop.
@@ -379,6 +399,30 @@ impl Writer {
                 }
                 self.tail.set_segment_bytes(policy.segment_bytes);
                 self.policy = policy;
+                ControlFlow::Continue(())
+            }
+            Some(WriterMsg::DeleteBefore { offset, reply }) => {
+                let deleted = self
+                    .with_log(move |log| {
+                        let outcome = log.delete_segments_before(offset)?;
+                        Ok::<_, StorageError>((outcome, log.reader().log_start()))
+                    })
+                    .await;
+                if let Some(result) = deleted {
+                    let _ = reply.send(
+                        result
+                            .map(|(outcome, log_start)| {
+                                self.engine
+                                    .retention_deleted_segments
+                                    .fetch_add(outcome.deleted_segments as u64, Ordering::Relaxed);
+                                self.engine
+                                    .retention_deleted_bytes
+                                    .fetch_add(outcome.deleted_bytes, Ordering::Relaxed);
+                                log_start
+                            })
+                            .map_err(Arc::new),
+                    );
+                }
                 ControlFlow::Continue(())
             }
             Some(WriterMsg::Shutdown(ack)) => ControlFlow::Break(Some(ack)),

@@ -746,6 +746,30 @@ impl PartitionLog {
             outcome.deleted_segments += 1;
             outcome.deleted_bytes += meta.size_bytes;
         }
+        self.drop_oldest(outcome)
+    }
+
+    /// Deletes the sealed segments that hold only offsets below `offset` (whole segments, as
+    /// retention does; never the active one): for a log whose older records another record
+    /// has made useless, such as a state topic below its newest snapshot. Returns what went.
+    pub fn delete_segments_before(&mut self, offset: u64) -> Result<RetentionOutcome> {
+        let segments = self.shared.segments.read().clone();
+        let mut outcome = RetentionOutcome::default();
+        for pair in segments.windows(2) {
+            let (s, next) = (&pair[0], &pair[1]);
+            let Some(meta) = s.sealed.get() else { break };
+            if next.base_offset > offset {
+                break;
+            }
+            outcome.deleted_segments += 1;
+            outcome.deleted_bytes += meta.size_bytes;
+        }
+        self.drop_oldest(outcome)
+    }
+
+    /// Removes the `outcome.deleted_segments` oldest segments and their files, raising the log
+    /// start to the first one kept.
+    fn drop_oldest(&mut self, outcome: RetentionOutcome) -> Result<RetentionOutcome> {
         if outcome.deleted_segments == 0 {
             return Ok(outcome);
         }
@@ -765,7 +789,7 @@ impl PartitionLog {
                     .remove_file(f)
                     .map_err(StorageError::io("remove", f))?;
             }
-            info!(segment = %p.log.display(), bytes = s.size(), "retention deleted segment");
+            info!(segment = %p.log.display(), bytes = s.size(), "deleted segment");
         }
         self.storage
             .sync_dir(&self.shared.dir)

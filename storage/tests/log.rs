@@ -215,6 +215,50 @@ fn retention_by_age_uses_newest_record_time() {
 }
 
 #[test]
+fn segments_wholly_below_an_offset_are_deleted_and_stay_deleted() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = small_segments(4096);
+    let (mut log, _) = open(dir.path(), config.clone());
+    for seed in 0..40u64 {
+        append(&mut log, batch(seed, 2, 300, 10_000 + seed as i64 * 10));
+    }
+    let sealed = log.reader().sealed_segments();
+    assert!(sealed.len() >= 4, "{} segments", sealed.len());
+    // An offset inside the third segment: the first two go, the third (which holds it) stays.
+    let keep = &sealed[2];
+    let cut = keep.base_offset + 1;
+    let outcome = log.delete_segments_before(cut).unwrap();
+    assert_eq!(outcome.deleted_segments, 2);
+    assert_eq!(
+        outcome.deleted_bytes,
+        sealed[0].size_bytes + sealed[1].size_bytes
+    );
+    let reader = log.reader();
+    assert_eq!(reader.log_start(), keep.base_offset);
+    assert!(matches!(
+        reader.read(0, 1024),
+        Err(StorageError::OffsetOutOfRange { .. })
+    ));
+    assert_eq!(
+        read_all(&reader, 1 << 20).len(),
+        80 - keep.base_offset as usize
+    );
+    // Nothing more below the same offset; the active segment is never deleted, whatever asks.
+    assert_eq!(log.delete_segments_before(cut).unwrap().deleted_segments, 0);
+    let all = log.delete_segments_before(u64::MAX).unwrap();
+    assert_eq!(all.deleted_segments, sealed.len() - 2);
+    assert_eq!(log.reader().sealed_segments().len(), 0);
+    assert_eq!(read_all(&log.reader(), 1 << 20).last().unwrap().offset, 79);
+    log.close().unwrap();
+    let (log, report) = open(dir.path(), config);
+    assert_eq!(report.next_offset, 80);
+    assert!(
+        log.reader().log_start() > keep.base_offset,
+        "the deletions survive a restart"
+    );
+}
+
+#[test]
 fn lookup_by_timestamp_returns_first_offset_at_or_after() {
     let dir = tempfile::tempdir().unwrap();
     let (mut log, _) = open(dir.path(), small_segments(3000));

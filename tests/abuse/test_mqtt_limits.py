@@ -9,6 +9,7 @@ Raw MQTT sockets throughout: the checks are on the exact bytes the gateway sends
 from __future__ import annotations
 
 import socket
+import json
 import struct
 import time
 
@@ -389,6 +390,38 @@ def test_start_up_replays_mqtt_state_from_its_newest_snapshot(gateway_factory):
         topic, _, payload = parse_publish_v5(*read_packet(sock))
         got[topic] = payload
     assert got == {"snap/a": b"final", "snap/b": b"b"}
+
+
+def test_a_snapshot_deletes_the_state_segments_it_made_useless(gateway_factory):
+    """One retained name rewritten 64 times with 600 KB payloads fills several 16 MiB segments of
+    __mqtt_retained; once the snapshot is durable, the segments wholly before it are deleted
+    (the topic's log start moves up), and a restart still has the newest message."""
+    gw = gateway_factory(
+        env={"SLUICE_MQTT__SESSION_SWEEP_INTERVAL_MS": "100", "SLUICE_MQTT__STATE_SNAPSHOT_MIN_RECORDS": "20"}
+    )
+    big = bytes(range(256)) * 2400
+    churn = [("shrink/a", big + bytes([i])) for i in range(64)]
+    for i in range(0, len(churn), 8):
+        retained_publishes(gw, churn[i : i + 8])
+
+    def log_start() -> int:
+        status, body = gw.http_get("/topics/__mqtt_retained")
+        assert status == 200, body
+        return json.loads(body)["partitions"][0]["log_start"]
+
+    deadline = time.monotonic() + 30
+    while log_start() == 0:
+        assert time.monotonic() < deadline, "no state segment was deleted"
+        time.sleep(0.1)
+    assert gw.metrics().get("sluice_mqtt_state_snapshots_total", 0) >= 1
+
+    gw.close_clients()
+    gw.restart()
+    assert log_start() > 0
+    sock = connected(gw, connect_v5(unique("sub")))
+    subscribed(sock, "shrink/a", 0)
+    topic, _, payload = parse_publish_v5(*read_packet(sock))
+    assert (topic, payload) == ("shrink/a", churn[-1][1])
 
 
 def test_a_session_survives_the_snapshot_of_its_topic(gateway_factory):

@@ -5,7 +5,9 @@
 //! more records since its last snapshot than it has live entries, every live entry is written
 //! again, followed by a marker record (no key, header [`SNAPSHOT_HEADER`] = how many entries
 //! came before it). Start-up looks for the newest marker from the end of the log backwards and
-//! replays from that snapshot's first entry; records before it are never read again. A crash
+//! replays from that snapshot's first entry; records before it are never read again, and once the
+//! snapshot is durable the whole segments they fill are deleted (state topics have small
+//! segments for this). A crash
 //! while a snapshot is written leaves entries without a marker, which replay applies as the
 //! ordinary changes they also are.
 
@@ -15,6 +17,9 @@ use sluice_core::{
     decode_records, split_batches,
 };
 use tracing::{info, warn};
+
+/// Segment size of a state topic (created by the gateway).
+const STATE_SEGMENT_BYTES: u64 = 16 * 1024 * 1024;
 
 /// The header of a snapshot's marker record; its value is the number of entries the snapshot
 /// wrote just before the marker, in decimal.
@@ -56,6 +61,9 @@ pub(crate) async fn replay(
         let policy = TopicPolicy {
             retention_ms: -1,
             retention_bytes: -1,
+            // Small segments, so what a snapshot makes useless is soon whole segments that
+            // can be deleted.
+            segment_bytes: STATE_SEGMENT_BYTES,
             ..engine.config().default_policy.clone()
         };
         match engine.create_topic(topic, 1, Some(policy)).await {
@@ -221,10 +229,18 @@ pub(crate) async fn write_snapshot(
             .produce_queued(topic, PartitionChoice::Id(0), &chunk)
             .await?,
     );
+    let mut begin = None;
     for ack in acks {
-        ack.await?;
+        let at = ack.await?.base_offset;
+        begin.get_or_insert(at);
     }
     info!(topic, entries = count, "mqtt state snapshot written");
+    // Everything before the snapshot is now the snapshot's: whole segments of it go, so the
+    // topic's size stays near its live state rather than growing with every change.
+    if let Some(begin) = begin {
+        let log_start = engine.delete_segments_before(topic, 0, begin).await?;
+        info!(topic, log_start, "mqtt state before its snapshot deleted");
+    }
     Ok(())
 }
 
