@@ -46,6 +46,9 @@ pub struct EngineConfig {
     /// Most partitions of all topics together: each holds at least one open file, and files
     /// left for connections must not run out later, mid-write.
     pub max_partitions: usize,
+    /// Most consumer groups with committed offsets (a group of only commits, with no member,
+    /// costs the offsets log a record per partition, kept until the group is deleted).
+    pub max_groups: usize,
     /// Most named subscriptions (durable cursors, MQTT persistent sessions' included): each
     /// is a file and an in-memory cursor per partition.
     pub max_subscriptions: usize,
@@ -70,6 +73,7 @@ impl EngineConfig {
             max_partitions_per_topic: 1000,
             max_partitions: 4096,
             max_subscriptions: 100_000,
+            max_groups: 10_000,
             default_policy: TopicPolicy::default(),
             writer: WriterSettings::default(),
             catchup_readers: 4,
@@ -1060,6 +1064,22 @@ impl Engine {
                 });
             }
         }
+        // A new group is refused once the cap is held. Commits of new groups already in
+        // flight may pass it by as many as there are; each group is a few bytes per partition.
+        let (known, held) = self.inner.groups.holds(group);
+        let max = self.inner.config.max_groups;
+        if !known && held >= max {
+            self.inner
+                .shared
+                .counters
+                .refused_groups
+                .fetch_add(1, Ordering::Relaxed);
+            return Err(CoreError::LimitReached {
+                what: "consumer groups with committed offsets",
+                limit: max,
+                key: "kafka.max_groups",
+            });
+        }
         self.inner
             .groups
             .commit(group, entries, self.now_ms())
@@ -1458,6 +1478,7 @@ impl Engine {
             refused_topics: c.refused_topics.load(Ordering::Relaxed),
             refused_subscriptions: c.refused_subscriptions.load(Ordering::Relaxed),
             refused_internal: c.refused_internal.load(Ordering::Relaxed),
+            refused_groups: c.refused_groups.load(Ordering::Relaxed),
             retention_deleted_segments: c.retention_deleted_segments.load(Ordering::Relaxed),
             retention_deleted_bytes: c.retention_deleted_bytes.load(Ordering::Relaxed),
             groups: self.group_lags(),

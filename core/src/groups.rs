@@ -395,6 +395,12 @@ impl GroupOffsets {
     pub(crate) fn list(&self) -> Vec<String> {
         self.state.read().keys().cloned().collect()
     }
+
+    /// Whether `group` has committed offsets, and how many groups have.
+    pub(crate) fn holds(&self, group: &str) -> (bool, usize) {
+        let state = self.state.read();
+        (state.contains_key(group), state.len())
+    }
 }
 
 impl Writer {

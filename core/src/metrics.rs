@@ -79,6 +79,8 @@ pub(crate) struct EngineCounters {
     pub(crate) refused_subscriptions: AtomicU64,
     /// Client writes, creations, deletions and policy changes of internal topics refused.
     pub(crate) refused_internal: AtomicU64,
+    /// Offset commits of new groups refused by `max_groups`.
+    pub(crate) refused_groups: AtomicU64,
     pub(crate) retention_deleted_segments: AtomicU64,
     pub(crate) retention_deleted_bytes: AtomicU64,
 }
@@ -126,6 +128,8 @@ pub struct EngineMetrics {
     pub refused_subscriptions: u64,
     /// Client changes of internal (`__`) topics refused.
     pub refused_internal: u64,
+    /// Offset commits of new groups refused because the engine holds its most groups.
+    pub refused_groups: u64,
     pub retention_deleted_segments: u64,
     pub retention_deleted_bytes: u64,
     /// Committed position and lag per group and partition.

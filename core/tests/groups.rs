@@ -214,3 +214,43 @@ async fn the_offsets_log_is_compacted_and_stays_correct() {
         assert_eq!(c.offset, 255);
     }
 }
+
+#[tokio::test]
+async fn commits_of_new_groups_past_the_cap_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = sluice_core::EngineConfig::new(dir.path());
+    config.max_groups = 2;
+    let engine = open_with(
+        config,
+        std::sync::Arc::new(sluice_core::FsStorage),
+        std::sync::Arc::new(sluice_core::SystemClock),
+    )
+    .await;
+    engine.create_topic("t", 1, None).await.unwrap();
+    for g in ["a", "b"] {
+        engine
+            .commit_offsets(g, vec![entry("t", 0, 1, "")])
+            .await
+            .unwrap();
+    }
+    let refused = engine
+        .commit_offsets("c", vec![entry("t", 0, 1, "")])
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(refused, CoreError::LimitReached { limit: 2, .. }),
+        "{refused}"
+    );
+    assert_eq!(engine.metrics().refused_groups, 1);
+    // A group that holds offsets keeps committing; deleting one makes room.
+    engine
+        .commit_offsets("a", vec![entry("t", 0, 2, "")])
+        .await
+        .unwrap();
+    assert!(engine.delete_group("b").await.unwrap());
+    engine
+        .commit_offsets("c", vec![entry("t", 0, 1, "")])
+        .await
+        .unwrap();
+    assert_eq!(engine.list_groups().len(), 2);
+}

@@ -559,6 +559,7 @@ impl Config {
             max_partitions_per_topic: self.topics.max_partitions_per_topic,
             max_partitions: self.topics.max_partitions,
             max_subscriptions: self.topics.max_subscriptions,
+            max_groups: self.kafka.max_groups,
             default_policy: self.topics.defaults.clone(),
             writer: WriterSettings {
                 queue_depth: self.storage.writer_queue_depth,

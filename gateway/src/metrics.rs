@@ -731,6 +731,12 @@ pub(crate) fn render(engine: &EngineMetrics, process: &ProcessStats, ready: bool
         engine.refused_internal,
     );
     o.single(
+        "sluice_group_commits_refused_total",
+        "counter",
+        "Offset commits (Kafka, REST) of new consumer groups refused at kafka.max_groups.",
+        engine.refused_groups,
+    );
+    o.single(
         "sluice_retention_deleted_segments_total",
         "counter",
         "Segments deleted by retention.",
@@ -1032,6 +1038,7 @@ mod tests {
             refused_topics: 0,
             refused_subscriptions: 0,
             refused_internal: 0,
+            refused_groups: 0,
             groups: vec![sluice_core::GroupLag {
                 group: "analytics \"eu\"".into(),
                 topic: "cams".into(),

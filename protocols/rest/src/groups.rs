@@ -159,7 +159,7 @@ pub(crate) struct CommitRequest {
 /// Commits offsets durably; Kafka clients of the same group see them.
 #[utoipa::path(post, path = "/groups/{group}/offsets", tag = "groups",
     params(("group" = String, Path, min_length = 1, max_length = 255)), request_body = CommitRequest,
-    responses((status = 204, description = "Committed and durable"), (status = 400, description = "Bad parameters", body = ProblemBody, content_type = "application/problem+json"), (status = 404, description = "Unknown topic, partition or record", body = ProblemBody, content_type = "application/problem+json"), (status = 503, description = "Shutting down or overloaded; retry after Retry-After seconds", body = ProblemBody, content_type = "application/problem+json")))]
+    responses((status = 204, description = "Committed and durable"), (status = 400, description = "Bad parameters", body = ProblemBody, content_type = "application/problem+json"), (status = 409, description = "A new group past kafka.max_groups", body = ProblemBody, content_type = "application/problem+json"), (status = 404, description = "Unknown topic, partition or record", body = ProblemBody, content_type = "application/problem+json"), (status = 503, description = "Shutting down or overloaded; retry after Retry-After seconds", body = ProblemBody, content_type = "application/problem+json")))]
 pub(crate) async fn commit(
     State(api): State<Arc<RestApi>>,
     p: Result<Path<String>, PathRejection>,

@@ -2,8 +2,9 @@ use kafka_protocol::messages::offset_commit_response::{
     OffsetCommitResponsePartition, OffsetCommitResponseTopic,
 };
 use kafka_protocol::messages::{OffsetCommitRequest, OffsetCommitResponse};
-use sluice_core::OffsetCommit;
+use sluice_core::{CoreError, OffsetCommit};
 
+use crate::coordinator::code;
 use crate::errors;
 use crate::server::KafkaServer;
 
@@ -48,6 +49,9 @@ pub(crate) async fn handle(server: &KafkaServer, req: OffsetCommitRequest) -> Of
     } else {
         match engine.commit_offsets(&group, entries).await {
             Ok(()) => errors::NONE,
+            // A new group past kafka.max_groups: what the coordinator answers a new group's
+            // join at the cap too, which clients retry.
+            Err(CoreError::LimitReached { .. }) => code::COORDINATOR_NOT_AVAILABLE,
             Err(e) => errors::code(&e),
         }
     };
