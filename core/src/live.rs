@@ -45,17 +45,29 @@ pub struct LiveBatch {
     pub max_timestamp: i64,
     /// The batch exactly as stored.
     pub bytes: Bytes,
+    /// What the ring counts it as: its bytes, plus its records decompressed when it is
+    /// compressed, since decoding them (for any MQTT, REST or WebSocket subscriber) keeps
+    /// them here as long as the batch is in the ring.
+    weight: usize,
     records: OnceLock<Result<Arc<[DecodedRecord]>, BatchError>>,
     shared: OnceLock<Arc<dyn std::any::Any + Send + Sync>>,
 }
 
 impl LiveBatch {
     pub(crate) fn new(bytes: Bytes) -> Result<Self, BatchError> {
+        let weight = bytes.len();
+        Self::weighing(bytes, weight)
+    }
+
+    /// As [`Self::new`], counted in the ring as `weight` bytes
+    /// ([`ValidatedBatch::decoded_len`](sluice_storage::ValidatedBatch::decoded_len)).
+    pub(crate) fn weighing(bytes: Bytes, weight: usize) -> Result<Self, BatchError> {
         let h = BatchHeader::parse(&bytes)?;
         Ok(Self {
             base_offset: h.base_offset as u64,
             last_offset: h.last_offset() as u64,
             max_timestamp: h.max_timestamp,
+            weight: weight.max(bytes.len()),
             bytes,
             records: OnceLock::new(),
             shared: OnceLock::new(),
@@ -394,7 +406,7 @@ impl LiveRing {
         {
             let mut st = self.state.write();
             for b in batches {
-                st.bytes += b.bytes.len();
+                st.bytes += b.weight;
                 st.batches.push_back(Arc::new(b));
             }
             let needed = if st.bytes > max_bytes && self.lag.limit > 0 {
@@ -590,7 +602,7 @@ impl LiveRing {
                 break;
             }
             if let Some(old) = st.batches.pop_front() {
-                st.bytes -= old.bytes.len();
+                st.bytes -= old.weight;
             }
         }
         st.held_until = 0;
@@ -604,7 +616,7 @@ impl LiveRing {
             if rest <= max_bytes {
                 break;
             }
-            rest -= b.bytes.len();
+            rest -= b.weight;
             st.held_until = b.last_offset + 1;
         }
     }

@@ -472,7 +472,10 @@ impl Writer {
                 let fsync_took = started.elapsed();
                 let committed: Vec<LiveBatch> = batches
                     .into_iter()
-                    .filter_map(|b| LiveBatch::new(b.into_bytes()).ok())
+                    .filter_map(|b| {
+                        let weight = b.decoded_len();
+                        LiveBatch::weighing(b.into_bytes(), weight).ok()
+                    })
                     .collect();
                 Ok::<_, StorageError>((infos, high_watermark, fsync_took, committed))
             })

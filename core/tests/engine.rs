@@ -788,3 +788,61 @@ async fn segments_below_an_offset_are_deleted_through_the_writer() {
         0
     );
 }
+
+/// A compressed batch counts in the live ring as what its records decompress to, since a
+/// subscriber that decodes it keeps them as long as the ring holds the batch: a small batch
+/// that unpacks to megabytes cannot make the ring hold many times its size.
+#[tokio::test]
+async fn a_compressed_batch_weighs_in_the_ring_what_it_decompresses_to() {
+    use std::io::Write;
+    let dir = tempfile::tempdir().unwrap();
+    let engine = open(dir.path()).await;
+    let policy = TopicPolicy {
+        live_ring_bytes: 2 * 1024 * 1024,
+        ..Default::default()
+    };
+    engine.create_topic("z", 1, Some(policy)).await.unwrap();
+    // One record of 4 MiB of zeros, gzipped into a few kilobytes.
+    let plain = sluice_storage::encode_batch(
+        &[record("k", &vec![0u8; 4 << 20], now())],
+        sluice_storage::ProducerInfo::NONE,
+    );
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
+    gz.write_all(&plain[61..]).unwrap();
+    let packed = gz.finish().unwrap();
+    let mut batch = bytes::BytesMut::from(&plain[..61]);
+    batch.extend_from_slice(&packed);
+    let len = (batch.len() - 12) as i32;
+    batch[8..12].copy_from_slice(&len.to_be_bytes());
+    batch[22] |= 1; // gzip
+    let crc = crc32c::crc32c(&batch[21..]);
+    batch[17..21].copy_from_slice(&crc.to_be_bytes());
+    assert!(batch.len() < 64 * 1024, "{} bytes", batch.len());
+    engine
+        .append_batch("z", PartitionChoice::Id(0), batch)
+        .await
+        .unwrap();
+    let ring = |engine: &sluice_core::Engine| {
+        engine
+            .metrics()
+            .partitions
+            .iter()
+            .find(|p| p.topic == "z")
+            .unwrap()
+            .live_ring_bytes
+    };
+    assert!(
+        ring(&engine) > 4 << 20,
+        "counted as decompressed: {}",
+        ring(&engine)
+    );
+    // The next batch pushes it out: the ring keeps its size, counted that way.
+    engine
+        .produce("z", PartitionChoice::Id(0), &[record("k", b"small", now())])
+        .await
+        .unwrap();
+    assert!(ring(&engine) < 1024, "{}", ring(&engine));
+    // Still readable from the log, decoded whole.
+    let got = read_all(&engine, "z", 0).await;
+    assert_eq!(got[0].record.value.as_ref().unwrap().len(), 4 << 20);
+}

@@ -775,8 +775,9 @@ fn records_area<'a>(batch: &'a [u8], header: &BatchHeader) -> Result<Cow<'a, [u8
 /// the declared count is the number of records and they fill the batch exactly, offset deltas
 /// run 0, 1, 2, … up to `lastOffsetDelta`, and `maxTimestamp` is the newest record's time
 /// (when the batch carries create times). Control batches are refused: only a broker writes
-/// them.
-pub fn validate_whole(buf: &[u8]) -> Result<BatchHeader, BatchError> {
+/// them. Also returns how many bytes the records take decoded: the batch's own length, plus
+/// the decompressed records when it is compressed (what a reader that decodes it holds).
+pub fn validate_whole(buf: &[u8]) -> Result<(BatchHeader, usize), BatchError> {
     let header = validate(buf)?;
     if header.is_control() {
         return Err(BatchError::ControlBatch);
@@ -794,6 +795,10 @@ pub fn validate_whole(buf: &[u8]) -> Result<BatchHeader, BatchError> {
         max_delta = max_delta.max(rec.timestamp_delta);
         Ok(())
     })?;
+    let decoded = match &area {
+        Cow::Borrowed(_) => buf.len(),
+        Cow::Owned(records) => buf.len() + records.len(),
+    };
     if !header.log_append_time() {
         let actual =
             header
@@ -810,7 +815,7 @@ pub fn validate_whole(buf: &[u8]) -> Result<BatchHeader, BatchError> {
             });
         }
     }
-    Ok(header)
+    Ok((header, decoded))
 }
 
 /// Decodes every record of one batch (`batch` holds exactly one whole batch), decompressing it
@@ -1054,7 +1059,8 @@ mod tests {
     #[test]
     fn whole_validation_accepts_what_the_encoder_writes() {
         let buf = three();
-        let h = validate_whole(&buf).unwrap();
+        let (h, decoded) = validate_whole(&buf).unwrap();
+        assert_eq!(decoded, buf.len(), "uncompressed: the batch itself");
         assert_eq!(h.record_count, 3);
         assert_eq!(h.max_timestamp, 1500);
     }
@@ -1164,7 +1170,12 @@ mod tests {
             BatchHeader::parse(&packed).unwrap().compression(),
             Compression::Gzip
         );
-        assert!(validate_whole(&packed).is_ok());
+        let (_, decoded) = validate_whole(&packed).unwrap();
+        assert_eq!(
+            decoded,
+            packed.len() + area.len(),
+            "the batch and its records decompressed"
+        );
         let want = decode_records(&plain.clone().freeze()).unwrap();
         assert_eq!(decode_records(&packed.clone().freeze()).unwrap(), want);
         // Compressed records that do not decompress, or decompress to garbage, are refused.
@@ -1231,7 +1242,7 @@ mod tests {
                 buf[at] = byte;
             }
             seal(&mut buf);
-            if let Ok(header) = validate_whole(&buf) {
+            if let Ok((header, _)) = validate_whole(&buf) {
                 let decoded = decode_records(&buf.freeze()).unwrap();
                 prop_assert_eq!(decoded.len(), header.record_count as usize);
             }

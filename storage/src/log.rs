@@ -58,16 +58,19 @@ impl Default for LogConfig {
 pub struct ValidatedBatch {
     buf: BatchBuf,
     header: BatchHeader,
+    /// Bytes its records take once decoded (see [`Self::decoded_len`]).
+    decoded: usize,
 }
 
 impl ValidatedBatch {
     /// Validates a client's batch whole ([`batch::validate_whole`]): header, CRC32C and every
     /// record, decompressed first when the batch is compressed.
     pub fn new(buf: BytesMut) -> Result<Self, BatchError> {
-        let header = batch::validate_whole(&buf)?;
+        let (header, decoded) = batch::validate_whole(&buf)?;
         Ok(Self {
             buf: BatchBuf::heap(buf),
             header,
+            decoded,
         })
     }
 
@@ -92,7 +95,12 @@ impl ValidatedBatch {
     ) -> Self {
         let buf = batch::encode_at(records, producer, place);
         let header = BatchHeader::parse(&buf).expect("the encoder writes a whole header");
-        Self { buf, header }
+        let decoded = buf.len();
+        Self {
+            buf,
+            header,
+            decoded,
+        }
     }
 
     /// A one-record batch built around a value read straight into it, stamped with
@@ -103,7 +111,12 @@ impl ValidatedBatch {
     pub fn from_open(open: batch::OpenBatch, timestamp: i64) -> Self {
         let buf = open.finish(timestamp);
         let header = BatchHeader::parse(&buf).expect("the encoder writes a whole header");
-        Self { buf, header }
+        let decoded = buf.len();
+        Self {
+            buf,
+            header,
+            decoded,
+        }
     }
 
     pub fn header(&self) -> &BatchHeader {
@@ -120,6 +133,13 @@ impl ValidatedBatch {
 
     pub fn record_count(&self) -> u64 {
         self.header.record_count as u64
+    }
+
+    /// The memory a reader that decodes this batch holds: its own bytes, plus its records
+    /// decompressed when it is compressed (a small batch may decompress to many times its
+    /// size, so what keeps decoded batches, the live ring, counts this rather than `len`).
+    pub fn decoded_len(&self) -> usize {
+        self.decoded
     }
 
     /// The batch bytes (with the offsets assigned once appended).
