@@ -72,6 +72,9 @@ def main():
     ap.add_argument("--size", type=int, default=1024)
     ap.add_argument("--partitions", type=int, default=1,
                     help="partitions of the auto-created topic (passed as SLUICE_TOPICS__DEFAULT_PARTITIONS)")
+    ap.add_argument("--compression", default="none", choices=["none", "gzip", "snappy", "lz4", "zstd"],
+                    help="the producer's compression.type; with a codec, values are JSON-like text "
+                         "(random bytes do not compress)")
     ap.add_argument("--json")
     args = ap.parse_args()
 
@@ -79,10 +82,15 @@ def main():
         proc, addr = start_gateway(args.sluice, data_dir, args.partitions)
         try:
             topic = "bench"
-            value = os.urandom(args.size)
+            if args.compression == "none":
+                value = os.urandom(args.size)
+            else:
+                text = b'{"device":"sensor-%05d","t":21.%d,"status":"ok","seq":%d}' % (7, 3, 12345)
+                value = (text * (args.size // len(text) + 1))[: args.size]
             producer = Producer({"bootstrap.servers": addr, "acks": "all", "linger.ms": 5,
                                  "queue.buffering.max.messages": 1_000_000,
-                                 "batch.size": 1_000_000, "enable.idempotence": False})
+                                 "batch.size": 1_000_000, "enable.idempotence": False,
+                                 "compression.type": args.compression})
             # Create the topic (auto-created) before timing.
             producer.produce(topic, value=b"warm-up")
             producer.flush(30)
@@ -136,6 +144,7 @@ def main():
     mb = args.records * args.size / 1e6
     result = {
         "durability": "fsync (default); acks=all",
+        "compression": args.compression,
         "records": args.records, "record_bytes": args.size,
         "produce": {"records_per_s": args.records / produce_s, "mb_per_s": mb / produce_s,
                     "latency_ms": {"p50": pct(lat, 0.5) * 1e3, "p99": pct(lat, 0.99) * 1e3,
