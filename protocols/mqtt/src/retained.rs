@@ -2,14 +2,14 @@
 //! durable in the ledger topic `__mqtt_retained` (key = name, value = payload, headers =
 //! properties; an empty value clears). Replayed at start, so they survive restarts.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::Bytes;
-use parking_lot::RwLock;
+use parking_lot::{Mutex, RwLock};
 use sluice_core::{
     CoreError, DecodedRecord, Engine, LiveOptions, PartitionChoice, PendingAck, Record, SlowPolicy,
     StartAt,
@@ -37,11 +37,44 @@ pub(crate) struct RetainedMsg {
 
 type Map = Arc<RwLock<BTreeMap<String, RetainedMsg>>>;
 
+/// Bounds on what is retained (`mqtt.max_retained_messages`, `mqtt.max_retained_bytes`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Caps {
+    pub(crate) messages: usize,
+    pub(crate) bytes: usize,
+}
+
+/// The cap a retained write would pass.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Cap {
+    Messages,
+    Bytes,
+}
+
+/// What `queue` did with a retained write.
+pub(crate) enum Queued {
+    /// Queued: resolves once durable and current.
+    Durable(Durable),
+    /// Not queued: it would pass a cap.
+    Refused(Cap),
+}
+
+/// Retained writes queued and not yet applied: by name, the newest one's sequence number and
+/// payload size (0 clears). With the map they give what will be retained once every queued
+/// write is applied, which is what the caps are checked against.
+#[derive(Debug, Default)]
+struct Queue {
+    next: u64,
+    newest: HashMap<String, (u64, usize)>,
+}
+
 /// A retained write queued for the ledger, to apply to the map once durable.
 #[derive(Debug)]
 struct Write {
     name: String,
     msg: RetainedMsg,
+    /// Its place in [`Queue`].
+    seq: u64,
     ack: PendingAck,
     done: oneshot::Sender<Result<(), CoreError>>,
 }
@@ -68,6 +101,9 @@ pub(crate) struct Retained {
     applier: mpsc::UnboundedSender<Job>,
     /// Records written since the newest snapshot (see `state`).
     since_snapshot: AtomicU64,
+    /// Payload bytes of the map's messages (changed with it, under its lock).
+    bytes: Arc<AtomicU64>,
+    queued: Arc<Mutex<Queue>>,
 }
 
 impl Retained {
@@ -89,16 +125,57 @@ impl Retained {
     }
 
     fn new(engine: Engine, map: BTreeMap<String, RetainedMsg>) -> Self {
+        let bytes = Arc::new(AtomicU64::new(
+            map.values().map(|m| m.payload.len() as u64).sum(),
+        ));
         let map = Arc::new(RwLock::new(map));
-        let (applier, queued) = mpsc::unbounded_channel();
-        tokio::spawn(apply_when_durable(map.clone(), queued));
+        let queued = Arc::new(Mutex::new(Queue::default()));
+        let (applier, jobs) = mpsc::unbounded_channel();
+        tokio::spawn(apply_when_durable(
+            map.clone(),
+            bytes.clone(),
+            queued.clone(),
+            jobs,
+        ));
         Self {
             engine,
             map,
             writing: tokio::sync::Mutex::new(()),
             applier,
             since_snapshot: AtomicU64::new(0),
+            bytes,
+            queued,
         }
+    }
+
+    /// Whether retaining `size` payload bytes under `name` (0: clearing it) stays within
+    /// `caps`, counting every write queued before as done. Clearing, and replacing a message
+    /// with one no larger, always do; a new name needs room under both caps, a larger
+    /// replacement room for what it adds.
+    pub(crate) fn admits(&self, name: &str, size: usize, caps: Caps) -> Result<(), Cap> {
+        if size == 0 {
+            return Ok(());
+        }
+        let map = self.map.read();
+        let queued = self.queued.lock();
+        let held = |n: &str| map.get(n).map_or(0, |m| m.payload.len());
+        let (mut count, mut bytes) = (map.len() as i64, self.bytes.load(Ordering::Relaxed) as i64);
+        for (n, &(_, to)) in &queued.newest {
+            let from = held(n);
+            count += i64::from(to > 0) - i64::from(from > 0);
+            bytes += to as i64 - from as i64;
+        }
+        let old = queued
+            .newest
+            .get(name)
+            .map_or_else(|| held(name), |&(_, to)| to);
+        if old == 0 && count >= caps.messages as i64 {
+            return Err(Cap::Messages);
+        }
+        if size > old && bytes - old as i64 + size as i64 > caps.bytes as i64 {
+            return Err(Cap::Bytes);
+        }
+        Ok(())
     }
 
     /// A relay's retained messages: the topic is the upstream's, mirrored into the local
@@ -151,27 +228,47 @@ impl Retained {
     /// retained message that a crash could still take back. Writes are queued and applied in
     /// one order, so the current message is always the last durable record, which wins at
     /// replay. The returned future resolves once it is current.
-    pub(crate) async fn queue(&self, name: &str, msg: RetainedMsg) -> Result<Durable, CoreError> {
+    /// A write that would pass `caps` is refused instead (checked in queue order, so writes
+    /// queued together cannot pass them between them).
+    pub(crate) async fn queue(
+        &self,
+        name: &str,
+        msg: RetainedMsg,
+        caps: Caps,
+    ) -> Result<Queued, CoreError> {
         let record = record_of(name, &msg);
         let _order = self.writing.lock().await;
+        if let Err(cap) = self.admits(name, msg.payload.len(), caps) {
+            return Ok(Queued::Refused(cap));
+        }
         let ack = self
             .engine
             .produce_queued(RETAINED_TOPIC, PartitionChoice::Id(0), &[record])
             .await?;
         self.since_snapshot.fetch_add(1, Ordering::Relaxed);
+        let seq = {
+            let mut queued = self.queued.lock();
+            queued.next += 1;
+            let seq = queued.next;
+            queued
+                .newest
+                .insert(name.to_owned(), (seq, msg.payload.len()));
+            seq
+        };
         let (done, applied) = oneshot::channel();
-        let queued = Job::Write(Box::new(Write {
+        let job = Job::Write(Box::new(Write {
             name: name.to_owned(),
             msg,
+            seq,
             ack,
             done,
         }));
-        if self.applier.send(queued).is_err() {
+        if self.applier.send(job).is_err() {
             return Err(CoreError::ShuttingDown);
         }
-        Ok(Box::pin(async move {
+        Ok(Queued::Durable(Box::pin(async move {
             applied.await.unwrap_or(Err(CoreError::ShuttingDown))
-        }))
+        })))
     }
 
     /// Writes a snapshot of the retained messages when the topic holds far more records since
@@ -215,24 +312,41 @@ impl Retained {
 }
 
 /// Applies queued writes to the map in queue order, each once its record is durable; a write
-/// the ledger refused leaves the map as it was. Ends when the [`Retained`] goes.
-async fn apply_when_durable(map: Map, mut queued: mpsc::UnboundedReceiver<Job>) {
-    while let Some(job) = queued.recv().await {
+/// the ledger refused leaves the map as it was. Either way it leaves the queue's view unless a
+/// newer write of its name was queued since. Ends when the [`Retained`] goes.
+async fn apply_when_durable(
+    map: Map,
+    bytes: Arc<AtomicU64>,
+    queued: Arc<Mutex<Queue>>,
+    mut jobs: mpsc::UnboundedReceiver<Job>,
+) {
+    while let Some(job) = jobs.recv().await {
         match job {
             Job::Write(w) => {
                 let Write {
                     name,
                     msg,
+                    seq,
                     ack,
                     done,
                 } = *w;
                 let stored = ack.await.map(|_| ());
                 if stored.is_ok() {
                     let mut map = map.write();
-                    if msg.payload.is_empty() {
-                        map.remove(&name);
+                    let added = msg.payload.len() as u64;
+                    let old = if msg.payload.is_empty() {
+                        map.remove(&name)
                     } else {
-                        map.insert(name, msg);
+                        map.insert(name.clone(), msg)
+                    };
+                    let removed = old.map_or(0, |m| m.payload.len() as u64);
+                    bytes.fetch_add(added, Ordering::Relaxed);
+                    bytes.fetch_sub(removed, Ordering::Relaxed);
+                }
+                {
+                    let mut queued = queued.lock();
+                    if queued.newest.get(&name).is_some_and(|&(s, _)| s == seq) {
+                        queued.newest.remove(&name);
                     }
                 }
                 let _ = done.send(stored);

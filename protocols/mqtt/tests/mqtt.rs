@@ -64,6 +64,11 @@ async fn start_engine(
         users,
         session_sweep_interval_ms: 60_000,
         state_snapshot_min_records: 10_000,
+        max_retained_messages: 100_000,
+        max_retained_bytes: 256 << 20,
+        max_will_bytes: 64 << 10,
+        max_sessions: 100_000,
+        max_subscriptions_per_connection: 100,
     };
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
