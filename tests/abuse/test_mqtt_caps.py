@@ -363,3 +363,25 @@ def test_subscriptions_per_connection_are_capped(gateway_factory):
     first, body = read_packet(v4)
     assert first == 0x90 and list(body[2:]) == [1, 1, 0x80]
     assert metric(gw, 'sluice_mqtt_refusals_total{cap="subscriptions"}') == 3
+
+
+def test_new_sessions_connecting_together_cannot_pass_the_cap_between_them(gateway_factory):
+    gw = gateway_factory(env={"SLUICE_MQTT__MAX_SESSIONS": "3"})
+    p = unique("rush")
+    socks = []
+    for i in range(16):
+        sock = socket.create_connection(gw.mqtt_addr, timeout=WAIT_S)
+        socks.append(sock)
+    # Every CONNECT is sent before any CONNACK is read: each session's first save (a durable
+    # write) is under way while the others are checked.
+    for i, sock in enumerate(socks):
+        sock.sendall(connect(f"{p}-{i}", clean=False, session_expiry=3600))
+    codes = []
+    for sock in socks:
+        first, body = read_packet(sock)
+        assert first == 0x20
+        codes.append(body[1])
+    assert sorted(codes) == [0] * 3 + [0x97] * 13, codes
+    assert metric(gw, "sluice_mqtt_sessions") == 3
+    for sock in socks:
+        sock.close()

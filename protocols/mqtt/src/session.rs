@@ -731,15 +731,23 @@ impl<S: Conn> Session<'_, S> {
             Version::V4 => (!c.clean_start, u32::MAX),
             Version::V5 => (c.session_expiry > 0, c.session_expiry),
         };
-        let saved = self.server.sessions.get(&self.client_id);
-        // A client that holds a session (to resume or to start over) never adds one.
-        if self.persistent && saved.is_none() && self.server.sessions.len() >= settings.max_sessions
-        {
-            refusals.sessions.fetch_add(1, Ordering::Relaxed);
-            self.write_connack(false, reason::QUOTA_EXCEEDED, None)
-                .await?;
-            return Ok(None);
-        }
+        let server = self.server;
+        let saved = server.sessions.get(&self.client_id);
+        // A client that holds a session (to resume or to start over) never adds one. A new
+        // one keeps its place under the cap until it is saved, below.
+        let _starting = if self.persistent && saved.is_none() {
+            match server.sessions.admit_new(settings.max_sessions) {
+                Some(place) => Some(place),
+                None => {
+                    refusals.sessions.fetch_add(1, Ordering::Relaxed);
+                    self.write_connack(false, reason::QUOTA_EXCEEDED, None)
+                        .await?;
+                    return Ok(None);
+                }
+            }
+        } else {
+            None
+        };
         // A reconnect cancels a will still waiting out its delay.
         if let Some((_, pending)) = self.server.pending_wills.remove(&self.client_id) {
             pending.abort();

@@ -6,7 +6,7 @@
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use bytes::Bytes;
 use dashmap::DashMap;
@@ -69,6 +69,18 @@ pub(crate) struct Sessions {
     sweeping: tokio::sync::RwLock<()>,
     /// Records written since the newest snapshot (see `state`).
     since_snapshot: AtomicU64,
+    /// New sessions admitted under the cap and not saved yet (see [`Sessions::admit_new`]).
+    starting: AtomicUsize,
+}
+
+/// A new session's place under the sessions cap between its admission and its first save.
+#[derive(Debug)]
+pub(crate) struct Starting<'a>(&'a AtomicUsize);
+
+impl Drop for Starting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// Tombstones written in one append by a sweep.
@@ -102,6 +114,7 @@ impl Sessions {
             awaiting: DashMap::new(),
             sweeping: tokio::sync::RwLock::new(()),
             since_snapshot: AtomicU64::new(replayed.records),
+            starting: AtomicUsize::new(0),
         };
         Ok((sessions, replayed))
     }
@@ -144,6 +157,16 @@ impl Sessions {
 
     pub(crate) fn len(&self) -> usize {
         self.map.read().len()
+    }
+
+    /// A place for one more session if fewer than `max` are held, counting those admitted
+    /// and not saved yet; keep it until the session is saved. Concurrent CONNECTs cannot pass
+    /// the cap together: one admitted before this looks is counted in `starting`, or (having
+    /// let go of its place after its save) in the map.
+    pub(crate) fn admit_new(&self, max: usize) -> Option<Starting<'_>> {
+        let before = self.starting.fetch_add(1, Ordering::SeqCst);
+        let place = Starting(&self.starting);
+        (before + self.len() < max).then_some(place)
     }
 
     /// The set of QoS 2 ids awaiting release for a connection of `client_id`: a resumed
