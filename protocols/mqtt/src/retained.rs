@@ -59,13 +59,24 @@ pub(crate) enum Queued {
     Refused(Cap),
 }
 
-/// Retained writes queued and not yet applied: by name, the newest one's sequence number and
-/// payload size (0 clears). With the map they give what will be retained once every queued
-/// write is applied, which is what the caps are checked against.
+/// What will be retained once every queued write is applied, which is what the caps are
+/// checked against: the messages and payload bytes in all, and for each name with writes
+/// queued and not yet applied, the newest one's sequence number and payload size (0 clears);
+/// other names hold what the map holds.
 #[derive(Debug, Default)]
 struct Queue {
     next: u64,
     newest: HashMap<String, (u64, usize)>,
+    messages: usize,
+    bytes: usize,
+}
+
+impl Queue {
+    /// Moves the totals from a name holding `from` payload bytes to holding `to` (0: none).
+    fn change(&mut self, from: usize, to: usize) {
+        self.messages = self.messages + usize::from(to > 0) - usize::from(from > 0);
+        self.bytes = self.bytes + to - from;
+    }
 }
 
 /// A retained write queued for the ledger, to apply to the map once durable.
@@ -101,8 +112,6 @@ pub(crate) struct Retained {
     applier: mpsc::UnboundedSender<Job>,
     /// Records written since the newest snapshot (see `state`).
     since_snapshot: AtomicU64,
-    /// Payload bytes of the map's messages (changed with it, under its lock).
-    bytes: Arc<AtomicU64>,
     queued: Arc<Mutex<Queue>>,
 }
 
@@ -125,25 +134,20 @@ impl Retained {
     }
 
     fn new(engine: Engine, map: BTreeMap<String, RetainedMsg>) -> Self {
-        let bytes = Arc::new(AtomicU64::new(
-            map.values().map(|m| m.payload.len() as u64).sum(),
-        ));
+        let queued = Arc::new(Mutex::new(Queue {
+            messages: map.len(),
+            bytes: map.values().map(|m| m.payload.len()).sum(),
+            ..Queue::default()
+        }));
         let map = Arc::new(RwLock::new(map));
-        let queued = Arc::new(Mutex::new(Queue::default()));
         let (applier, jobs) = mpsc::unbounded_channel();
-        tokio::spawn(apply_when_durable(
-            map.clone(),
-            bytes.clone(),
-            queued.clone(),
-            jobs,
-        ));
+        tokio::spawn(apply_when_durable(map.clone(), queued.clone(), jobs));
         Self {
             engine,
             map,
             writing: tokio::sync::Mutex::new(()),
             applier,
             since_snapshot: AtomicU64::new(0),
-            bytes,
             queued,
         }
     }
@@ -153,34 +157,15 @@ impl Retained {
     /// with one no larger, always do; a new name needs room under both caps, a larger
     /// replacement room for what it adds.
     pub(crate) fn admits(&self, name: &str, size: usize, caps: Caps) -> Result<(), Cap> {
-        if size == 0 {
-            return Ok(());
-        }
         let map = self.map.read();
         let queued = self.queued.lock();
-        let held = |n: &str| map.get(n).map_or(0, |m| m.payload.len());
-        let (mut count, mut bytes) = (map.len() as i64, self.bytes.load(Ordering::Relaxed) as i64);
-        for (n, &(_, to)) in &queued.newest {
-            let from = held(n);
-            count += i64::from(to > 0) - i64::from(from > 0);
-            bytes += to as i64 - from as i64;
-        }
-        let old = queued
-            .newest
-            .get(name)
-            .map_or_else(|| held(name), |&(_, to)| to);
-        if old == 0 && count >= caps.messages as i64 {
-            return Err(Cap::Messages);
-        }
-        if size > old && bytes - old as i64 + size as i64 > caps.bytes as i64 {
-            return Err(Cap::Bytes);
-        }
-        Ok(())
+        check(&map, &queued, name, size, caps)
     }
 
     /// A relay's retained messages: the topic is the upstream's, mirrored into the local
     /// engine, and every record of it (from the first) updates the map as it arrives. The
-    /// relay forwards retained publishes upstream and never writes the topic itself.
+    /// relay forwards retained publishes upstream and never writes the topic itself (nor
+    /// checks the retained caps: the upstream does, so the totals here are not kept).
     pub(crate) async fn mirrored(engine: Engine) -> Result<Arc<Self>, CoreError> {
         engine.readable_topic(RETAINED_TOPIC).await?;
         let mut live = engine.subscribe_live(
@@ -238,7 +223,8 @@ impl Retained {
     ) -> Result<Queued, CoreError> {
         let record = record_of(name, &msg);
         let _order = self.writing.lock().await;
-        if let Err(cap) = self.admits(name, msg.payload.len(), caps) {
+        let size = msg.payload.len();
+        if let Err(cap) = self.admits(name, size, caps) {
             return Ok(Queued::Refused(cap));
         }
         let ack = self
@@ -247,12 +233,13 @@ impl Retained {
             .await?;
         self.since_snapshot.fetch_add(1, Ordering::Relaxed);
         let seq = {
+            let map = self.map.read();
             let mut queued = self.queued.lock();
+            let from = held(&map, &queued, name);
+            queued.change(from, size);
             queued.next += 1;
             let seq = queued.next;
-            queued
-                .newest
-                .insert(name.to_owned(), (seq, msg.payload.len()));
+            queued.newest.insert(name.to_owned(), (seq, size));
             seq
         };
         let (done, applied) = oneshot::channel();
@@ -311,12 +298,43 @@ impl Retained {
     }
 }
 
+/// The payload bytes `name` will hold once every queued write is applied (0: none).
+fn held(map: &BTreeMap<String, RetainedMsg>, queued: &Queue, name: &str) -> usize {
+    match queued.newest.get(name) {
+        Some(&(_, size)) => size,
+        None => map.get(name).map_or(0, |m| m.payload.len()),
+    }
+}
+
+/// Whether `name` may hold `size` payload bytes (0: cleared) under `caps`, once every queued
+/// write is applied. Clearing, and replacing a message with one no larger, always may; a new
+/// name needs room under both caps, a larger replacement room for what it adds.
+fn check(
+    map: &BTreeMap<String, RetainedMsg>,
+    queued: &Queue,
+    name: &str,
+    size: usize,
+    caps: Caps,
+) -> Result<(), Cap> {
+    let old = held(map, queued, name);
+    if size <= old {
+        return Ok(());
+    }
+    if old == 0 && queued.messages >= caps.messages {
+        return Err(Cap::Messages);
+    }
+    if queued.bytes - old + size > caps.bytes {
+        return Err(Cap::Bytes);
+    }
+    Ok(())
+}
+
 /// Applies queued writes to the map in queue order, each once its record is durable; a write
-/// the ledger refused leaves the map as it was. Either way it leaves the queue's view unless a
-/// newer write of its name was queued since. Ends when the [`Retained`] goes.
+/// the ledger refused leaves the map as it was. The newest queued write of a name leaves the
+/// queue's view when applied (or refused, and then the totals go back to what the map holds).
+/// Ends when the [`Retained`] goes.
 async fn apply_when_durable(
     map: Map,
-    bytes: Arc<AtomicU64>,
     queued: Arc<Mutex<Queue>>,
     mut jobs: mpsc::UnboundedReceiver<Job>,
 ) {
@@ -331,24 +349,24 @@ async fn apply_when_durable(
                     done,
                 } = *w;
                 let stored = ack.await.map(|_| ());
+                let size = msg.payload.len();
+                let mut map = map.write();
                 if stored.is_ok() {
-                    let mut map = map.write();
-                    let added = msg.payload.len() as u64;
-                    let old = if msg.payload.is_empty() {
-                        map.remove(&name)
+                    if size == 0 {
+                        map.remove(&name);
                     } else {
-                        map.insert(name.clone(), msg)
-                    };
-                    let removed = old.map_or(0, |m| m.payload.len() as u64);
-                    bytes.fetch_add(added, Ordering::Relaxed);
-                    bytes.fetch_sub(removed, Ordering::Relaxed);
-                }
-                {
-                    let mut queued = queued.lock();
-                    if queued.newest.get(&name).is_some_and(|&(s, _)| s == seq) {
-                        queued.newest.remove(&name);
+                        map.insert(name.clone(), msg);
                     }
                 }
+                let mut queued = queued.lock();
+                if queued.newest.get(&name).is_some_and(|&(s, _)| s == seq) {
+                    queued.newest.remove(&name);
+                    if stored.is_err() {
+                        let kept = map.get(&name).map_or(0, |m| m.payload.len());
+                        queued.change(size, kept);
+                    }
+                }
+                drop((queued, map));
                 let _ = done.send(stored);
             }
             Job::Barrier(reached) => {
@@ -391,5 +409,54 @@ fn apply(map: &mut BTreeMap<String, RetainedMsg>, name: &str, r: DecodedRecord) 
         None => {
             map.remove(name);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn msg(size: usize) -> RetainedMsg {
+        RetainedMsg {
+            payload: Bytes::from(vec![1u8; size]),
+            qos: 1,
+            props: Props::default(),
+            published_ms: 0,
+        }
+    }
+
+    #[test]
+    fn the_caps_count_queued_writes_and_always_let_a_message_shrink() {
+        let caps = Caps {
+            messages: 2,
+            bytes: 100,
+        };
+        let mut map = BTreeMap::new();
+        map.insert("a".to_owned(), msg(40));
+        let mut queued = Queue {
+            messages: 1,
+            bytes: 40,
+            ..Queue::default()
+        };
+        // "b" queued, not applied yet: it counts.
+        queued.change(0, 50);
+        queued.newest.insert("b".into(), (1, 50));
+        assert_eq!(check(&map, &queued, "c", 1, caps), Err(Cap::Messages));
+        assert_eq!(check(&map, &queued, "a", 51, caps), Err(Cap::Bytes));
+        assert_eq!(check(&map, &queued, "a", 50, caps), Ok(()));
+        assert_eq!(check(&map, &queued, "b", 60, caps), Ok(()));
+        // Clearing and shrinking pass even past the caps (lowered since, say).
+        let tight = Caps {
+            messages: 0,
+            bytes: 0,
+        };
+        assert_eq!(check(&map, &queued, "a", 0, tight), Ok(()));
+        assert_eq!(check(&map, &queued, "b", 50, tight), Ok(()));
+        assert_eq!(check(&map, &queued, "c", 0, tight), Ok(()));
+        // "b" cleared in the queue: room for a new name again.
+        queued.change(50, 0);
+        queued.newest.insert("b".into(), (2, 0));
+        assert_eq!(check(&map, &queued, "c", 60, caps), Ok(()));
+        assert_eq!(check(&map, &queued, "c", 61, caps), Err(Cap::Bytes));
     }
 }
