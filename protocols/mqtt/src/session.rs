@@ -736,7 +736,10 @@ impl<S: Conn> Session<'_, S> {
         // A client that holds a session (to resume or to start over) never adds one. A new
         // one keeps its place under the cap until it is saved, below.
         let _starting = if self.persistent && saved.is_none() {
-            match server.sessions.admit_new(settings.max_sessions) {
+            match server
+                .sessions
+                .admit_new(&self.client_id, settings.max_sessions)
+            {
                 Some(place) => Some(place),
                 None => {
                     refusals.sessions.fetch_add(1, Ordering::Relaxed);
