@@ -91,6 +91,11 @@ pub(crate) async fn start_sluice(
         users: Default::default(),
         session_sweep_interval_ms: 60_000,
         state_snapshot_min_records: 10_000,
+        max_retained_messages: 100_000,
+        max_retained_bytes: 256 << 20,
+        max_will_bytes: 64 << 10,
+        max_sessions: 100_000,
+        max_subscriptions_per_connection: 100,
     };
     let listener = sluice_net::bind("127.0.0.1:0", Default::default()).await?;
     let port = listener.local_addr()?.port();

@@ -549,6 +549,43 @@ pub(crate) fn render_mqtt(body: &mut String, server: &sluice_mqtt::MqttServer) {
         "Batches or records of __mqtt_retained and __mqtt_sessions skipped at start because they could not be read (each logged with its offset).",
         m.state_unreadable.load(Relaxed),
     );
+    let t = &m.timeouts;
+    o.header(
+        "sluice_mqtt_timeouts_total",
+        "counter",
+        "MQTT connections closed at a deadline: connect (no CONNECT within mqtt.connect_timeout_ms), keep_alive (no packet within 1.5 keep-alives), packet (a packet begun and not whole within listeners.request_timeout_ms), write (nothing of a write taken within listeners.write_timeout_ms).",
+    );
+    for (deadline, n) in [
+        ("connect", &t.connect),
+        ("keep_alive", &t.keep_alive),
+        ("packet", &t.packet),
+        ("write", &t.write),
+    ] {
+        o.sample(
+            "sluice_mqtt_timeouts_total",
+            &format!("deadline=\"{deadline}\""),
+            n.load(Relaxed),
+        );
+    }
+    let r = &m.refusals;
+    o.header(
+        "sluice_mqtt_refusals_total",
+        "counter",
+        "MQTT requests refused by a cap: retained_messages, retained_bytes (retained publishes), will_bytes, sessions (CONNECTs), subscriptions (SUBSCRIBE filters).",
+    );
+    for (cap, n) in [
+        ("retained_messages", &r.retained_messages),
+        ("retained_bytes", &r.retained_bytes),
+        ("will_bytes", &r.will_bytes),
+        ("sessions", &r.sessions),
+        ("subscriptions", &r.subscriptions),
+    ] {
+        o.sample(
+            "sluice_mqtt_refusals_total",
+            &format!("cap=\"{cap}\""),
+            n.load(Relaxed),
+        );
+    }
     *body = o.0;
 }
 

@@ -67,7 +67,7 @@ def test_one_address_cannot_take_every_slot(gateway_factory):
     # Another address is still served (metrics are read over HTTP from 127.0.0.1).
     other = connect_from(gw.mqtt_addr, "127.0.0.8")
     assert wait_metric(gw, 'sluice_connections_refused_total{cap="per_ip"}', lambda v: v >= 2) >= 2
-    assert metric(gw, 'sluice_listener_connections_refused_total{protocol="kafka"}') == 1
+    assert metric(gw, 'sluice_listener_connections_refused_total{protocol="kafka"}') >= 1
     # Closing one frees its slot, and the gauge follows.
     held.pop().close()
     wait_metric(gw, 'sluice_listener_connections_open{protocol="mqtt"}', lambda v: v == 3)

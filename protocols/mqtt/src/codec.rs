@@ -433,6 +433,7 @@ pub(crate) fn connack(
                 reason::MALFORMED => v5::ConnectReturnCode::MalformedPacket,
                 reason::PROTOCOL_ERROR => v5::ConnectReturnCode::ProtocolError,
                 reason::SERVER_UNAVAILABLE => v5::ConnectReturnCode::ServerUnavailable,
+                reason::QUOTA_EXCEEDED => v5::ConnectReturnCode::QuotaExceeded,
                 _ => v5::ConnectReturnCode::UnspecifiedError,
             };
             let props = v5::ConnAckProperties {
@@ -556,6 +557,7 @@ pub(crate) fn suback(version: Version, pkid: u16, codes: &[u8], out: &mut BytesM
                     1 => v5::SubscribeReasonCode::Success(QoS5::AtLeastOnce),
                     2 => v5::SubscribeReasonCode::Success(QoS5::ExactlyOnce),
                     reason::TOPIC_FILTER_INVALID => v5::SubscribeReasonCode::TopicFilterInvalid,
+                    reason::QUOTA_EXCEEDED => v5::SubscribeReasonCode::QuotaExceeded,
                     _ => v5::SubscribeReasonCode::Unspecified,
                 })
                 .collect();

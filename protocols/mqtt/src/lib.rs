@@ -26,7 +26,7 @@ use serde::{Deserialize, Serialize};
 
 pub use retained::RETAINED_TOPIC;
 pub use routes::Route;
-pub use server::{MqttMetrics, MqttServer, PacketCounts};
+pub use server::{MqttMetrics, MqttServer, PacketCounts, Refusals, Timeouts};
 pub use sessions::SESSIONS_TOPIC;
 pub use upstream::{Upstream, UpstreamMetrics};
 
@@ -52,6 +52,18 @@ pub struct MqttSettings {
     /// Records a state topic (`__mqtt_retained`, `__mqtt_sessions`) gathers since its last
     /// snapshot before a new one is written (also needing four times its live entries).
     pub state_snapshot_min_records: u64,
+    /// Most retained messages held; a retained publish of a new name past it is refused.
+    pub max_retained_messages: usize,
+    /// Most payload bytes of retained messages held; a retained publish that would grow them
+    /// past it is refused.
+    pub max_retained_bytes: usize,
+    /// Largest will payload a CONNECT may carry.
+    pub max_will_bytes: usize,
+    /// Most persistent sessions held (connected or not); a CONNECT that would start one more
+    /// is refused.
+    pub max_sessions: usize,
+    /// Most subscriptions one connection (its session) holds.
+    pub max_subscriptions_per_connection: usize,
 }
 
 /// Entry point for fuzzing the packet decoder: a CONNECT (to pick the version) followed by any

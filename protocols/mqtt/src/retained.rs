@@ -2,14 +2,14 @@
 //! durable in the ledger topic `__mqtt_retained` (key = name, value = payload, headers =
 //! properties; an empty value clears). Replayed at start, so they survive restarts.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::Bytes;
-use parking_lot::RwLock;
+use parking_lot::{Mutex, RwLock};
 use sluice_core::{
     CoreError, DecodedRecord, Engine, LiveOptions, PartitionChoice, PendingAck, Record, SlowPolicy,
     StartAt,
@@ -37,11 +37,55 @@ pub(crate) struct RetainedMsg {
 
 type Map = Arc<RwLock<BTreeMap<String, RetainedMsg>>>;
 
+/// Bounds on what is retained (`mqtt.max_retained_messages`, `mqtt.max_retained_bytes`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Caps {
+    pub(crate) messages: usize,
+    pub(crate) bytes: usize,
+}
+
+/// The cap a retained write would pass.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Cap {
+    Messages,
+    Bytes,
+}
+
+/// What `queue` did with a retained write.
+pub(crate) enum Queued {
+    /// Queued: resolves once durable and current.
+    Durable(Durable),
+    /// Not queued: it would pass a cap.
+    Refused(Cap),
+}
+
+/// What will be retained once every queued write is applied, which is what the caps are
+/// checked against: the messages and payload bytes in all, and for each name with writes
+/// queued and not yet applied, the newest one's sequence number and payload size (0 clears);
+/// other names hold what the map holds.
+#[derive(Debug, Default)]
+struct Queue {
+    next: u64,
+    newest: HashMap<String, (u64, usize)>,
+    messages: usize,
+    bytes: usize,
+}
+
+impl Queue {
+    /// Moves the totals from a name holding `from` payload bytes to holding `to` (0: none).
+    fn change(&mut self, from: usize, to: usize) {
+        self.messages = self.messages + usize::from(to > 0) - usize::from(from > 0);
+        self.bytes = self.bytes + to - from;
+    }
+}
+
 /// A retained write queued for the ledger, to apply to the map once durable.
 #[derive(Debug)]
 struct Write {
     name: String,
     msg: RetainedMsg,
+    /// Its place in [`Queue`].
+    seq: u64,
     ack: PendingAck,
     done: oneshot::Sender<Result<(), CoreError>>,
 }
@@ -68,6 +112,7 @@ pub(crate) struct Retained {
     applier: mpsc::UnboundedSender<Job>,
     /// Records written since the newest snapshot (see `state`).
     since_snapshot: AtomicU64,
+    queued: Arc<Mutex<Queue>>,
 }
 
 impl Retained {
@@ -89,21 +134,38 @@ impl Retained {
     }
 
     fn new(engine: Engine, map: BTreeMap<String, RetainedMsg>) -> Self {
+        let queued = Arc::new(Mutex::new(Queue {
+            messages: map.len(),
+            bytes: map.values().map(|m| m.payload.len()).sum(),
+            ..Queue::default()
+        }));
         let map = Arc::new(RwLock::new(map));
-        let (applier, queued) = mpsc::unbounded_channel();
-        tokio::spawn(apply_when_durable(map.clone(), queued));
+        let (applier, jobs) = mpsc::unbounded_channel();
+        tokio::spawn(apply_when_durable(map.clone(), queued.clone(), jobs));
         Self {
             engine,
             map,
             writing: tokio::sync::Mutex::new(()),
             applier,
             since_snapshot: AtomicU64::new(0),
+            queued,
         }
+    }
+
+    /// Whether retaining `size` payload bytes under `name` (0: clearing it) stays within
+    /// `caps`, counting every write queued before as done. Clearing, and replacing a message
+    /// with one no larger, always do; a new name needs room under both caps, a larger
+    /// replacement room for what it adds.
+    pub(crate) fn admits(&self, name: &str, size: usize, caps: Caps) -> Result<(), Cap> {
+        let map = self.map.read();
+        let queued = self.queued.lock();
+        check(&map, &queued, name, size, caps)
     }
 
     /// A relay's retained messages: the topic is the upstream's, mirrored into the local
     /// engine, and every record of it (from the first) updates the map as it arrives. The
-    /// relay forwards retained publishes upstream and never writes the topic itself.
+    /// relay forwards retained publishes upstream and never writes the topic itself (nor
+    /// checks the retained caps: the upstream does, so the totals here are not kept).
     pub(crate) async fn mirrored(engine: Engine) -> Result<Arc<Self>, CoreError> {
         engine.readable_topic(RETAINED_TOPIC).await?;
         let mut live = engine.subscribe_live(
@@ -151,27 +213,49 @@ impl Retained {
     /// retained message that a crash could still take back. Writes are queued and applied in
     /// one order, so the current message is always the last durable record, which wins at
     /// replay. The returned future resolves once it is current.
-    pub(crate) async fn queue(&self, name: &str, msg: RetainedMsg) -> Result<Durable, CoreError> {
+    /// A write that would pass `caps` is refused instead (checked in queue order, so writes
+    /// queued together cannot pass them between them).
+    pub(crate) async fn queue(
+        &self,
+        name: &str,
+        msg: RetainedMsg,
+        caps: Caps,
+    ) -> Result<Queued, CoreError> {
         let record = record_of(name, &msg);
         let _order = self.writing.lock().await;
+        let size = msg.payload.len();
+        if let Err(cap) = self.admits(name, size, caps) {
+            return Ok(Queued::Refused(cap));
+        }
         let ack = self
             .engine
             .produce_queued(RETAINED_TOPIC, PartitionChoice::Id(0), &[record])
             .await?;
         self.since_snapshot.fetch_add(1, Ordering::Relaxed);
+        let seq = {
+            let map = self.map.read();
+            let mut queued = self.queued.lock();
+            let from = held(&map, &queued, name);
+            queued.change(from, size);
+            queued.next += 1;
+            let seq = queued.next;
+            queued.newest.insert(name.to_owned(), (seq, size));
+            seq
+        };
         let (done, applied) = oneshot::channel();
-        let queued = Job::Write(Box::new(Write {
+        let job = Job::Write(Box::new(Write {
             name: name.to_owned(),
             msg,
+            seq,
             ack,
             done,
         }));
-        if self.applier.send(queued).is_err() {
+        if self.applier.send(job).is_err() {
             return Err(CoreError::ShuttingDown);
         }
-        Ok(Box::pin(async move {
+        Ok(Queued::Durable(Box::pin(async move {
             applied.await.unwrap_or(Err(CoreError::ShuttingDown))
-        }))
+        })))
     }
 
     /// Writes a snapshot of the retained messages when the topic holds far more records since
@@ -214,27 +298,75 @@ impl Retained {
     }
 }
 
+/// The payload bytes `name` will hold once every queued write is applied (0: none).
+fn held(map: &BTreeMap<String, RetainedMsg>, queued: &Queue, name: &str) -> usize {
+    match queued.newest.get(name) {
+        Some(&(_, size)) => size,
+        None => map.get(name).map_or(0, |m| m.payload.len()),
+    }
+}
+
+/// Whether `name` may hold `size` payload bytes (0: cleared) under `caps`, once every queued
+/// write is applied. Clearing, and replacing a message with one no larger, always may; a new
+/// name needs room under both caps, a larger replacement room for what it adds.
+fn check(
+    map: &BTreeMap<String, RetainedMsg>,
+    queued: &Queue,
+    name: &str,
+    size: usize,
+    caps: Caps,
+) -> Result<(), Cap> {
+    let old = held(map, queued, name);
+    if size <= old {
+        return Ok(());
+    }
+    if old == 0 && queued.messages >= caps.messages {
+        return Err(Cap::Messages);
+    }
+    if queued.bytes - old + size > caps.bytes {
+        return Err(Cap::Bytes);
+    }
+    Ok(())
+}
+
 /// Applies queued writes to the map in queue order, each once its record is durable; a write
-/// the ledger refused leaves the map as it was. Ends when the [`Retained`] goes.
-async fn apply_when_durable(map: Map, mut queued: mpsc::UnboundedReceiver<Job>) {
-    while let Some(job) = queued.recv().await {
+/// the ledger refused leaves the map as it was. The newest queued write of a name leaves the
+/// queue's view when applied (or refused, and then the totals go back to what the map holds).
+/// Ends when the [`Retained`] goes.
+async fn apply_when_durable(
+    map: Map,
+    queued: Arc<Mutex<Queue>>,
+    mut jobs: mpsc::UnboundedReceiver<Job>,
+) {
+    while let Some(job) = jobs.recv().await {
         match job {
             Job::Write(w) => {
                 let Write {
                     name,
                     msg,
+                    seq,
                     ack,
                     done,
                 } = *w;
                 let stored = ack.await.map(|_| ());
+                let size = msg.payload.len();
+                let mut map = map.write();
                 if stored.is_ok() {
-                    let mut map = map.write();
-                    if msg.payload.is_empty() {
+                    if size == 0 {
                         map.remove(&name);
                     } else {
-                        map.insert(name, msg);
+                        map.insert(name.clone(), msg);
                     }
                 }
+                let mut queued = queued.lock();
+                if queued.newest.get(&name).is_some_and(|&(s, _)| s == seq) {
+                    queued.newest.remove(&name);
+                    if stored.is_err() {
+                        let kept = map.get(&name).map_or(0, |m| m.payload.len());
+                        queued.change(size, kept);
+                    }
+                }
+                drop((queued, map));
                 let _ = done.send(stored);
             }
             Job::Barrier(reached) => {
@@ -277,5 +409,54 @@ fn apply(map: &mut BTreeMap<String, RetainedMsg>, name: &str, r: DecodedRecord) 
         None => {
             map.remove(name);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn msg(size: usize) -> RetainedMsg {
+        RetainedMsg {
+            payload: Bytes::from(vec![1u8; size]),
+            qos: 1,
+            props: Props::default(),
+            published_ms: 0,
+        }
+    }
+
+    #[test]
+    fn the_caps_count_queued_writes_and_always_let_a_message_shrink() {
+        let caps = Caps {
+            messages: 2,
+            bytes: 100,
+        };
+        let mut map = BTreeMap::new();
+        map.insert("a".to_owned(), msg(40));
+        let mut queued = Queue {
+            messages: 1,
+            bytes: 40,
+            ..Queue::default()
+        };
+        // "b" queued, not applied yet: it counts.
+        queued.change(0, 50);
+        queued.newest.insert("b".into(), (1, 50));
+        assert_eq!(check(&map, &queued, "c", 1, caps), Err(Cap::Messages));
+        assert_eq!(check(&map, &queued, "a", 51, caps), Err(Cap::Bytes));
+        assert_eq!(check(&map, &queued, "a", 50, caps), Ok(()));
+        assert_eq!(check(&map, &queued, "b", 60, caps), Ok(()));
+        // Clearing and shrinking pass even past the caps (lowered since, say).
+        let tight = Caps {
+            messages: 0,
+            bytes: 0,
+        };
+        assert_eq!(check(&map, &queued, "a", 0, tight), Ok(()));
+        assert_eq!(check(&map, &queued, "b", 50, tight), Ok(()));
+        assert_eq!(check(&map, &queued, "c", 0, tight), Ok(()));
+        // "b" cleared in the queue: room for a new name again.
+        queued.change(50, 0);
+        queued.newest.insert("b".into(), (2, 0));
+        assert_eq!(check(&map, &queued, "c", 60, caps), Ok(()));
+        assert_eq!(check(&map, &queued, "c", 61, caps), Err(Cap::Bytes));
     }
 }

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use dashmap::DashMap;
 use sluice_core::{CoreError, Engine};
-use sluice_net::{ListenerStats, Listening};
+use sluice_net::{Deadlines, ListenerStats, Listening};
 use tokio::net::TcpListener;
 use tokio::sync::{Notify, watch};
 use tracing::{debug, info, warn};
@@ -67,6 +67,38 @@ pub struct MqttMetrics {
     /// Batches or records of `__mqtt_retained` and `__mqtt_sessions` skipped at start because
     /// they could not be read (each logged with its offset).
     pub state_unreadable: AtomicU64,
+    /// Connections closed at a deadline (see [`Timeouts`]).
+    pub timeouts: Timeouts,
+    /// What the caps refused (see [`Refusals`]).
+    pub refusals: Refusals,
+}
+
+/// Connections closed at a deadline, by deadline.
+#[derive(Debug, Default)]
+pub struct Timeouts {
+    /// No CONNECT within `mqtt.connect_timeout_ms`.
+    pub connect: AtomicU64,
+    /// No packet within 1.5 times the keep-alive.
+    pub keep_alive: AtomicU64,
+    /// A packet begun and not whole within the listeners' request deadline.
+    pub packet: AtomicU64,
+    /// A socket that took nothing of a write for the listeners' write deadline.
+    pub write: AtomicU64,
+}
+
+/// Requests refused by a cap, by cap.
+#[derive(Debug, Default)]
+pub struct Refusals {
+    /// Retained publishes past `mqtt.max_retained_messages`.
+    pub retained_messages: AtomicU64,
+    /// Retained publishes past `mqtt.max_retained_bytes`.
+    pub retained_bytes: AtomicU64,
+    /// CONNECTs with a will past `mqtt.max_will_bytes`.
+    pub will_bytes: AtomicU64,
+    /// CONNECTs for a new persistent session past `mqtt.max_sessions`.
+    pub sessions: AtomicU64,
+    /// Filters of a SUBSCRIBE past `mqtt.max_subscriptions_per_connection`.
+    pub subscriptions: AtomicU64,
 }
 
 /// Packet counts by MQTT control packet type (the high nibble of the fixed header).
@@ -135,6 +167,9 @@ pub struct MqttServer {
     pub metrics: MqttMetrics,
     /// The listener runtime's counts for the TCP listener (admitted, open, refused).
     pub listener: Arc<ListenerStats>,
+    /// The listener runtime's deadlines, as `serve` was given them; connections that arrive
+    /// another way (WebSocket) use them too.
+    deadlines: std::sync::OnceLock<Deadlines>,
 }
 
 /// Payloads at least this large are written under the egress budget.
@@ -279,6 +314,7 @@ impl MqttServer {
             egress: tokio::sync::Semaphore::new(EGRESS_BUDGET / EGRESS_UNIT),
             metrics,
             listener: Arc::default(),
+            deadlines: std::sync::OnceLock::new(),
         });
         // A relay keeps no sessions of its own: the upstream's sweep removes them.
         if server.upstream.is_none() {
@@ -325,12 +361,23 @@ impl MqttServer {
         self.metrics
             .connections_open
             .fetch_add(1, Ordering::Relaxed);
-        if let Err(e) = session::run(self, Plain(stream), None, peer.clone(), shutdown).await {
+        let deadlines = self.deadlines();
+        if let Err(e) =
+            session::run(self, Plain(stream), None, deadlines, peer.clone(), shutdown).await
+        {
             debug!(peer, error = %e, "mqtt connection ended");
         }
         self.metrics
             .connections_open
             .fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// The deadlines `serve` was given; before it was called, none shorter than an hour.
+    fn deadlines(&self) -> Deadlines {
+        self.deadlines
+            .get()
+            .copied()
+            .unwrap_or_else(|| Listening::unbounded().deadlines)
     }
 
     pub(crate) fn connection_id(&self) -> u64 {
@@ -346,6 +393,7 @@ impl MqttServer {
         shutdown: watch::Receiver<bool>,
     ) {
         let stats = self.listener.clone();
+        let deadlines = *self.deadlines.get_or_init(|| listening.deadlines);
         sluice_net::serve(
             "mqtt",
             listener,
@@ -370,8 +418,15 @@ impl MqttServer {
                         .connections_open
                         .fetch_add(1, Ordering::Relaxed);
                     let conn = TcpConn::new(stream);
-                    if let Err(e) =
-                        session::run(&server, conn, Some(fd), peer.to_string(), shutdown).await
+                    if let Err(e) = session::run(
+                        &server,
+                        conn,
+                        Some(fd),
+                        deadlines,
+                        peer.to_string(),
+                        shutdown,
+                    )
+                    .await
                     {
                         debug!(%peer, error = %e, "mqtt connection ended");
                     }

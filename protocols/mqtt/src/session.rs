@@ -30,6 +30,7 @@ use sluice_core::{
     Consumer, CoreError, DecodedRecord, InitialPosition, LiveOptions, MessageId, OpenRecord,
     PartitionChoice, Record, SlowPolicy, StartAt, SubscribeOptions, SubscriptionType,
 };
+use sluice_net::{Deadlines, WriteDeadline};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{Notify, mpsc, watch};
 use tokio::task::JoinHandle;
@@ -42,7 +43,7 @@ use crate::codec::{
 };
 use crate::direct::{Conn, DirectWriter};
 use crate::message::{self, Origin};
-use crate::retained::RetainedMsg;
+use crate::retained::{Cap, Queued, RetainedMsg};
 use crate::server::{
     EGRESS_BUDGET, EGRESS_UNIT, LARGE_PAYLOAD, MqttMetrics, MqttServer, Registered,
 };
@@ -329,6 +330,9 @@ struct Session<'a, S> {
     max_packet: usize,
     client_max_packet: Option<usize>,
     receive_max: usize,
+    /// The listener runtime's deadlines: `write` bounds every write, `request` a packet once
+    /// its first byte has come.
+    deadlines: Deadlines,
     subs: HashMap<String, Subscription>,
     /// The durable forwarders' channel, made when the first one starts. A connection with live
     /// feeds alone has none: it never polls an empty channel (2.5% of the broker's CPU in a
@@ -456,6 +460,7 @@ pub(crate) async fn run<S: Conn>(
     server: &Arc<MqttServer>,
     mut stream: S,
     fd: Option<RawFd>,
+    deadlines: Deadlines,
     peer: String,
     mut shutdown: watch::Receiver<bool>,
 ) -> std::io::Result<()> {
@@ -477,13 +482,30 @@ pub(crate) async fn run<S: Conn>(
                     match codec::read(&mut inbuf, v, max) {
                         Ok(In::Connect(c)) => break (v, c, head),
                         Ok(_) => {
-                            return reject(server, &mut stream, v, reason::PROTOCOL_ERROR).await;
+                            return reject(
+                                server,
+                                &mut stream,
+                                deadlines,
+                                v,
+                                reason::PROTOCOL_ERROR,
+                            )
+                            .await;
                         }
                         Err(DecodeError::Incomplete(_)) => {}
                         Err(DecodeError::TooLarge { .. }) => {
-                            return reject(server, &mut stream, v, reason::PACKET_TOO_LARGE).await;
+                            return reject(
+                                server,
+                                &mut stream,
+                                deadlines,
+                                v,
+                                reason::PACKET_TOO_LARGE,
+                            )
+                            .await;
                         }
-                        Err(_) => return reject(server, &mut stream, v, reason::MALFORMED).await,
+                        Err(_) => {
+                            return reject(server, &mut stream, deadlines, v, reason::MALFORMED)
+                                .await;
+                        }
                     }
                 }
                 Err(DecodeError::Incomplete(_)) => {}
@@ -492,6 +514,7 @@ pub(crate) async fn run<S: Conn>(
                     return reject(
                         server,
                         &mut stream,
+                        deadlines,
                         Version::V4,
                         reason::UNSUPPORTED_VERSION,
                     )
@@ -505,7 +528,10 @@ pub(crate) async fn run<S: Conn>(
         }
         let read = tokio::select! {
             r = stream.read_buf(&mut inbuf) => r?,
-            _ = tokio::time::sleep_until(connect_deadline) => return Ok(()),
+            _ = tokio::time::sleep_until(connect_deadline) => {
+                server.metrics.timeouts.connect.fetch_add(1, Ordering::Relaxed);
+                return Ok(());
+            }
             () = stopped(&mut shutdown) => return Ok(()),
         };
         if read == 0 {
@@ -525,7 +551,14 @@ pub(crate) async fn run<S: Conn>(
             Ok(up) => upstream.splice(&mut stream, up, &mut shutdown).await,
             Err(e) => {
                 warn!(peer, upstream = upstream.addr(), error = %e, "relay: upstream unreachable for a persistent session");
-                reject(server, &mut stream, version, reason::SERVER_UNAVAILABLE).await
+                reject(
+                    server,
+                    &mut stream,
+                    deadlines,
+                    version,
+                    reason::SERVER_UNAVAILABLE,
+                )
+                .await
             }
         };
     }
@@ -542,6 +575,7 @@ pub(crate) async fn run<S: Conn>(
         max_packet: max,
         client_max_packet: connect.max_packet_size.map(|m| m as usize),
         receive_max: usize::from(connect.receive_max.max(1)),
+        deadlines,
         subs: HashMap::new(),
         forwarded: None,
         inflight: HashMap::new(),
@@ -622,6 +656,7 @@ fn wants_persistent_session(c: &Connect) -> bool {
 async fn reject<S: AsyncWrite + Unpin>(
     server: &MqttServer,
     stream: &mut S,
+    deadlines: Deadlines,
     version: Version,
     code: u8,
 ) -> std::io::Result<()> {
@@ -636,7 +671,7 @@ async fn reject<S: AsyncWrite + Unpin>(
         &mut out,
     );
     server.metrics.packets_out.add(0x20);
-    stream.write_all(&out).await
+    write_within(stream, deadlines.write, &server.metrics, &out, &[]).await
 }
 
 impl<S: Conn> Session<'_, S> {
@@ -681,17 +716,53 @@ impl<S: Conn> Session<'_, S> {
                 .await?;
             return Ok(None);
         }
-        // A reconnect cancels a will still waiting out its delay.
-        if let Some((_, pending)) = self.server.pending_wills.remove(&self.client_id) {
-            pending.abort();
+        let settings = &self.server.settings;
+        let refusals = &self.server.metrics.refusals;
+        if c.will
+            .as_ref()
+            .is_some_and(|w| w.payload.len() > settings.max_will_bytes)
+        {
+            refusals.will_bytes.fetch_add(1, Ordering::Relaxed);
+            self.write_connack(false, reason::PACKET_TOO_LARGE, None)
+                .await?;
+            return Ok(None);
         }
-        self.will = c.will;
         (self.persistent, self.expiry_secs) = match self.version {
             Version::V4 => (!c.clean_start, u32::MAX),
             Version::V5 => (c.session_expiry > 0, c.session_expiry),
         };
+        let server = self.server;
+        let saved = server.sessions.get(&self.client_id);
+        // A client that holds a session (to resume or to start over) never adds one. A new
+        // one keeps its place under the cap until it is saved, below.
+        let _starting = if self.persistent && saved.is_none() {
+            match server
+                .sessions
+                .admit_new(&self.client_id, settings.max_sessions)
+            {
+                Some(place) => Some(place),
+                None => {
+                    refusals.sessions.fetch_add(1, Ordering::Relaxed);
+                    self.write_connack(false, reason::QUOTA_EXCEEDED, None)
+                        .await?;
+                    return Ok(None);
+                }
+            }
+        } else {
+            None
+        };
+        // A reconnect cancels a will still waiting out its delay.
+        if let Some((_, pending)) = self.server.pending_wills.remove(&self.client_id) {
+            pending.abort();
+        }
+        self.will = c.will.map(|mut w| {
+            // Published when the session ends if that comes first (MQTT 5 §3.1.3.2.2), so a
+            // delayed will never outlives its session, and delayed wills are no more than
+            // the persistent sessions (a session that ends with its connection has none).
+            w.delay_secs = w.delay_secs.min(self.expiry_secs);
+            w
+        });
         let now = self.server.engine.now_ms();
-        let saved = self.server.sessions.get(&self.client_id);
         let resumed = match saved {
             Some(s) if !c.clean_start && !s.expired(now) => Some(s),
             Some(s) => {
@@ -811,9 +882,8 @@ impl<S: Conn> Session<'_, S> {
         if self.out.is_empty() {
             return Ok(());
         }
-        self.stream.write_all(&self.out).await?;
-        self.stream.flush().await?;
         let m = &self.server.metrics;
+        write_within(&mut self.stream, self.deadlines.write, m, &self.out, &[]).await?;
         for first in codec::first_bytes(&self.out) {
             m.packets_out.add(first);
         }
@@ -830,6 +900,10 @@ impl<S: Conn> Session<'_, S> {
         shutdown: &mut watch::Receiver<bool>,
     ) -> std::io::Result<End> {
         let mut deadline = self.keep_alive_deadline();
+        // When the packet whose first bytes are in (in `inbuf` or landing) must be whole: a
+        // client that begins a packet and stalls is closed at the request deadline, whatever
+        // its keep-alive (which governs the time between packets).
+        let mut packet_due: Option<Instant> = None;
         let mut read_size = INBUF_START;
         // The timer and the two signals are made once, not per loop turn: a delivery wakes this
         // loop once per message per subscriber, and re-registering a timer and two waiters on
@@ -848,6 +922,7 @@ impl<S: Conn> Session<'_, S> {
                     Ok(packet) => {
                         self.server.metrics.packets_in.add(first);
                         deadline = self.keep_alive_deadline();
+                        packet_due = None;
                         if let Some(end) = self.handle(packet).await? {
                             return Ok(end);
                         }
@@ -891,6 +966,13 @@ impl<S: Conn> Session<'_, S> {
                     .fetch_add(1, Ordering::Relaxed);
             }
             self.paused = !can_read;
+            // The clock runs from the read that brought a packet's first bytes, and not while
+            // reads are paused here (the rest cannot come then): it starts again after.
+            packet_due = if !can_read || (inbuf.is_empty() && self.landing.is_none()) {
+                None
+            } else {
+                packet_due.or_else(|| Some(Instant::now() + self.deadlines.request))
+            };
             // A read that fills all it was offered says more is waiting: room is made for
             // twice as much, up to INBUF_READ. Room is made once less than half the read size
             // is left, so a subscriber reading one PUBACK at a time does not reserve on every
@@ -929,10 +1011,11 @@ impl<S: Conn> Session<'_, S> {
             } else {
                 hold_until
             };
-            let due = match (deadline, hold_until) {
-                (Some(d), Some(h)) => d.min(h),
-                (d, h) => d.or(h).unwrap_or(far),
-            };
+            let due = [deadline, hold_until, packet_due]
+                .into_iter()
+                .flatten()
+                .min()
+                .unwrap_or(far);
             if due != timer.deadline() {
                 timer.as_mut().reset(due);
             }
@@ -987,7 +1070,7 @@ impl<S: Conn> Session<'_, S> {
                         return Ok(End::Abrupt("connection closed without DISCONNECT".into()));
                     }
                 }
-                () = &mut timer, if deadline.is_some() || hold_until.is_some() => {
+                () = &mut timer, if due != far => {
                     self.unpark().await?;
                     // Held as long as allowed: read what waits, and handle it before anything
                     // else (it may be the PINGREQ that keeps the connection alive).
@@ -999,12 +1082,20 @@ impl<S: Conn> Session<'_, S> {
                         Waiting::Read(_) => continue,
                         Waiting::Nothing => {}
                     }
-                    if deadline.is_none_or(|d| d > Instant::now()) {
+                    let now = Instant::now();
+                    let (timeouts, why) = if packet_due.is_some_and(|d| d <= now) {
+                        (&self.server.metrics.timeouts.packet, "a packet begun and not finished within the request deadline")
+                    } else if deadline.is_some_and(|d| d <= now) {
+                        (&self.server.metrics.timeouts.keep_alive, "keep-alive timeout")
+                    } else {
                         continue;
-                    }
+                    };
+                    timeouts.fetch_add(1, Ordering::Relaxed);
+                    // MQTT 5 has no code of its own for a packet that stalls half-way; 0x8D
+                    // (keep alive timeout) says the same: no whole packet came in time.
                     codec::disconnect(self.version, reason::KEEP_ALIVE_TIMEOUT, &mut self.out);
                     let _ = self.flush().await;
-                    return Ok(End::Abrupt("keep-alive timeout".into()));
+                    return Ok(End::Abrupt(why.into()));
                 }
                 () = &mut kicked => {
                     let _ = self.unpark().await;
@@ -1104,7 +1195,10 @@ impl<S: Conn> Session<'_, S> {
             }
         }
         match rest {
-            Some((head, body)) => write_all_vectored(&mut self.stream, &head, &body).await,
+            Some((head, body)) => {
+                let m = &self.server.metrics;
+                write_within(&mut self.stream, self.deadlines.write, m, &head, &body).await
+            }
             None => Ok(()),
         }
     }
@@ -1237,7 +1331,18 @@ impl<S: Conn> Session<'_, S> {
             // Known from now on, so a resend while the append is pending is not stored twice.
             self.qos2_in.lock().insert(p.pkid);
         }
-        let done = queue(self.server, &p.topic, p.payload.clone(), &origin, &p.props).await;
+        // Only an MQTT 5 acknowledgement can say why a retained publish is refused; others
+        // past the retained caps are stored without being retained.
+        let strict = self.version == Version::V5 && p.qos > 0;
+        let done = queue(
+            self.server,
+            &p.topic,
+            p.payload.clone(),
+            &origin,
+            &p.props,
+            strict,
+        )
+        .await;
         self.track(p.pkid, p.qos, p.payload.len(), done);
         Ok(None)
     }
@@ -1439,6 +1544,15 @@ impl<S: Conn> Session<'_, S> {
                 id,
             };
             let is_new = !self.subs.contains_key(&f.filter);
+            if is_new && self.subs.len() >= self.server.settings.max_subscriptions_per_connection {
+                self.server
+                    .metrics
+                    .refusals
+                    .subscriptions
+                    .fetch_add(1, Ordering::Relaxed);
+                codes.push(reason::QUOTA_EXCEEDED);
+                continue;
+            }
             // Replace an existing subscription to the same filter before attaching the new one
             // (a durable feed's consumer must let go first).
             self.subs.remove(&f.filter);
@@ -1706,7 +1820,16 @@ impl<S: Conn> Session<'_, S> {
         } else {
             None
         };
-        write_all_vectored(&mut self.stream, head, payload).await?;
+        // Under the write deadline: a subscriber that stops reading holds its share of the
+        // egress budget only that long, then the connection ends and gives it back.
+        write_within(
+            &mut self.stream,
+            self.deadlines.write,
+            &server.metrics,
+            head,
+            payload,
+        )
+        .await?;
         if qos > 0 {
             self.inflight.insert(pkid, (qos == 2, d.ack));
             if qos == 2 {
@@ -1742,7 +1865,15 @@ impl<S: Conn> Session<'_, S> {
                 qos: Some(will.qos),
                 retain: will.retain,
             };
-            let stored = queue(&server, &will.topic, will.payload, &origin, &will.props).await;
+            let stored = queue(
+                &server,
+                &will.topic,
+                will.payload,
+                &origin,
+                &will.props,
+                false,
+            )
+            .await;
             match stored.await {
                 Ok(()) => {
                     server
@@ -1783,13 +1914,16 @@ pub(crate) async fn delete_cursors(server: &MqttServer, client_id: &str, saved: 
 }
 
 /// Queues a publish for its routed ledger topic (in arrival order) and returns what resolves
-/// once it is durable, and stored as the retained message when it is retained.
+/// once it is durable, and stored as the retained message when it is retained. A retained
+/// publish past the retained caps is refused with 0x97 when `strict`, else stored and
+/// delivered without being retained; either way counted.
 async fn queue(
     server: &Arc<MqttServer>,
     name: &str,
     payload: Bytes,
     origin: &Origin,
     props: &Props,
+    strict: bool,
 ) -> PendingStore {
     let Some(ledger_topic) = server.routes.topic_for(name) else {
         return Box::pin(std::future::ready(Err(reason::TOPIC_NAME_INVALID)));
@@ -1797,6 +1931,17 @@ async fn queue(
     if let Some(upstream) = &server.upstream {
         // The upstream routes, stores and retains it; its PUBACK means durable there.
         return upstream.forward(name, payload, origin.retain, props).await;
+    }
+    let caps = crate::retained::Caps {
+        messages: server.settings.max_retained_messages,
+        bytes: server.settings.max_retained_bytes,
+    };
+    if origin.retain
+        && strict
+        && let Err(cap) = server.retained.admits(name, payload.len(), caps)
+    {
+        count_retained_refusal(server, cap);
+        return Box::pin(std::future::ready(Err(reason::QUOTA_EXCEEDED)));
     }
     let published_ms = server.engine.now_ms();
     let record = Record {
@@ -1820,8 +1965,13 @@ async fn queue(
             props: props.clone(),
             published_ms,
         };
-        match server.retained.queue(name, msg).await {
-            Ok(ack) => Some(ack),
+        match server.retained.queue(name, msg, caps).await {
+            Ok(Queued::Durable(ack)) => Some(ack),
+            // Past a cap since the check above (or not checked): stored, not retained.
+            Ok(Queued::Refused(cap)) => {
+                count_retained_refusal(server, cap);
+                None
+            }
             Err(e) => {
                 warn!(error = %e, "retained message not stored");
                 return Box::pin(std::future::ready(Err(reason::IMPLEMENTATION_SPECIFIC)));
@@ -1831,6 +1981,16 @@ async fn queue(
         None
     };
     stored(ledger_topic, queued, retained)
+}
+
+/// Counts a retained publish refused (or not retained) for passing `cap`.
+fn count_retained_refusal(server: &MqttServer, cap: Cap) {
+    let refusals = &server.metrics.refusals;
+    let counter = match cap {
+        Cap::Messages => &refusals.retained_messages,
+        Cap::Bytes => &refusals.retained_bytes,
+    };
+    counter.fetch_add(1, Ordering::Relaxed);
 }
 
 /// Resolves once a queued publish (and its retained copy, if any) is stored: the reason code
@@ -2049,6 +2209,25 @@ async fn read_some<S: AsyncRead + Unpin>(
         Some(l) => stream.read_buf(&mut l.record.value().value_buf()).await,
         None => stream.read_buf(inbuf).await,
     }
+}
+
+/// Writes `head` then `body` as [`write_all_vectored`] does, failing once the peer has taken
+/// nothing of them for `limit` (the listener runtime's write deadline, counted). No DISCONNECT
+/// follows such a failure: the socket takes nothing, and a PUBLISH may be cut short in it.
+async fn write_within<S: AsyncWrite + Unpin>(
+    stream: &mut S,
+    limit: Duration,
+    metrics: &MqttMetrics,
+    head: &[u8],
+    body: &[u8],
+) -> std::io::Result<()> {
+    let r = write_all_vectored(&mut WriteDeadline::new(stream, limit), head, body).await;
+    if r.as_ref()
+        .is_err_and(|e| e.kind() == std::io::ErrorKind::TimedOut)
+    {
+        metrics.timeouts.write.fetch_add(1, Ordering::Relaxed);
+    }
+    r
 }
 
 /// Writes `head` then `body` completely, with vectored writes and no copy of `body`.

@@ -69,6 +69,25 @@ pub(crate) struct Sessions {
     sweeping: tokio::sync::RwLock<()>,
     /// Records written since the newest snapshot (see `state`).
     since_snapshot: AtomicU64,
+    /// Client ids of new sessions admitted under the cap and not saved yet (see
+    /// [`Sessions::admit_new`]). Changed under `map`'s lock as well as its own, so a session
+    /// counts here or in the map, never in both or neither.
+    starting: Mutex<HashSet<String>>,
+}
+
+/// A new session's place under the sessions cap until its first save (which takes it over),
+/// or until dropped unsaved.
+#[derive(Debug)]
+pub(crate) struct Starting<'a> {
+    sessions: &'a Sessions,
+    client_id: String,
+}
+
+impl Drop for Starting<'_> {
+    fn drop(&mut self) {
+        let _map = self.sessions.map.read();
+        self.sessions.starting.lock().remove(&self.client_id);
+    }
 }
 
 /// Tombstones written in one append by a sweep.
@@ -102,6 +121,7 @@ impl Sessions {
             awaiting: DashMap::new(),
             sweeping: tokio::sync::RwLock::new(()),
             since_snapshot: AtomicU64::new(replayed.records),
+            starting: Mutex::new(HashSet::new()),
         };
         Ok((sessions, replayed))
     }
@@ -133,7 +153,10 @@ impl Sessions {
         self.since_snapshot.fetch_add(1, Ordering::Relaxed);
         let mut map = self.map.write();
         match session {
-            Some(s) => map.insert(client_id.to_owned(), s),
+            Some(s) => {
+                self.starting.lock().remove(client_id);
+                map.insert(client_id.to_owned(), s)
+            }
             None => {
                 self.awaiting.remove(client_id);
                 map.remove(client_id)
@@ -144,6 +167,22 @@ impl Sessions {
 
     pub(crate) fn len(&self) -> usize {
         self.map.read().len()
+    }
+
+    /// A place for `client_id`'s new session if fewer than `max` are held, counting those
+    /// admitted and not saved yet, so CONNECTs of new sessions at once cannot pass the cap
+    /// together; keep it until the session is saved.
+    pub(crate) fn admit_new(&self, client_id: &str, max: usize) -> Option<Starting<'_>> {
+        let map = self.map.read();
+        let mut starting = self.starting.lock();
+        if map.len() + starting.len() >= max {
+            return None;
+        }
+        starting.insert(client_id.to_owned());
+        Some(Starting {
+            sessions: self,
+            client_id: client_id.to_owned(),
+        })
     }
 
     /// The set of QoS 2 ids awaiting release for a connection of `client_id`: a resumed

@@ -49,6 +49,15 @@ async fn start_engine(
     users: std::collections::BTreeMap<String, String>,
     storage: Arc<dyn Storage>,
 ) -> Gateway {
+    start_listening(config, users, storage, sluice_net::Listening::unbounded()).await
+}
+
+async fn start_listening(
+    config: EngineConfig,
+    users: std::collections::BTreeMap<String, String>,
+    storage: Arc<dyn Storage>,
+    listening: sluice_net::Listening,
+) -> Gateway {
     let engine = Engine::open(config, storage, Arc::new(SystemClock))
         .await
         .unwrap();
@@ -64,16 +73,17 @@ async fn start_engine(
         users,
         session_sweep_interval_ms: 60_000,
         state_snapshot_min_records: 10_000,
+        max_retained_messages: 100_000,
+        max_retained_bytes: 256 << 20,
+        max_will_bytes: 64 << 10,
+        max_sessions: 100_000,
+        max_subscriptions_per_connection: 100,
     };
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
     let server = MqttServer::new(engine.clone(), settings).await.unwrap();
     let (stop, stop_rx) = tokio::sync::watch::channel(false);
-    tokio::spawn(
-        server
-            .clone()
-            .serve(listener, sluice_net::Listening::unbounded(), stop_rx),
-    );
+    tokio::spawn(server.clone().serve(listener, listening, stop_rx));
     Gateway {
         engine,
         server,
@@ -1782,5 +1792,89 @@ async fn a_retained_message_becomes_current_only_once_durable() {
         .unwrap();
     assert_eq!((kind, body), (0x40, vec![0, 1]), "PUBACK");
     assert_eq!(gw.server.retained_count(), 1, "current once acknowledged");
+    gw.stop().await;
+}
+
+/// Reads until the server closes the connection (what it sent before is dropped).
+async fn closed(s: &mut TcpStream) {
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        match tokio::time::timeout(PATIENCE, s.read(&mut buf)).await {
+            Ok(Ok(0) | Err(_)) => return,
+            Ok(Ok(_)) => {}
+            Err(_) => panic!("the connection is still open"),
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_subscriber_that_stops_reading_and_a_packet_left_half_way_are_closed() {
+    let dir = tempfile::tempdir().unwrap();
+    let short = Duration::from_millis(300);
+    let listening = sluice_net::Listening {
+        deadlines: sluice_net::Deadlines {
+            request: short,
+            idle: Duration::from_secs(3600),
+            write: short,
+        },
+        ..sluice_net::Listening::unbounded()
+    };
+    let gw = start_listening(
+        EngineConfig::new(dir.path()),
+        Default::default(),
+        Arc::new(FsStorage),
+        listening,
+    )
+    .await;
+    let timeouts = &gw.server.metrics.timeouts;
+    // A subscriber with a small window that never reads what it is sent.
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut stuck = socket
+        .connect(([127, 0, 0, 1], gw.port).into())
+        .await
+        .unwrap();
+    stuck.write_all(&connect("stuck")).await.unwrap();
+    let mut connack = [0u8; 4];
+    stuck.read_exact(&mut connack).await.unwrap();
+    stuck
+        .write_all(&[0x82, 10, 0, 1, 0, 5, b'b', b'i', b'g', b'/', b'#', 0])
+        .await
+        .unwrap();
+    let mut suback = [0u8; 5];
+    stuck.read_exact(&mut suback).await.unwrap();
+    assert_eq!(suback, [0x90, 3, 0, 1, 0]);
+    let mut publisher = raw_client(gw.port, "publisher").await;
+    let image = image(7, 2 << 20);
+    for pkid in 1..=32 {
+        publisher
+            .write_all(&publish(1, pkid, "big/1", &image))
+            .await
+            .unwrap();
+        let mut puback = [0u8; 4];
+        publisher.read_exact(&mut puback).await.unwrap();
+        if timeouts.write.load(Ordering::Relaxed) > 0 {
+            break;
+        }
+    }
+    until("the stuck subscriber's write deadline", || {
+        timeouts.write.load(Ordering::Relaxed) == 1
+    })
+    .await;
+    closed(&mut stuck).await;
+    // A packet begun and left half-way: closed at the request deadline, though its keep-alive
+    // (60 s) is far off.
+    let mut half = raw_client(gw.port, "half").await;
+    half.write_all(&publish(0, 0, "big/2", b"payload")[..6])
+        .await
+        .unwrap();
+    closed(&mut half).await;
+    assert_eq!(timeouts.packet.load(Ordering::Relaxed), 1);
+    assert_eq!(timeouts.keep_alive.load(Ordering::Relaxed), 0);
+    // The publisher, between packets, is still served.
+    publisher.write_all(&[0xC0, 0]).await.unwrap();
+    let mut pingresp = [0u8; 2];
+    publisher.read_exact(&mut pingresp).await.unwrap();
+    assert_eq!(pingresp, [0xD0, 0]);
     gw.stop().await;
 }
