@@ -283,6 +283,18 @@ impl Retained {
         Ok(true)
     }
 
+    /// Resolves once every retained write queued before it is applied (or refused). A
+    /// SUBSCRIBE waits for it before it reads the map: a retained publish whose message a
+    /// client has already seen delivered live (its data record is durable) may still wait for
+    /// its retained record's own fsync, on another partition's writer, and a subscriber that
+    /// comes after the delivery must find it retained, as with any broker.
+    pub(crate) async fn settled(&self) {
+        let (barrier, drained) = oneshot::channel();
+        if self.applier.send(Job::Barrier(barrier)).is_ok() {
+            let _ = drained.await;
+        }
+    }
+
     /// Retained messages whose names match `filter`.
     pub(crate) fn matching(&self, filter: &str) -> Vec<(String, RetainedMsg)> {
         self.map

@@ -1585,6 +1585,9 @@ impl<S: Conn> Session<'_, S> {
         }
         codec::suback(self.version, pkid, &codes, &mut self.out);
         self.flush().await?;
+        if !retained_for.is_empty() {
+            self.server.retained.settled().await;
+        }
         for (filter, qos) in retained_for {
             for (name, msg) in self.server.retained.matching(&filter) {
                 let origin = Origin {
