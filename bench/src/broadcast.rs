@@ -978,6 +978,12 @@ fn spawn_gateway(
                     storage.live_ring_lag_bytes,
                 ),
                 ("SLUICE_RUNTIME__WORKER_THREADS", storage.worker_threads),
+                // The load generator puts this many clients on each loopback address, past the
+                // gateway's default cap per source address (meant for real clients).
+                (
+                    "SLUICE_LISTENERS__MAX_CONNECTIONS_PER_IP",
+                    CLIENTS_PER_ADDRESS,
+                ),
             ]
             .map(|(key, value)| (key, value.to_string())),
         )
