@@ -211,6 +211,8 @@ pub struct Faults {
     stall_changed: std::sync::Condvar,
     /// Every directory fsynced through the storage, in order.
     synced_dirs: std::sync::Mutex<Vec<PathBuf>>,
+    /// Files opened through the storage and not closed yet.
+    open_files: AtomicU64,
 }
 
 impl Faults {
@@ -225,6 +227,11 @@ impl Faults {
 
     pub fn set_disk_full(&self, full: bool) {
         self.disk_full.store(full, Ordering::SeqCst);
+    }
+
+    /// Files opened through the storage that are still open (each holds a descriptor).
+    pub fn open_files(&self) -> u64 {
+        self.open_files.load(Ordering::SeqCst)
     }
 
     /// Directories fsynced through the storage so far, in order (their new entries are then
@@ -284,6 +291,12 @@ struct FaultyFile {
     faults: Arc<Faults>,
 }
 
+impl Drop for FaultyFile {
+    fn drop(&mut self) {
+        self.faults.open_files.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
 impl LogFile for FaultyFile {
     fn read_exact_at(&self, buf: &mut [u8], pos: u64) -> io::Result<()> {
         self.inner.read_exact_at(buf, pos)
@@ -331,8 +344,10 @@ impl LogFile for FaultyFile {
 
 impl Storage for FaultyStorage {
     fn open(&self, path: &Path, create: bool) -> io::Result<Arc<dyn LogFile>> {
+        let inner = self.inner.open(path, create)?;
+        self.faults.open_files.fetch_add(1, Ordering::SeqCst);
         Ok(Arc::new(FaultyFile {
-            inner: self.inner.open(path, create)?,
+            inner,
             faults: self.faults.clone(),
         }))
     }

@@ -19,8 +19,8 @@ use crate::batch::{self, BatchBuf, BatchError, BatchHeader};
 use crate::clock::Clock;
 use crate::error::{Result, StorageError};
 use crate::index::{SegmentIndex, SegmentMeta};
-use crate::io::{Storage, TMP_SUFFIX};
-use crate::segment::{ScanEnd, Segment, SegmentPaths};
+use crate::io::{LogFile, Storage, TMP_SUFFIX};
+use crate::segment::{ScanEnd, Segment, SegmentFile, SegmentPaths};
 
 /// Largest segment: index positions are 32-bit.
 pub const MAX_SEGMENT_BYTES: u64 = 2 * 1024 * 1024 * 1024 - 1;
@@ -257,7 +257,7 @@ impl PartitionLog {
         {
             return Ok(());
         }
-        Self::create_segment(storage, dir, first_offset).map(drop)
+        Self::create_file(storage, dir, first_offset).map(drop)
     }
 
     /// The names in `dir`, created first if it does not exist.
@@ -313,7 +313,7 @@ impl PartitionLog {
                 .open(&paths.log, false)
                 .map_err(StorageError::io("open", &paths.log))?;
             let len = file.len().map_err(StorageError::io("stat", &paths.log))?;
-            let segment = Segment::new(base, file, paths);
+            let segment = Segment::new(base, SegmentFile::new(storage.clone(), file), paths);
             if let Some(meta) = Self::load_seal(storage.as_ref(), &segment, len) {
                 Self::load_sealed(
                     storage.as_ref(),
@@ -322,12 +322,13 @@ impl PartitionLog {
                     config.index_interval_bytes,
                     &mut report,
                 )?;
+                segment.file.release();
                 segments.push(Arc::new(segment));
                 i += 1;
                 continue;
             }
             let scan = Segment::scan_validate(
-                segment.file.as_ref(),
+                segment.open_file()?.as_ref(),
                 &segment.paths.log,
                 base,
                 config.index_interval_bytes,
@@ -346,10 +347,9 @@ impl PartitionLog {
                     ),
                     ScanEnd::Clean => {}
                 }
-                segment
-                    .file
-                    .truncate(scan.valid_len)
-                    .and_then(|()| segment.file.sync_data())
+                let file = segment.open_file()?;
+                file.truncate(scan.valid_len)
+                    .and_then(|()| file.sync_data())
                     .map_err(StorageError::io("truncate", &segment.paths.log))?;
                 report.truncated_bytes += cut;
             }
@@ -396,6 +396,7 @@ impl PartitionLog {
             let meta = Self::meta_of(&segment, &stats, clock.now_ms());
             Self::write_seal(storage.as_ref(), &segment, &meta)?;
             let _ = segment.sealed.set(meta);
+            segment.file.release();
             segments.push(Arc::new(segment));
             i += 1;
         }
@@ -405,7 +406,7 @@ impl PartitionLog {
             let base = segments
                 .last()
                 .map_or(0, |s| s.next_offset.load(Ordering::Acquire));
-            segments.push(Arc::new(Self::create_segment(storage.as_ref(), dir, base)?));
+            segments.push(Arc::new(Self::create_segment(&storage, dir, base)?));
             active_stats = ActiveStats::EMPTY;
         }
         let active = segments.last().cloned().ok_or_else(|| StorageError::Io {
@@ -466,7 +467,7 @@ impl PartitionLog {
             None => {
                 warn!(segment = %segment.paths.log.display(), "rebuilding missing or damaged index");
                 let scan = Segment::scan_validate(
-                    segment.file.as_ref(),
+                    segment.open_file()?.as_ref(),
                     &segment.paths.log,
                     segment.base_offset,
                     interval,
@@ -488,16 +489,30 @@ impl PartitionLog {
         Ok(())
     }
 
-    fn create_segment(storage: &dyn Storage, dir: &Path, base: u64) -> Result<Segment> {
+    fn create_segment(storage: &Arc<dyn Storage>, dir: &Path, base: u64) -> Result<Segment> {
+        let (paths, file) = Self::create_file(storage.as_ref(), dir, base)?;
+        Ok(Segment::new(
+            base,
+            SegmentFile::new(storage.clone(), file),
+            paths,
+        ))
+    }
+
+    /// Creates the file of a segment starting at `base`, its directory entry durable before
+    /// anything in it is acknowledged.
+    fn create_file(
+        storage: &dyn Storage,
+        dir: &Path,
+        base: u64,
+    ) -> Result<(SegmentPaths, Arc<dyn LogFile>)> {
         let paths = SegmentPaths::new(dir, base);
         let file = storage
             .open(&paths.log, true)
             .map_err(StorageError::io("create", &paths.log))?;
-        // The new file's directory entry must be durable before anything in it is acknowledged.
         storage
             .sync_dir(dir)
             .map_err(StorageError::io("sync directory", dir))?;
-        Ok(Segment::new(base, file, paths))
+        Ok((paths, file))
     }
 
     fn meta_of(segment: &Segment, stats: &ActiveStats, now_ms: i64) -> SegmentMeta {
@@ -574,7 +589,8 @@ impl PartitionLog {
         if !self.dirty {
             return Ok(());
         }
-        if let Err(e) = self.active.file.sync_data() {
+        let file = self.active.open_file()?;
+        if let Err(e) = file.sync_data() {
             // After a failed fsync the kernel may have dropped the dirty pages: nothing written
             // since the last good fsync can be trusted, so stop accepting writes.
             self.poison();
@@ -648,9 +664,10 @@ impl PartitionLog {
             offset += b.record_count();
         }
         let slices: Vec<IoSlice<'_>> = batches.iter().map(|b| IoSlice::new(&b.buf)).collect();
-        if let Err(e) = segment.file.append(&slices) {
+        let file = segment.open_file()?;
+        if let Err(e) = file.append(&slices) {
             let err = StorageError::io("append", &segment.paths.log)(e);
-            if segment.file.truncate(start_size).is_err() {
+            if file.truncate(start_size).is_err() {
                 self.poison();
             }
             return Err(err);
@@ -722,8 +739,9 @@ impl PartitionLog {
         let meta = Self::meta_of(&self.active, &self.stats, self.clock.now_ms());
         Self::write_seal(self.storage.as_ref(), &self.active, &meta)?;
         let _ = self.active.sealed.set(meta);
+        self.active.file.release();
         let segment = Arc::new(Self::create_segment(
-            self.storage.as_ref(),
+            &self.storage,
             &self.shared.dir,
             self.next_offset,
         )?);

@@ -11,7 +11,7 @@ use parking_lot::RwLock;
 use crate::batch::{self, BATCH_HEADER_LEN, BatchHeader};
 use crate::error::{Result, StorageError};
 use crate::index::{SegmentIndex, SegmentMeta};
-use crate::io::LogFile;
+use crate::io::{LogFile, Storage};
 
 const SCAN_WINDOW: usize = 64 * 1024;
 
@@ -72,10 +72,44 @@ impl<'a> Window<'a> {
     }
 }
 
+/// A segment's file: held open while the segment is active, given up once it is sealed. Every
+/// open file counts against the process's limit, which client connections share, and a
+/// partition may keep thousands of sealed segments; a read of a sealed segment opens the file
+/// for that read (an open and a close beside a read of up to a megabyte).
+#[derive(Debug)]
+pub(crate) struct SegmentFile {
+    storage: Arc<dyn Storage>,
+    held: RwLock<Option<Arc<dyn LogFile>>>,
+}
+
+impl SegmentFile {
+    pub(crate) fn new(storage: Arc<dyn Storage>, file: Arc<dyn LogFile>) -> Self {
+        Self {
+            storage,
+            held: RwLock::new(Some(file)),
+        }
+    }
+
+    /// The file at `path`: the one held, or opened now.
+    pub(crate) fn get(&self, path: &Path) -> Result<Arc<dyn LogFile>> {
+        if let Some(file) = self.held.read().as_ref() {
+            return Ok(file.clone());
+        }
+        self.storage
+            .open(path, false)
+            .map_err(StorageError::io("open", path))
+    }
+
+    /// Closes the held file (reads open it as they need it): for sealed segments.
+    pub(crate) fn release(&self) {
+        self.held.write().take();
+    }
+}
+
 #[derive(Debug)]
 pub(crate) struct Segment {
     pub(crate) base_offset: u64,
-    pub(crate) file: Arc<dyn LogFile>,
+    pub(crate) file: SegmentFile,
     pub(crate) paths: SegmentPaths,
     /// Appended to by the writer once per indexed batch; read by lookups. Never held across I/O.
     pub(crate) index: RwLock<SegmentIndex>,
@@ -122,7 +156,7 @@ pub(crate) struct ScanSummary {
 }
 
 impl Segment {
-    pub(crate) fn new(base_offset: u64, file: Arc<dyn LogFile>, paths: SegmentPaths) -> Self {
+    pub(crate) fn new(base_offset: u64, file: SegmentFile, paths: SegmentPaths) -> Self {
         Self {
             base_offset,
             file,
@@ -139,9 +173,14 @@ impl Segment {
         self.size.load(Ordering::Acquire)
     }
 
+    /// The segment's file, open.
+    pub(crate) fn open_file(&self) -> Result<Arc<dyn LogFile>> {
+        self.file.get(&self.paths.log)
+    }
+
     fn read(&self, pos: u64, len: usize) -> Result<Vec<u8>> {
         let mut buf = vec![0u8; len];
-        self.file
+        self.open_file()?
             .read_exact_at(&mut buf, pos)
             .map_err(StorageError::io("read", &self.paths.log))?;
         Ok(buf)
@@ -152,12 +191,13 @@ impl Segment {
     /// returns true; returns that batch.
     fn scan_headers(
         &self,
+        file: &dyn LogFile,
         mut pos: u64,
         end: u64,
         limit_offset: u64,
         mut f: impl FnMut(&BatchHeader) -> bool,
     ) -> Result<Option<(u64, BatchHeader)>> {
-        let mut window = Window::new(self.file.as_ref(), &self.paths.log, end);
+        let mut window = Window::new(file, &self.paths.log, end);
         while pos + BATCH_HEADER_LEN as u64 <= end {
             let header = BatchHeader::parse(window.get(pos, BATCH_HEADER_LEN)?)?;
             let len = header.total_len().ok_or_else(|| {
@@ -194,16 +234,17 @@ impl Segment {
             .saturating_sub(self.base_offset)
             .min(u64::from(u32::MAX)) as u32;
         let start = u64::from(self.index.read().lookup_offset(rel));
-        let Some((pos, first)) = self.scan_headers(start, end, high_watermark, |h| {
-            h.last_offset() >= offset as i64
-        })?
+        let file = self.open_file()?;
+        let Some((pos, first)) =
+            self.scan_headers(file.as_ref(), start, end, high_watermark, |h| {
+                h.last_offset() >= offset as i64
+            })?
         else {
             return Ok(None);
         };
         let first_len = first.total_len().unwrap_or(BATCH_HEADER_LEN);
         let want = first_len.max(max_bytes.min((end - pos) as usize));
-        let data = self
-            .file
+        let data = file
             .read_bytes_at(pos, want, first_len)
             .map_err(StorageError::io("read", &self.paths.log))?;
         // Cut at the last whole batch below the high watermark within the budget.
@@ -238,8 +279,11 @@ impl Segment {
     ) -> Result<Option<(u64, i64)>> {
         let end = self.size();
         let start = u64::from(self.index.read().lookup_time(timestamp));
+        let file = self.open_file()?;
         let Some((pos, header)) =
-            self.scan_headers(start, end, high_watermark, |h| h.max_timestamp >= timestamp)?
+            self.scan_headers(file.as_ref(), start, end, high_watermark, |h| {
+                h.max_timestamp >= timestamp
+            })?
         else {
             return Ok(None);
         };

@@ -258,6 +258,35 @@ fn segments_wholly_below_an_offset_are_deleted_and_stay_deleted() {
     );
 }
 
+/// Only the active segment keeps its file open: sealed ones (a partition may keep thousands)
+/// give theirs up and open it for each read, so segments do not spend the open-file limit
+/// that connections share.
+#[test]
+fn only_the_active_segment_holds_an_open_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let (storage, faults) = sluice_storage::FaultyStorage::new(Arc::new(FsStorage));
+    let storage: Arc<dyn sluice_storage::Storage> = Arc::new(storage);
+    let clock = Arc::new(sluice_storage::SystemClock);
+    let config = small_segments(4096);
+    let (mut log, _) = open_with(storage.clone(), clock.clone(), dir.path(), config.clone());
+    for seed in 0..60u64 {
+        append(&mut log, batch(seed, 2, 300, 10_000 + seed as i64 * 10));
+    }
+    let sealed = log.reader().sealed_segments().len();
+    assert!(sealed >= 8, "{sealed} sealed segments");
+    assert_eq!(faults.open_files(), 1, "the active segment's file only");
+    // Reads of sealed segments open and close their files; every record is still there.
+    assert_eq!(read_all(&log.reader(), 700).len(), 120);
+    assert_eq!(faults.open_files(), 1);
+    log.close().unwrap();
+    assert_eq!(faults.open_files(), 0);
+    // Recovery opens each segment to check it, and keeps only the active one open.
+    let (log, report) = open_with(storage, clock, dir.path(), config);
+    assert_eq!(report.next_offset, 120);
+    assert_eq!(faults.open_files(), 1);
+    assert_eq!(read_all(&log.reader(), 1 << 20).len(), 120);
+}
+
 #[test]
 fn lookup_by_timestamp_returns_first_offset_at_or_after() {
     let dir = tempfile::tempdir().unwrap();
