@@ -548,7 +548,11 @@ pub(crate) async fn run<S: Conn>(
     {
         // The upstream keeps the session and its durable cursor; the relay keeps nothing.
         return match upstream.open_splice(&head).await {
-            Ok(up) => upstream.splice(&mut stream, up, &mut shutdown).await,
+            Ok(up) => {
+                upstream
+                    .splice(&mut stream, up, deadlines.write, &mut shutdown)
+                    .await
+            }
             Err(e) => {
                 warn!(peer, upstream = upstream.addr(), error = %e, "relay: upstream unreachable for a persistent session");
                 reject(

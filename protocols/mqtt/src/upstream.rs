@@ -143,7 +143,8 @@ impl Upstream {
     pub(crate) async fn splice<S>(
         &self,
         client: &mut S,
-        mut up: TcpStream,
+        up: TcpStream,
+        write_deadline: std::time::Duration,
         shutdown: &mut watch::Receiver<bool>,
     ) -> std::io::Result<()>
     where
@@ -151,8 +152,12 @@ impl Upstream {
     {
         self.metrics.spliced_total.fetch_add(1, Ordering::Relaxed);
         self.metrics.spliced_open.fetch_add(1, Ordering::Relaxed);
+        // Either side that stops taking bytes ends the splice, as any connection's writes end
+        // at the write deadline: neither can hold the other's buffers for good.
+        let mut client = sluice_net::WriteDeadline::new(client, write_deadline);
+        let mut up = sluice_net::WriteDeadline::new(up, write_deadline);
         let r = tokio::select! {
-            r = tokio::io::copy_bidirectional(client, &mut up) => r.map(|_| ()),
+            r = tokio::io::copy_bidirectional(&mut client, &mut up) => r.map(|_| ()),
             () = stopped(shutdown) => Ok(()),
         };
         self.metrics.spliced_open.fetch_sub(1, Ordering::Relaxed);
