@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import time
 
 import pytest
 
@@ -173,3 +174,40 @@ def test_every_acknowledged_record_survives_a_restart_after_every_kind_of_bad_ba
         assert sub.take(1) == [(name, b"kept")]
     finally:
         sub.close()
+
+
+def sse_events(gw, topic: str, count: int, timeout: float = 15.0) -> list[tuple[str, str]]:
+    """The first `count` (event, data) pairs of the topic's Server-Sent Events from offset 0."""
+    import socket
+
+    host, port = gw.http.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=timeout) as s:
+        s.sendall(f"GET /topics/{topic}/events?start=0 HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        buf = b""
+        deadline = time.monotonic() + timeout
+        events: list[tuple[str, str]] = []
+        while len(events) < count:
+            assert time.monotonic() < deadline, f"{len(events)} of {count} events: {buf[-300:]!r}"
+            chunk = s.recv(65536)
+            assert chunk, "the stream ended"
+            buf += chunk
+            while b"\n\n" in buf:
+                block, buf = buf.split(b"\n\n", 1)
+                fields = dict(
+                    line.split(":", 1) for line in block.decode(errors="replace").splitlines() if ":" in line
+                )
+                if "event" in fields and "data" in fields:
+                    events.append((fields["event"].strip(), fields["data"].strip()))
+        return events
+
+
+@pytest.mark.parametrize("codec", ["gzip", "zstd"])
+def test_compressed_records_reach_server_sent_events(gateway, uniq, codec):
+    topic = uniq("sse")
+    gateway.produce(
+        topic,
+        [{"value": f"reading-{i}".encode()} for i in range(3)],
+        **{"compression.type": codec, "linger.ms": 50},
+    )
+    events = sse_events(gateway, topic, 3)
+    assert [e for e in events if e[0] == "record"] == [("record", f"reading-{i}") for i in range(3)]
