@@ -14,29 +14,11 @@ import socket
 import struct
 import time
 
-from harness import WAIT_S, recv_exact, unique
+from harness import WAIT_S, unique
+from mqttwire import encode_varint, mqtt_str, packet, read_packet
 from mqttc import Mqtt5
 
 # ---- raw MQTT packets (as tests/mqtt/conftest.py builds them) ---------------------------------
-
-
-def encode_varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        out.append(b | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
-def mqtt_str(s: str | bytes) -> bytes:
-    b = s.encode() if isinstance(s, str) else s
-    return struct.pack(">H", len(b)) + b
-
-
-def packet(first_byte: int, body: bytes) -> bytes:
-    return bytes([first_byte]) + encode_varint(len(body)) + body
 
 
 def connect(
@@ -75,22 +57,6 @@ def publish(topic: str, payload: bytes, qos: int = 0, retain: bool = False, pack
     if version == 5:
         body += b"\x00"
     return packet(0x30 | (qos << 1) | (1 if retain else 0), body + payload)
-
-
-def read_packet(sock: socket.socket, timeout: float = WAIT_S) -> tuple[int, bytes]:
-    """One packet: (first byte, body). Raises ConnectionError on close, socket.timeout on time."""
-    deadline = time.monotonic() + timeout
-    first = recv_exact(sock, 1, deadline)[0]
-    length, shift = 0, 0
-    for _ in range(4):
-        b = recv_exact(sock, 1, deadline)[0]
-        length |= (b & 0x7F) << shift
-        shift += 7
-        if not b & 0x80:
-            break
-    else:
-        raise AssertionError("malformed remaining length from the server")
-    return first, recv_exact(sock, length, deadline)
 
 
 def open_mqtt(gw, connect_bytes: bytes, rcvbuf: int | None = None) -> tuple[socket.socket, int]:

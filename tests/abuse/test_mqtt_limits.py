@@ -13,28 +13,10 @@ import json
 import struct
 import time
 
-from harness import WAIT_S, Gateway, recv_exact, unique
+from harness import WAIT_S, Gateway, unique
+from mqttwire import encode_varint, mqtt_str, packet, read_packet
 
 # ---- raw MQTT packets (as tests/mqtt/conftest.py builds them) ---------------------------------
-
-
-def encode_varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        out.append(b | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
-def mqtt_str(s: str | bytes) -> bytes:
-    b = s.encode() if isinstance(s, str) else s
-    return struct.pack(">H", len(b)) + b
-
-
-def packet(first_byte: int, body: bytes) -> bytes:
-    return bytes([first_byte]) + encode_varint(len(body)) + body
 
 
 def connect_v5(client_id: str, clean: bool = True, session_expiry: int = 0) -> bytes:
@@ -64,22 +46,6 @@ def publish(topic: str, payload: bytes, qos: int = 0, packet_id: int = 1, dup: b
         body += b"\x00"
     first = 0x30 | (0x08 if dup else 0) | (qos << 1) | (1 if retain else 0)
     return packet(first, body + payload)
-
-
-def read_packet(sock: socket.socket, timeout: float = WAIT_S) -> tuple[int, bytes]:
-    """One packet: (first byte, body). Raises ConnectionError on close, socket.timeout on time."""
-    deadline = time.monotonic() + timeout
-    first = recv_exact(sock, 1, deadline)[0]
-    length, shift = 0, 0
-    for _ in range(4):
-        b = recv_exact(sock, 1, deadline)[0]
-        length |= (b & 0x7F) << shift
-        shift += 7
-        if not b & 0x80:
-            break
-    else:
-        raise AssertionError("malformed remaining length from the server")
-    return first, recv_exact(sock, length, deadline)
 
 
 def read_varint(buf: bytes, i: int) -> tuple[int, int]:
