@@ -22,7 +22,7 @@ import struct
 import time
 from dataclasses import dataclass
 
-from wire import FETCH, request
+from wire import FETCH, read_exact, read_frame, request
 
 FETCH_VERSION = 11
 I32_MAX = 2**31 - 1
@@ -91,40 +91,17 @@ def parse_fetch(frame: bytes) -> tuple[int, list[FetchedPartition]]:
     return error, out
 
 
-def read_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
-    """`n` bytes into one buffer (wire.read_frame's `+=` is quadratic for a 50 MiB response)."""
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise AssertionError(f"only {got} of {n} bytes arrived in time")
-        sock.settimeout(left)
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise ConnectionError(f"the gateway closed the connection after {got} of {n} bytes")
-        got += k
-    return bytes(buf)
-
-
 def response_size(sock: socket.socket, timeout: float = 20.0) -> int:
     """The size prefix of the next response, leaving its body unread."""
     (size,) = struct.unpack(">i", read_exact(sock, 4, time.monotonic() + timeout))
     return size
 
 
-def read_response(sock: socket.socket, timeout: float = 20.0) -> bytes:
-    """One size-prefixed response, without its size, within `timeout`."""
-    deadline = time.monotonic() + timeout
-    (size,) = struct.unpack(">i", read_exact(sock, 4, deadline))
-    return read_exact(sock, size, deadline)
-
-
 def fetch(host_port: tuple[str, int], entries, timeout: float = 20.0, **kw):
     """Sends one Fetch on a new connection and parses its answer, waiting at most `timeout`."""
     with socket.create_connection(host_port, timeout=10) as s:
         s.sendall(fetch_request(entries, **kw))
-        return parse_fetch(read_response(s, timeout))
+        return parse_fetch(read_frame(s, timeout))
 
 
 def batch_lengths(records: bytes) -> list[int]:

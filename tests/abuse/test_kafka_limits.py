@@ -24,11 +24,11 @@ from kafka_fetch import (
     fetch,
     fetch_request,
     parse_fetch,
-    read_exact,
-    read_response,
     response_size,
 )
 from wire import (
+    read_exact,
+    read_frame,
     INVALID_TOPIC_EXCEPTION,
     PRODUCE,
     UNKNOWN_TOPIC_OR_PARTITION,
@@ -237,7 +237,7 @@ def test_c_produce_with_300000_invalid_topics_is_answered(gateway):
     body = b"".join(parts)
     with socket.create_connection(kafka_addr(gateway), timeout=10) as s:
         s.sendall(request(PRODUCE, 8, 77, body))
-        answer = produce_errors(read_response(s, timeout=60))
+        answer = produce_errors(read_frame(s, timeout=60))
     assert len(answer) == n
     assert {code for _, _, code, _ in answer} == {INVALID_TOPIC_EXCEPTION}
     assert [name for name, _, _, _ in answer[:3]] == ["bad name 0", "bad name 1", "bad name 2"]
@@ -264,7 +264,7 @@ def test_d_a_declared_frame_length_is_not_reserved_before_its_bytes(gateway):
         # whatever they would.
         with socket.create_connection(kafka_addr(gateway), timeout=10) as probe:
             probe.sendall(request(18, 0, 5, b""))
-            read_response(probe)
+            read_frame(probe)
         deadline = time.monotonic() + 2
         grown = 0
         while time.monotonic() < deadline and grown < MAX_REQUEST_BYTES:
@@ -277,4 +277,4 @@ def test_d_a_declared_frame_length_is_not_reserved_before_its_bytes(gateway):
     # Those connections were dropped mid-frame; the listener still serves.
     with socket.create_connection(kafka_addr(gateway), timeout=10) as probe:
         probe.sendall(request(18, 0, 6, b""))
-        assert struct.unpack(">i", read_response(probe)[:4]) == (6,)
+        assert struct.unpack(">i", read_frame(probe)[:4]) == (6,)

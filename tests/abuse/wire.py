@@ -137,25 +137,27 @@ def produce_request(
     return request(PRODUCE, version, correlation_id, body)
 
 
+def read_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
+    """`n` bytes into one buffer (linear however large: a fetch answer can be 50 MiB)."""
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise AssertionError(f"only {got} of {n} bytes arrived in time")
+        sock.settimeout(left)
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionError(f"the gateway closed the connection after {got} of {n} bytes")
+        got += k
+    return bytes(buf)
+
+
 def read_frame(sock: socket.socket, timeout: float = 10.0) -> bytes:
     """One size-prefixed response, without its size."""
     deadline = time.monotonic() + timeout
-
-    def exact(n: int) -> bytes:
-        got = b""
-        while len(got) < n:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise AssertionError(f"no whole response within {timeout} s")
-            sock.settimeout(left)
-            chunk = sock.recv(n - len(got))
-            if not chunk:
-                raise ConnectionError("the gateway closed the connection")
-            got += chunk
-        return got
-
-    (size,) = struct.unpack(">i", exact(4))
-    return exact(size)
+    (size,) = struct.unpack(">i", read_exact(sock, 4, deadline))
+    return read_exact(sock, size, deadline)
 
 
 def produce_errors(frame: bytes, version: int = 8) -> list[tuple[str, int, int, int]]:
