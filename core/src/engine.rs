@@ -597,6 +597,30 @@ impl Engine {
     }
 
     /// Names of all topics, sorted.
+    /// The saved resources of `kind` (see [`MetadataStore::load_resources`]).
+    pub async fn load_resources(&self, kind: &str) -> Result<Vec<Vec<u8>>> {
+        let (store, kind) = (self.inner.store.clone(), kind.to_owned());
+        tokio::task::spawn_blocking(move || store.load_resources(&kind))
+            .await
+            .map_err(|_| CoreError::ShuttingDown)?
+    }
+
+    /// Saves one resource durably (see [`MetadataStore::save_resource`]).
+    pub async fn save_resource(&self, kind: &str, name: &str, json: Vec<u8>) -> Result<()> {
+        let (store, kind, name) = (self.inner.store.clone(), kind.to_owned(), name.to_owned());
+        tokio::task::spawn_blocking(move || store.save_resource(&kind, &name, &json))
+            .await
+            .map_err(|_| CoreError::ShuttingDown)?
+    }
+
+    /// Deletes one resource durably (see [`MetadataStore::delete_resource`]).
+    pub async fn delete_resource(&self, kind: &str, name: &str) -> Result<()> {
+        let (store, kind, name) = (self.inner.store.clone(), kind.to_owned(), name.to_owned());
+        tokio::task::spawn_blocking(move || store.delete_resource(&kind, &name))
+            .await
+            .map_err(|_| CoreError::ShuttingDown)?
+    }
+
     pub fn list_topics(&self) -> Vec<String> {
         let mut names: Vec<String> = self.inner.topics.iter().map(|e| e.key().clone()).collect();
         names.sort();

@@ -15,6 +15,7 @@ use crate::policy::TopicPolicy;
 
 const META_VERSION: u32 = 1;
 const META_FILE: &str = "topic.json";
+const RESOURCES_DIR: &str = "resources";
 
 /// The persisted description of a topic.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -47,6 +48,13 @@ pub trait MetadataStore: Send + Sync + fmt::Debug + 'static {
     /// Removes a topic's metadata and data; atomic with respect to crashes.
     fn delete_topic(&self, name: &str) -> Result<()>;
     fn partition_dir(&self, topic: &str, partition: u32) -> PathBuf;
+    /// Every saved resource of `kind` (cameras, ...): the gateway's other runtime objects that
+    /// must survive a restart, each a JSON document under a name the caller has validated.
+    fn load_resources(&self, kind: &str) -> Result<Vec<Vec<u8>>>;
+    /// Creates or replaces one resource atomically.
+    fn save_resource(&self, kind: &str, name: &str, json: &[u8]) -> Result<()>;
+    /// Removes one resource; removing one that is not there is no error.
+    fn delete_resource(&self, kind: &str, name: &str) -> Result<()>;
 }
 
 /// Metadata as `topics/<name>/topic.json` under the data directory.
@@ -74,6 +82,28 @@ impl FileMetadataStore {
 
     fn topic_dir(&self, name: &str) -> PathBuf {
         self.topics_dir().join(name)
+    }
+
+    fn resource_path(&self, kind: &str, name: &str) -> Result<PathBuf> {
+        // Names become file names: nothing that could leave the directory or hide in it.
+        let plain = |s: &str| {
+            !s.is_empty()
+                && !s.starts_with('.')
+                && s.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+        };
+        let path = self
+            .root
+            .join(RESOURCES_DIR)
+            .join(kind)
+            .join(format!("{name}.json"));
+        if !plain(kind) || !plain(name) {
+            return Err(CoreError::metadata(path)(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "a resource's kind and name must be plain file names",
+            )));
+        }
+        Ok(path)
     }
 }
 
@@ -149,5 +179,44 @@ impl MetadataStore for FileMetadataStore {
 
     fn partition_dir(&self, topic: &str, partition: u32) -> PathBuf {
         self.topic_dir(topic).join(partition.to_string())
+    }
+
+    fn load_resources(&self, kind: &str) -> Result<Vec<Vec<u8>>> {
+        let dir = self.resource_path(kind, "x")?.with_file_name("");
+        let s = &self.storage;
+        s.create_dir_all(&dir).map_err(CoreError::metadata(&dir))?;
+        let mut names = s.list_dir(&dir).map_err(CoreError::metadata(&dir))?;
+        names.sort();
+        let mut out = Vec::new();
+        for name in names.iter().filter(|n| n.ends_with(".json")) {
+            let path = dir.join(name);
+            out.push(s.read_file(&path).map_err(CoreError::metadata(&path))?);
+        }
+        Ok(out)
+    }
+
+    fn save_resource(&self, kind: &str, name: &str, json: &[u8]) -> Result<()> {
+        let path = self.resource_path(kind, name)?;
+        let dir = path.with_file_name("");
+        self.storage
+            .create_dir_all(&dir)
+            .map_err(CoreError::metadata(&dir))?;
+        self.storage
+            .write_file_atomic(&path, json)
+            .map_err(CoreError::metadata(&path))
+    }
+
+    fn delete_resource(&self, kind: &str, name: &str) -> Result<()> {
+        let path = self.resource_path(kind, name)?;
+        match self.storage.remove_file(&path) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(CoreError::metadata(&path)(e));
+            }
+            _ => {}
+        }
+        let dir = path.with_file_name("");
+        self.storage
+            .sync_dir(&dir)
+            .map_err(CoreError::metadata(&dir))
     }
 }

@@ -45,6 +45,9 @@ pub(crate) struct Config {
     pub(crate) storage: StorageSection,
     pub(crate) runtime: RuntimeSection,
     pub(crate) relay: RelaySection,
+    pub(crate) rtsp: sluice_rtsp::RtspSettings,
+    /// Cameras pulled from start (`[[cameras]]`); more can be added over the REST API.
+    pub(crate) cameras: Vec<sluice_rtsp::CameraSpec>,
 }
 
 /// The fewest connections the default total cap allows, however few files are left.
@@ -370,6 +373,26 @@ impl Config {
 
     fn validate(&self) -> Result<(), ConfigError> {
         let invalid = |m: String| Err(ConfigError::Invalid(m));
+        self.rtsp.validate().map_err(ConfigError::Invalid)?;
+        let mut names = std::collections::HashSet::new();
+        for camera in &self.cameras {
+            camera
+                .validate()
+                .map_err(|e| ConfigError::Invalid(format!("[[cameras]]: {e}")))?;
+            if !names.insert(camera.name.as_str()) {
+                return invalid(format!(
+                    "[[cameras]]: camera {:?} appears twice",
+                    camera.name
+                ));
+            }
+        }
+        if self.cameras.len() > self.rtsp.max_cameras {
+            return invalid(format!(
+                "[[cameras]] lists {} cameras, more than rtsp.max_cameras ({})",
+                self.cameras.len(),
+                self.rtsp.max_cameras
+            ));
+        }
         if self.http.max_fetch_bytes == 0 {
             return invalid("http.max_fetch_bytes must be at least 1".into());
         }

@@ -33,6 +33,8 @@ pub(crate) struct AppState {
     /// Write counters of the segment files, when large appends go direct.
     pub(crate) direct_writes: Option<Arc<sluice_core::DirectStats>>,
     pub(crate) listeners: Listeners,
+    /// The RTSP cameras (none on a relay).
+    pub(crate) cameras: Option<Arc<sluice_rtsp::Cameras>>,
 }
 
 /// A protocol's name and its listener's counts, set once it is bound.
@@ -139,9 +141,12 @@ pub(crate) async fn serve(
 }
 
 pub(crate) fn router(state: AppState) -> Router {
-    let api = match state.relay {
-        Some(_) => sluice_rest::relay_router(state.rest.clone()),
-        None => sluice_rest::router(state.rest.clone()),
+    let api = match (&state.relay, &state.cameras) {
+        (Some(_), _) => sluice_rest::relay_router(state.rest.clone()),
+        (None, Some(cameras)) => {
+            sluice_rest::router_with(state.rest.clone(), sluice_rtsp::routes(cameras.clone()))
+        }
+        (None, None) => sluice_rest::router(state.rest.clone()),
     };
     Router::new()
         .route("/healthz", get(healthz))
@@ -185,6 +190,9 @@ async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
     }
     crate::metrics::render_rest(&mut body, &state.rest.metrics);
     crate::metrics::render_listeners(&mut body, &state.listeners);
+    if let Some(cameras) = &state.cameras {
+        crate::metrics::render_cameras(&mut body, &cameras.list());
+    }
     if let Some(relay) = &state.relay {
         crate::metrics::render_relay(&mut body, relay, &engine);
     }

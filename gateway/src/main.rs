@@ -148,6 +148,12 @@ fn main() -> ExitCode {
         if !shown.relay.password.is_empty() {
             shown.relay.password = "<hidden>".into();
         }
+        for camera in &mut shown.cameras {
+            camera.url = camera.public_url();
+            if !camera.password.is_empty() {
+                camera.password = "<hidden>".into();
+            }
+        }
         match toml::to_string(&shown) {
             Ok(text) => {
                 print!("{text}");
@@ -301,6 +307,22 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         None
     };
 
+    // A relay pulls no cameras: they belong to the node that owns the ledger.
+    let cameras = if relay.is_none() {
+        Some(
+            sluice_rtsp::Cameras::start(
+                engine.clone(),
+                config.rtsp.clone(),
+                config.cameras.clone(),
+                stop_rx.clone(),
+            )
+            .await
+            .context("starting the RTSP cameras")?,
+        )
+    } else {
+        None
+    };
+
     let ready = Arc::new(AtomicBool::new(false));
     let http_listener = sluice_net::bind(&config.http.addr, Default::default())
         .await
@@ -327,6 +349,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         relay: relay.clone(),
         direct_writes: direct_stats,
         listeners: listeners.clone(),
+        cameras: cameras.clone(),
     });
     let http_stats = Arc::new(sluice_net::ListenerStats::default());
     listeners.bound("http", http_stats.clone());
@@ -422,6 +445,10 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         && let Err(e) = task.await
     {
         warn!(error = %e, "MQTT listener task failed");
+    }
+    if let Some(cameras) = &cameras {
+        // Their last frames are appended before the partition writers stop.
+        cameras.stopped().await;
     }
     engine.shutdown().await;
     if let Some(dir) = scratch

@@ -935,6 +935,85 @@ pub(crate) fn render(engine: &EngineMetrics, process: &ProcessStats, ready: bool
 }
 
 /// Appends the REST API's counters.
+/// Appends each camera's series, labelled with its name (one label set per configured or
+/// added camera, bounded by `rtsp.max_cameras`).
+pub(crate) fn render_cameras(body: &mut String, cameras: &[sluice_rtsp::CameraStatus]) {
+    if cameras.is_empty() {
+        return;
+    }
+    let mut out = Out(std::mem::take(body));
+    type Value = fn(&sluice_rtsp::CameraStatus) -> f64;
+    let series: [(&str, &str, &str, Value); 10] = [
+        (
+            "sluice_camera_frames_total",
+            "counter",
+            "Frames appended to the camera's topic and durable.",
+            |c| c.frames as f64,
+        ),
+        (
+            "sluice_camera_keyframes_total",
+            "counter",
+            "Keyframes appended.",
+            |c| c.keyframes as f64,
+        ),
+        (
+            "sluice_camera_bytes_total",
+            "counter",
+            "Bytes of the frames appended.",
+            |c| c.bytes as f64,
+        ),
+        (
+            "sluice_camera_frames_lost_total",
+            "counter",
+            "RTP packets the camera sent that never arrived.",
+            |c| c.frames_lost as f64,
+        ),
+        (
+            "sluice_camera_frames_dropped_total",
+            "counter",
+            "Frames not stored: incomplete, larger than rtsp.max_frame_bytes or the topic's limit, or the ledger behind by rtsp.queue_bytes.",
+            |c| c.frames_dropped as f64,
+        ),
+        (
+            "sluice_camera_reconnects_total",
+            "counter",
+            "Sessions started after the first (failures, stalls, camera restarts).",
+            |c| c.reconnects as f64,
+        ),
+        (
+            "sluice_camera_fps",
+            "gauge",
+            "Frames per second received over the last 5 seconds.",
+            |c| c.fps,
+        ),
+        (
+            "sluice_camera_bitrate_bits_per_second",
+            "gauge",
+            "Bits per second received over the last 5 seconds.",
+            |c| c.bitrate_bps,
+        ),
+        (
+            "sluice_camera_last_frame_age_seconds",
+            "gauge",
+            "Seconds since the camera's last frame (-1 before the first).",
+            |c| c.last_frame_age_ms.map_or(-1.0, |ms| ms as f64 / 1e3),
+        ),
+        (
+            "sluice_camera_up",
+            "gauge",
+            "1 while the camera's session is playing.",
+            |c| f64::from(u8::from(c.state == sluice_rtsp::CameraState::Playing)),
+        ),
+    ];
+    for (name, kind, help, value) in series {
+        out.header(name, kind, help);
+        for c in cameras {
+            out.sample(name, &format!("camera=\"{}\"", escape(&c.name)), value(c));
+        }
+    }
+    *body = out.0;
+}
+
 pub(crate) fn render_rest(body: &mut String, m: &sluice_rest::RestMetrics) {
     use std::sync::atomic::Ordering::Relaxed;
     let mut o = Out(std::mem::take(body));

@@ -207,6 +207,12 @@ pub fn relay_router(api: Arc<RestApi>) -> Router {
 
 /// The REST routes and `/openapi.json`, ready to merge into the gateway's router.
 pub fn router(api: Arc<RestApi>) -> Router {
+    router_with(api, OpenApiRouter::new())
+}
+
+/// [`router`] with `extra` routes of other crates (the cameras' `/cameras`), documented in the
+/// same `/openapi.json`.
+pub fn router_with(api: Arc<RestApi>, extra: OpenApiRouter) -> Router {
     let (router, doc) = OpenApiRouter::with_openapi(ApiDoc::openapi())
         .routes(routes!(topics::list, topics::create))
         .routes(routes!(topics::describe, topics::delete))
@@ -230,6 +236,7 @@ pub fn router(api: Arc<RestApi>) -> Router {
         .routes(routes!(streams::events))
         .routes(routes!(admin::connections))
         .with_state(api)
+        .merge(extra)
         .split_for_parts();
     let doc = match doc.to_json() {
         Ok(json) => bytes::Bytes::from(json),

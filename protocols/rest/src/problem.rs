@@ -27,7 +27,7 @@ pub struct Problem {
 /// The JSON of an error answer (RFC 9457), as documented in the OpenAPI document.
 #[derive(Debug, Serialize, ToSchema)]
 #[schema(as = Problem)]
-pub(crate) struct ProblemBody {
+pub struct ProblemBody {
     /// `urn:sluice:problem:<kind>`, stable for scripts to match on.
     #[serde(rename = "type")]
     kind: String,
@@ -73,7 +73,7 @@ impl Problem {
 }
 
 /// A path extractor's value, or its refusal as a problem.
-pub(crate) fn path<T>(p: Result<Path<T>, PathRejection>) -> Result<T, Problem> {
+pub fn path<T>(p: Result<Path<T>, PathRejection>) -> Result<T, Problem> {
     p.map(|Path(v)| v)
         .map_err(|e| Problem::rejected(e.status(), e.body_text()))
 }
@@ -85,7 +85,7 @@ pub(crate) fn query<T>(q: Result<Query<T>, QueryRejection>) -> Result<T, Problem
 }
 
 /// A JSON body, or its refusal as a problem (413 over axum's body limit).
-pub(crate) fn json<T>(body: Result<Json<T>, JsonRejection>) -> Result<T, Problem> {
+pub fn json<T>(body: Result<Json<T>, JsonRejection>) -> Result<T, Problem> {
     body.map(|Json(v)| v)
         .map_err(|e| Problem::rejected(e.status(), e.body_text()))
 }
