@@ -244,3 +244,23 @@ def test_reason_codes(gateway, wire, uniq):
     w.client.disconnect(reasoncode=ReasonCode(PacketTypes.DISCONNECT, "Disconnect with will message"))
     assert w.wait_disconnected()
     assert watcher.wait_messages(1, what="will after DISCONNECT 0x04: ")[0].payload == b"will-04"
+
+
+def test_subscribe_starting_at_the_latest_keyframe(gateway, uniq):
+    """A subscriber asking for `start` = `keyframe` (user property) gets the newest
+    keyframe-flagged message still in memory and what followed it, so a camera viewer starts
+    with a picture it can decode; one without the property gets only what comes next."""
+    topic = uniq("video") + "/cam"
+    pub = gateway.mqtt(5)
+    for payload, flag in [(b"k0", "1"), (b"d0", "0"), (b"k1", "1"), (b"d1", "0"), (b"d2", "0")]:
+        pub.publish(topic, payload, qos=1, properties=publish_props(UserProperty=[("keyframe", flag)]))
+    viewer = gateway.mqtt(5)
+    sub_props = Properties(PacketTypes.SUBSCRIBE)
+    sub_props.UserProperty = [("start", "keyframe")]
+    assert viewer.subscribe(topic, qos=1, properties=sub_props) == [1]
+    plain = gateway.mqtt(5)
+    assert plain.subscribe(topic, qos=1) == [1]
+    pub.publish(topic, b"d3", qos=1, properties=publish_props(UserProperty=[("keyframe", "0")]))
+    got = [m.payload for m in viewer.wait_messages(4)]
+    assert got == [b"k1", b"d1", b"d2", b"d3"], f"viewer got {got}"
+    assert [m.payload for m in plain.wait_messages(1) + plain.drain(quiet=0.3)] == [b"d3"]

@@ -83,6 +83,8 @@ pub(crate) enum In {
         pkid: u16,
         filters: Vec<SubFilter>,
         id: Option<usize>,
+        /// The MQTT 5 user property `start` = `keyframe` (see `SavedSub::start_keyframe`).
+        start_keyframe: bool,
     },
     Unsubscribe {
         pkid: u16,
@@ -268,6 +270,7 @@ fn from_v4(p: v4::Packet) -> In {
                 })
                 .collect(),
             id: None,
+            start_keyframe: false,
         },
         v4::Packet::Unsubscribe(u) => In::Unsubscribe {
             pkid: u.pkid,
@@ -341,6 +344,11 @@ fn from_v5(p: v5::Packet) -> In {
         v5::Packet::PubComp(a) => In::PubComp(a.pkid),
         v5::Packet::Subscribe(s) => In::Subscribe {
             pkid: s.pkid,
+            start_keyframe: s.properties.as_ref().is_some_and(|p| {
+                p.user_properties
+                    .iter()
+                    .any(|(k, v)| k == "start" && v == "keyframe")
+            }),
             id: s.properties.and_then(|p| p.id),
             filters: s
                 .filters

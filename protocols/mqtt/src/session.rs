@@ -1240,8 +1240,13 @@ impl<S: Conn> Session<'_, S> {
                 codec::ack(self.version, Ack::Pubcomp, pkid, code, &mut self.out);
                 self.flush().await?;
             }
-            In::Subscribe { pkid, filters, id } => {
-                Box::pin(self.subscribe(pkid, filters, id)).await?;
+            In::Subscribe {
+                pkid,
+                filters,
+                id,
+                start_keyframe,
+            } => {
+                Box::pin(self.subscribe(pkid, filters, id, start_keyframe)).await?;
             }
             In::Unsubscribe { pkid, filters } => {
                 for f in &filters {
@@ -1532,6 +1537,7 @@ impl<S: Conn> Session<'_, S> {
         pkid: u16,
         filters: Vec<SubFilter>,
         id: Option<usize>,
+        start_keyframe: bool,
     ) -> std::io::Result<()> {
         let mut codes = Vec::with_capacity(filters.len());
         let mut retained_for = Vec::new();
@@ -1546,6 +1552,7 @@ impl<S: Conn> Session<'_, S> {
                 no_local: f.no_local,
                 retain_as_published: f.retain_as_published,
                 id,
+                start_keyframe,
             };
             let is_new = !self.subs.contains_key(&f.filter);
             if is_new && self.subs.len() >= self.server.settings.max_subscriptions_per_connection {
@@ -1673,7 +1680,11 @@ impl<S: Conn> Session<'_, S> {
                             &ledger_topic,
                             p,
                             LiveOptions {
-                                start: StartAt::Latest,
+                                start: if sub.start_keyframe {
+                                    StartAt::LatestFlagged("keyframe".into())
+                                } else {
+                                    StartAt::Latest
+                                },
                                 policy: if sub.qos == 0 {
                                     SlowPolicy::DropOldest
                                 } else {

@@ -27,6 +27,11 @@ pub(crate) struct SavedSub {
     pub(crate) no_local: bool,
     pub(crate) retain_as_published: bool,
     pub(crate) id: Option<usize>,
+    /// Live delivery starts at the newest keyframe-flagged record in memory rather than the
+    /// next one (MQTT 5 user property `start` = `keyframe`): a camera viewer's first message is
+    /// a picture it can decode.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub(crate) start_keyframe: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -98,6 +98,7 @@ impl Camera {
             reconnects: 0,
             last_error: None,
             last_frame_age_ms: None,
+            last_keyframe: None,
         };
         self.stats.fill(&mut s);
         s
@@ -537,7 +538,8 @@ async fn append(
     queued: Arc<AtomicUsize>,
     mut rx: mpsc::Receiver<Queued>,
 ) {
-    let (ack_tx, mut ack_rx) = mpsc::unbounded_channel();
+    let (ack_tx, mut ack_rx) =
+        mpsc::unbounded_channel::<(sluice_core::Result<sluice_core::PendingAck>, usize, bool)>();
     let acker = {
         let (stats, queued, name) = (stats.clone(), queued.clone(), spec.name.clone());
         tokio::spawn(async move {
@@ -545,7 +547,12 @@ async fn append(
             while let Some((pending, len, keyframe)) = ack_rx.recv().await {
                 match pending {
                     Ok(pending) => match pending.await {
-                        Ok(_) => record_stored(&stats, len, keyframe),
+                        Ok(ack) => {
+                            record_stored(&stats, len, keyframe);
+                            if keyframe {
+                                stats.stored_keyframe(ack.partition, ack.base_offset);
+                            }
+                        }
                         Err(e) => refused(&stats, &name, &e, &mut logged),
                     },
                     Err(e) => refused(&stats, &name, &e, &mut logged),

@@ -20,7 +20,7 @@ use tracing::{info, warn};
 use utoipa::ToSchema;
 
 pub use api::routes;
-pub use stats::{CameraState, CameraStatus};
+pub use stats::{CameraState, CameraStatus, KeyframePosition};
 
 use crate::camera::Camera;
 
@@ -386,5 +386,88 @@ impl Cameras {
             .lock()
             .insert(camera.spec.name.clone(), camera.clone());
         Ok(camera)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(name: &str, url: &str) -> CameraSpec {
+        CameraSpec {
+            name: name.into(),
+            url: url.into(),
+            username: String::new(),
+            password: String::new(),
+            transport: TransportKind::Tcp,
+            topic: default_topic(),
+            mode: None,
+        }
+    }
+
+    #[test]
+    fn credentials_in_the_url_are_taken_out_and_decoded() {
+        let s = spec("lobby", "rtsp://ad%40min:p%3Ass@192.0.2.1:8554/live?x=1");
+        let t = s.target().unwrap();
+        assert_eq!(
+            (t.username.as_str(), t.password.as_str()),
+            ("ad@min", "p:ss")
+        );
+        assert_eq!(t.url.as_str(), "rtsp://192.0.2.1:8554/live?x=1");
+        assert_eq!(s.public_url(), "rtsp://192.0.2.1:8554/live?x=1");
+        // Keys win over the URL's.
+        let mut s = s;
+        s.username = "other".into();
+        assert_eq!(s.target().unwrap().username, "other");
+    }
+
+    #[test]
+    fn bad_specs_are_refused_with_a_reason() {
+        for (name, url) in [
+            ("", "rtsp://h/x"),
+            ("a/b", "rtsp://h/x"),
+            (".hidden", "rtsp://h/x"),
+            (&"x".repeat(65), "rtsp://h/x"),
+            ("ok", "http://h/x"),
+            ("ok", "rtsp:///x"),
+            ("ok", "not a url"),
+        ] {
+            assert!(spec(name, url).validate().is_err(), "{name} {url}");
+        }
+        let mut s = spec("ok", "rtsp://h/x");
+        assert!(s.validate().is_ok());
+        s.topic = "bad topic".into();
+        assert!(s.validate().is_err());
+        // A URL that cannot be parsed is never echoed with its credentials.
+        let e = spec("ok", "rtsp://u:secret@[bad/x").validate().unwrap_err();
+        assert!(!e.contains("secret"), "{e}");
+    }
+
+    #[test]
+    fn specs_read_with_defaults_and_refuse_unknown_keys() {
+        let s: CameraSpec =
+            serde_json::from_str(r#"{"name":"a","url":"rtsp://h/x","mode":"keyframes"}"#).unwrap();
+        assert_eq!(s.topic, "cameras");
+        assert_eq!(s.transport, TransportKind::Tcp);
+        assert_eq!(s.mode, Some(Mode::Keyframes));
+        assert!(serde_json::from_str::<CameraSpec>(r#"{"name":"a","url":"u","fps":1}"#).is_err());
+        assert!(
+            serde_json::from_str::<CameraSpec>(r#"{"name":"a","url":"u","mode":"gif"}"#).is_err()
+        );
+    }
+
+    #[test]
+    fn settings_are_checked() {
+        assert!(RtspSettings::default().validate().is_ok());
+        let mut s = RtspSettings {
+            queue_bytes: 1024,
+            ..RtspSettings::default()
+        };
+        assert!(s.validate().is_err());
+        s = RtspSettings {
+            reconnect_max_ms: 1,
+            ..RtspSettings::default()
+        };
+        assert!(s.validate().is_err());
     }
 }

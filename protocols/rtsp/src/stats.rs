@@ -70,6 +70,17 @@ pub struct CameraStatus {
     pub last_error: Option<String>,
     /// Milliseconds since the last frame arrived.
     pub last_frame_age_ms: Option<u64>,
+    /// Where the newest stored keyframe is: a Kafka consumer seeks there to start with a
+    /// picture it can decode (WebSocket/SSE readers ask for `?start=keyframe`, MQTT 5
+    /// subscribers for the user property `start` = `keyframe`).
+    pub last_keyframe: Option<KeyframePosition>,
+}
+
+/// A stored record's place.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
+pub struct KeyframePosition {
+    pub partition: u32,
+    pub offset: u64,
 }
 
 /// How long fps and bitrate look back.
@@ -91,6 +102,7 @@ pub(crate) struct Stats {
     /// Arrival time and size of the frames within [`RATE_WINDOW`].
     recent: parking_lot::Mutex<VecDeque<(Instant, usize)>>,
     snapshot: parking_lot::Mutex<Option<(Bytes, &'static str)>>,
+    last_keyframe: parking_lot::Mutex<Option<KeyframePosition>>,
 }
 
 impl Stats {
@@ -133,6 +145,10 @@ impl Stats {
         *self.snapshot.lock() = Some((data, content_type));
     }
 
+    pub(crate) fn stored_keyframe(&self, partition: u32, offset: u64) {
+        *self.last_keyframe.lock() = Some(KeyframePosition { partition, offset });
+    }
+
     pub(crate) fn snapshot(&self) -> Option<(Bytes, &'static str)> {
         self.snapshot.lock().clone()
     }
@@ -151,6 +167,7 @@ impl Stats {
         status.frames_dropped = load(&self.frames_dropped);
         status.reconnects = load(&self.reconnects);
         status.last_error = self.last_error.lock().clone();
+        status.last_keyframe = *self.last_keyframe.lock();
         let now = Instant::now();
         let recent = self.recent.lock();
         status.last_frame_age_ms = recent
