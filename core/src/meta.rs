@@ -190,7 +190,13 @@ impl MetadataStore for FileMetadataStore {
         let mut out = Vec::new();
         for name in names.iter().filter(|n| n.ends_with(".json")) {
             let path = dir.join(name);
-            out.push(s.read_file(&path).map_err(CoreError::metadata(&path))?);
+            match s.read_file(&path) {
+                Ok(bytes) => out.push(bytes),
+                // One unreadable resource must not keep the gateway from starting.
+                Err(e) => {
+                    warn!(path = %path.display(), error = %e, "skipping an unreadable resource")
+                }
+            }
         }
         Ok(out)
     }
