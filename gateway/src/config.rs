@@ -900,6 +900,51 @@ mod tests {
     }
 
     #[test]
+    fn cameras_come_from_the_file_and_are_checked() {
+        let c = Config::load(None, env(&[]), &CliOverrides::default()).unwrap();
+        assert!(c.cameras.is_empty());
+        assert_eq!(c.rtsp, sluice_rtsp::RtspSettings::default());
+        let two = "[[cameras]]\nname = \"a\"\nurl = \"rtsp://u:p@h/x\"\n\
+                   [[cameras]]\nname = \"b\"\nurl = \"rtsp://h/y\"\ntransport = \"udp\"\n\
+                   mode = \"keyframes\"\ntopic = \"lobby\"\n";
+        let c = Config::load(
+            Some(file(two).path()),
+            env(&[("SLUICE_RTSP__STALL_TIMEOUT_MS", "2500")]),
+            &CliOverrides::default(),
+        )
+        .unwrap();
+        assert_eq!(c.rtsp.stall_timeout_ms, 2500);
+        assert_eq!(c.cameras.len(), 2);
+        assert_eq!(c.cameras[0].topic, "cameras");
+        assert_eq!(c.cameras[1].transport, sluice_rtsp::TransportKind::Udp);
+        assert_eq!(c.cameras[1].mode, Some(sluice_rtsp::Mode::Keyframes));
+        for (bad, says) in [
+            (
+                "[[cameras]]\nname = \"a\"\nurl = \"http://h/x\"\n",
+                "rtsp://",
+            ),
+            (
+                "[[cameras]]\nname = \"a\"\nurl = \"rtsp://h/x\"\n[[cameras]]\nname = \"a\"\nurl = \"rtsp://h/y\"\n",
+                "twice",
+            ),
+            (
+                "[[cameras]]\nname = \"a\"\nurl = \"rtsp://h/x\"\nfps = 3\n",
+                "fps",
+            ),
+            ("[rtsp]\nqueue_bytes = 10\n", "queue_bytes"),
+            (
+                "[rtsp]\nmax_cameras = 1\n[[cameras]]\nname = \"a\"\nurl = \"rtsp://h/x\"\n[[cameras]]\nname = \"b\"\nurl = \"rtsp://h/y\"\n",
+                "max_cameras",
+            ),
+        ] {
+            let e = Config::load(Some(file(bad).path()), env(&[]), &CliOverrides::default())
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(says), "{bad}: {e}");
+        }
+    }
+
+    #[test]
     fn effective_config_round_trips_through_toml() {
         let c = Config::load(None, env(&[]), &CliOverrides::default()).unwrap();
         let text = toml::to_string(&c).unwrap();

@@ -20,6 +20,7 @@ use tracing::{info, warn};
 use utoipa::ToSchema;
 
 pub use api::routes;
+
 pub use stats::{CameraState, CameraStatus, KeyframePosition};
 
 use crate::camera::Camera;
