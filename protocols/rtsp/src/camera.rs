@@ -6,6 +6,7 @@
 //! unbounded memory, and the RTSP session keeps being read (a session not read would stall the
 //! camera's sender and its keepalives).
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -17,7 +18,7 @@ use retina::client::{
     TeardownPolicy, Transport,
 };
 use retina::codec::{CodecItem, FrameFormat, ParametersRef};
-use sluice_core::{Engine, PartitionChoice, Record};
+use sluice_core::{Engine, PartitionChoice, PendingAck, Record};
 use tokio::sync::{mpsc, watch};
 use tracing::{debug, info, warn};
 
@@ -530,7 +531,8 @@ impl Puller {
 }
 
 /// Appends a camera's frames in order, as many in flight as the byte budget allows, counting
-/// each once durable per the topic's policy.
+/// each once durable per the topic's policy. One task both queues frames and awaits their
+/// acknowledgements (oldest first), so a frame costs no more wake-ups than it must.
 async fn append(
     engine: Engine,
     spec: CameraSpec,
@@ -538,41 +540,52 @@ async fn append(
     queued: Arc<AtomicUsize>,
     mut rx: mpsc::Receiver<Queued>,
 ) {
-    let (ack_tx, mut ack_rx) =
-        mpsc::unbounded_channel::<(sluice_core::Result<sluice_core::PendingAck>, usize, bool)>();
-    let acker = {
-        let (stats, queued, name) = (stats.clone(), queued.clone(), spec.name.clone());
-        tokio::spawn(async move {
-            let mut logged = false;
-            while let Some((pending, len, keyframe)) = ack_rx.recv().await {
-                match pending {
-                    Ok(pending) => match pending.await {
-                        Ok(ack) => {
-                            record_stored(&stats, len, keyframe);
-                            if keyframe {
-                                stats.stored_keyframe(ack.partition, ack.base_offset);
-                            }
+    // Unbounded only in name: every entry holds bytes of the camera's budget.
+    let mut in_flight: VecDeque<(PendingAck, usize, bool)> = VecDeque::new();
+    let mut logged = false;
+    let mut open = true;
+    let key = spec.name.as_bytes();
+    while open || !in_flight.is_empty() {
+        let oldest = async {
+            match in_flight.front_mut() {
+                Some((pending, _, _)) => pending.await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            biased;
+            acked = oldest => {
+                let Some((_, len, keyframe)) = in_flight.pop_front() else {
+                    continue;
+                };
+                match acked {
+                    Ok(ack) => {
+                        record_stored(&stats, len, keyframe);
+                        if keyframe {
+                            stats.stored_keyframe(ack.partition, ack.base_offset);
                         }
-                        Err(e) => refused(&stats, &name, &e, &mut logged),
-                    },
-                    Err(e) => refused(&stats, &name, &e, &mut logged),
+                    }
+                    Err(e) => refused(&stats, &spec.name, &e, &mut logged),
                 }
                 queued.fetch_sub(len, Ordering::Relaxed);
             }
-        })
-    };
-    let key = spec.name.as_bytes();
-    while let Some(q) = rx.recv().await {
-        let pending = engine
-            .produce_queued(&spec.topic, PartitionChoice::Key(key), &[q.record])
-            .await;
-        // Unbounded only in name: every entry holds bytes of the camera's budget.
-        if ack_tx.send((pending, q.len, q.keyframe)).is_err() {
-            break;
+            next = rx.recv(), if open => match next {
+                None => open = false,
+                Some(q) => {
+                    let pending = engine
+                        .produce_queued(&spec.topic, PartitionChoice::Key(key), &[q.record])
+                        .await;
+                    match pending {
+                        Ok(pending) => in_flight.push_back((pending, q.len, q.keyframe)),
+                        Err(e) => {
+                            refused(&stats, &spec.name, &e, &mut logged);
+                            queued.fetch_sub(q.len, Ordering::Relaxed);
+                        }
+                    }
+                }
+            },
         }
     }
-    drop(ack_tx);
-    let _ = acker.await;
 }
 
 fn record_stored(stats: &Stats, len: usize, keyframe: bool) {
