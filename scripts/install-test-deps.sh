@@ -3,14 +3,20 @@
 #   - Debian packages kcat (a Kafka command-line client), mosquitto-clients (mosquitto_pub,
 #     mosquitto_sub) and mosquitto (the broker, a peer of the benchmarks' smoke runs), each only
 #     if it is missing;
-#   - a Python virtual environment at target/pyenv with tests/kafka, tests/mqtt, tests/rest and
-#     tests/abuse requirements.txt, reinstalled only when any of them changes (stamp file
-#     target/pyenv/.installed-<sha256 of all>).
+#   - for the RTSP camera suite (tests/rtsp) and examples/camera: ffmpeg (makes the test clips,
+#     decodes what the gateway stored), jpegtran (libjpeg-turbo-progs: JPEGs with restart
+#     markers) and GStreamer's RTSP server with its Python bindings
+#     (python3-gi, gir1.2-gst-rtsp-server-1.0, gstreamer1.0-plugins-{base,good,bad,ugly},
+#     gstreamer1.0-libav), used from Debian's /usr/bin/python3;
+#   - a Python virtual environment at target/pyenv with tests/kafka, tests/mqtt, tests/rest,
+#     tests/abuse and tests/rtsp requirements.txt, reinstalled only when any of them changes
+#     (stamp file target/pyenv/.installed-<sha256 of all>).
 # Usage: ./scripts/install-test-deps.sh
 #   then: target/pyenv/bin/python -m pytest -q tests/kafka
 #         target/pyenv/bin/python -m pytest -q tests/mqtt
 #         target/pyenv/bin/python -m pytest -q tests/rest
 #         target/pyenv/bin/python -m pytest -q tests/abuse
+#         target/pyenv/bin/python -m pytest -q tests/rtsp
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -35,9 +41,12 @@ apt_install() {
 }
 
 apt_install kcat mosquitto-clients mosquitto
+apt_install ffmpeg libjpeg-turbo-progs python3-gi gir1.2-gst-rtsp-server-1.0 gstreamer1.0-plugins-base \
+  gstreamer1.0-plugins-good gstreamer1.0-plugins-bad gstreamer1.0-plugins-ugly gstreamer1.0-libav
 
 PYENV=target/pyenv
-REQUIREMENTS=(tests/kafka/requirements.txt tests/mqtt/requirements.txt tests/rest/requirements.txt tests/abuse/requirements.txt)
+REQUIREMENTS=(tests/kafka/requirements.txt tests/mqtt/requirements.txt tests/rest/requirements.txt tests/abuse/requirements.txt
+  tests/rtsp/requirements.txt)
 
 if [ ! -x "$PYENV/bin/python" ]; then
   echo "==> creating Python virtual environment $PYENV"

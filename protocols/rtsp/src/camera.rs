@@ -52,6 +52,7 @@ impl Camera {
             stats: stats.clone(),
             queued: Arc::new(AtomicUsize::new(0)),
             sender_report: None,
+            framed: false,
         };
         let task = tokio::spawn(puller.run(engine, stop, cancelled));
         Arc::new(Self {
@@ -102,6 +103,16 @@ impl Camera {
             last_keyframe: None,
         };
         self.stats.fill(&mut s);
+        // Without a mode of its own, a camera's records are by its codec.
+        if s.mode.is_none() {
+            s.mode = s.codec.map(|c| {
+                if c == "jpeg" {
+                    Mode::Jpeg
+                } else {
+                    Mode::Frames
+                }
+            });
+        }
         s
     }
 }
@@ -187,6 +198,8 @@ struct Puller {
     /// The latest RTCP sender report: (extended RTP timestamp, Unix ms), to give frames the
     /// sender's wall-clock time.
     sender_report: Option<(i64, i64)>,
+    /// Whether this session has delivered a frame yet.
+    framed: bool,
 }
 
 impl Puller {
@@ -337,7 +350,9 @@ impl Puller {
             .map_err(within("PLAY"))??;
         self.stats.set_stream(codec.name(), 0, 0);
         self.stats.set_state(CameraState::Playing);
-        self.stats.set_error(None);
+        // The last failure stays shown until this session delivers a frame: a camera that
+        // plays but sends nothing whole keeps saying why it was restarted.
+        self.framed = false;
         self.sender_report = None;
         *played = true;
         info!(camera = %self.spec.name, codec = codec.name(), transport = ?self.spec.transport, "camera playing");
@@ -385,7 +400,9 @@ impl Puller {
                     };
                     self.emit(codec, frame, tx);
                 }
-                CodecItem::Rtcp(r) if r.stream_id() == index => self.note_rtcp(&r),
+                CodecItem::Rtcp(r) if r.stream_id() == index && self.note_rtcp(&r) => {
+                    return Ok(());
+                }
                 _ => {}
             }
         }
@@ -439,15 +456,24 @@ impl Puller {
                         }
                     }
                 }
-                PacketItem::Rtcp(r) if r.stream_id() == index => self.note_rtcp(&r),
+                PacketItem::Rtcp(r) if r.stream_id() == index && self.note_rtcp(&r) => {
+                    return Ok(());
+                }
                 _ => {}
             }
         }
     }
 
-    fn note_rtcp(&mut self, report: &retina::rtcp::ReceivedCompoundPacket) {
+    /// Takes the sender's clock from a sender report; true when the packet says goodbye (an
+    /// RTCP BYE: the camera ended the stream, so the session is started again now rather than
+    /// after the stall timeout).
+    fn note_rtcp(&mut self, report: &retina::rtcp::ReceivedCompoundPacket) -> bool {
+        const BYE: u8 = 203;
+        if report.pkts().any(|p| p.payload_type() == BYE) {
+            return true;
+        }
         let Some(rtp) = report.rtp_timestamp() else {
-            return;
+            return false;
         };
         let sr = report
             .pkts()
@@ -456,11 +482,16 @@ impl Puller {
         if let Some(sr) = sr {
             self.sender_report = Some((rtp.timestamp(), ntp_to_unix_ms(sr.ntp_timestamp().0)));
         }
+        false
     }
 
     /// Makes a record of a frame and queues it, unless the mode skips it or it is over a
     /// bound (then it is counted as dropped).
     fn emit(&mut self, codec: Codec, frame: Frame, tx: &mpsc::Sender<Queued>) {
+        if !self.framed {
+            self.stats.set_error(None);
+            self.framed = true;
+        }
         let len = frame.data.len();
         self.stats.arrived(len);
         self.stats

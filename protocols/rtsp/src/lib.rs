@@ -159,6 +159,12 @@ impl CameraSpec {
         }
         self.target()?;
         sluice_core::validate_topic_name(&self.topic).map_err(|e| e.to_string())?;
+        if sluice_core::is_internal_topic(&self.topic) {
+            return Err(CoreError::InternalTopic {
+                topic: self.topic.clone(),
+            }
+            .to_string());
+        }
         Ok(())
     }
 
@@ -295,6 +301,10 @@ impl Cameras {
 
     /// Adds a camera over the API: validated, saved, then started.
     pub async fn add(&self, spec: CameraSpec) -> Result<CameraStatus, CameraError> {
+        if sluice_core::is_internal_topic(&spec.topic) {
+            // The same answer as any client writing there gets (403 over REST).
+            return Err(CoreError::InternalTopic { topic: spec.topic }.into());
+        }
         spec.validate().map_err(CameraError::Invalid)?;
         let _admin = self.admin.lock().await;
         self.check_room(&spec.name)?;
@@ -439,6 +449,8 @@ mod tests {
         assert!(s.validate().is_ok());
         s.topic = "bad topic".into();
         assert!(s.validate().is_err());
+        s.topic = "__mqtt_retained".into();
+        assert!(s.validate().unwrap_err().contains("internal"));
         // A URL that cannot be parsed is never echoed with its credentials.
         let e = spec("ok", "rtsp://u:secret@[bad/x").validate().unwrap_err();
         assert!(!e.contains("secret"), "{e}");

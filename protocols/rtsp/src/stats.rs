@@ -44,7 +44,7 @@ pub struct CameraStatus {
     pub url: String,
     pub transport: TransportKind,
     pub topic: String,
-    /// As configured; `null`: chosen by the stream's codec.
+    /// As configured, or else chosen by the stream's codec once known (`null` until then).
     pub mode: Option<Mode>,
     pub source: Source,
     pub state: CameraState,
