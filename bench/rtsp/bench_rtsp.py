@@ -28,6 +28,11 @@ What it does
    * reference: N `ffmpeg -nostdin -rtsp_transport tcp -i rtsp://.../cam -c copy -f null -`
      processes; once each has received frames, --warmup seconds, then a window of --seconds:
      their summed CPU (utime+stime from /proc/PID/stat) and frames (ffmpeg -progress);
+   * floor of storing: a minimal writer on the gateway's disk that, every frame tick, appends
+     the N cameras' frames (the clip's mean size) to one file and fdatasyncs once (the best
+     group commit there is); ffmpeg's receiving plus this is the least any program spends to
+     receive the frames and store them as durably as the gateway does (durability fsync), and
+     the table gives the gateway's CPU against it too ("ratio to floor");
    * gateway: N cameras added with POST /cameras ({"name","url","transport":"tcp"}); once all
      are `playing` with frames, --warmup seconds, then two windows of --seconds each:
        - ingest alone, the Kafka consumer paused (no Fetch requests): the gateway's CPU
@@ -850,6 +855,44 @@ def reference_phase(n: int, url: str, server: Server, run_dir: Path, warmup: flo
     return out
 
 
+FLOOR_WRITER = r"""
+import os, sys, time
+n, seconds, size, path = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+frame = os.urandom(size)
+start, tick = time.monotonic(), 0
+while time.monotonic() - start < seconds:
+    for _ in range(n):
+        os.write(fd, frame)
+    os.fdatasync(fd)
+    tick += 1
+    wait = start + tick / FPS - time.monotonic()
+    if wait > 0:
+        time.sleep(wait)
+os.close(fd)
+os.unlink(path)
+"""
+
+
+def floor_phase(n: int, fps: int, frame_bytes: int, data_dir: Path, seconds: float) -> dict:
+    """The least a program can spend to store what the gateway stores as durably: every frame
+    tick (1/fps s) it appends the N cameras' frames (the clip's mean frame size) to one file
+    and fdatasyncs once (the best group commit there is), on the gateway's disk. Added to
+    ffmpeg's cost of receiving, it is the floor of receiving and storing durably."""
+    log(f"floor: {n} cameras' frames appended and fdatasynced {fps} times a second")
+    data_dir.mkdir(parents=True, exist_ok=True)
+    # It writes for a little longer than the window, so it is still there when the window ends.
+    proc = subprocess.Popen([sys.executable, "-c", FLOOR_WRITER.replace("FPS", str(fps)), str(n),
+                             str(seconds + 3), str(frame_bytes), str(data_dir / "floor.dat")])
+    time.sleep(1)
+    w = Window({"floor": [proc.pid], "bench": [os.getpid()]}, None)
+    r = w.run(seconds)
+    proc.wait(60)
+    e = r["elapsed_s"]
+    return {"cameras": n, "window_s": e, "cpu_s": r["cpu_s"]["floor"],
+            "cpu_pct_per_camera": 100 * r["cpu_s"]["floor"] / e / n, "others_cpu_pct": r["others_cpu_pct"]}
+
+
 def gateway_phase(n: int, url: str, gw: Gateway, server: Server, consumer: LatencyConsumer,
                   warmup: float, seconds: float, probe_on: bool) -> dict:
     """N cameras: a window of ingest alone (the consumer paused), then a window with the
@@ -1028,15 +1071,19 @@ def print_tables(res: dict) -> None:
           f"interleaved. Per N, one after the other: ffmpeg ×N, then the gateway with N cameras. Each window "
           f"{s['seconds']:g} s after a {s['warmup']:g} s warm-up; the gateway has two: ingest alone (the Kafka "
           "consumer paused) and, after it, one with the consumer reading (latency). CPU % is of one core.\n")
-    print("| cameras | gateway CPU %/camera | ffmpeg CPU %/camera | ratio | gateway CPU %/camera with 1 consumer | "
+    print("| cameras | gateway CPU %/camera | ffmpeg CPU %/camera | ratio | floor CPU %/camera (ffmpeg + durable "
+          "store) | ratio to floor | gateway CPU %/camera with 1 consumer | "
           "MB/s | fps total | p50 ms | p99 ms | p999 ms | gateway RSS MiB | frames dropped | server CPU % |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for ph in res["phases"]:
-        g, ref = ph["gateway"], ph.get("reference")
+        g, ref, fl = ph["gateway"], ph.get("reference"), ph.get("floor")
         rc = ref["cpu_pct_per_camera"] if ref else None
         ratio = g["cpu_pct_per_camera"] / rc if rc else None
+        floor = rc + fl["cpu_pct_per_camera"] if rc is not None and fl else None
+        floor_ratio = g["cpu_pct_per_camera"] / floor if floor else None
         L = g["latency_ms"]
         print(f"| {g['cameras']} | {f1(g['cpu_pct_per_camera'], 2)} | {f1(rc, 2)} | {f1(ratio, 2)} | "
+              f"{f1(floor, 2)} | {f1(floor_ratio, 2)} | "
               f"{f1(g['with_consumer']['cpu_pct_per_camera'], 2)} | "
               f"{f1(g['mb_per_s'], 2)} | {f1(g['fps_total'])} | {f1(L['p50'])} | {f1(L['p99'])} | {f1(L['p999'])} | "
               f"{f1(g['rss_max_mib'])} | {g['frames_dropped']} | {f1(g['server_cpu_pct'])} |")
@@ -1206,6 +1253,8 @@ def main() -> int:
             phase = {"cameras": n}
             if not args.no_reference:
                 phase["reference"] = reference_phase(n, server.url, server, run_dir, args.warmup, args.seconds)
+                phase["floor"] = floor_phase(n, int(res["clip"]["fps"]), int(res["clip"]["mean_frame_bytes"]),
+                                             run_dir / "floor", args.seconds)
             phase["gateway"] = gateway_phase(n, server.url, gw, server, consumer, args.warmup, args.seconds,
                                              not args.no_probe)
             res["phases"].append(phase)
