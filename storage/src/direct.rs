@@ -423,6 +423,10 @@ impl LogFile for DirectFile {
         self.file.sync_data()
     }
 
+    fn start_writeback(&self, pos: u64, len: u64) -> io::Result<()> {
+        crate::io::start_writeback(&self.file, pos, len)
+    }
+
     fn len(&self) -> io::Result<u64> {
         Ok(self.file.metadata()?.len())
     }

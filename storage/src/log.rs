@@ -236,7 +236,15 @@ pub struct PartitionLog {
     next_offset: u64,
     /// Written but not yet fsynced.
     dirty: bool,
+    /// Where in the active segment bytes have been neither fsynced nor sent on their way to
+    /// the disk ([`LogFile::start_writeback`]).
+    unflushed_from: u64,
 }
+
+/// Unsynced bytes of the active segment after which their writeback is started, when commits
+/// do not fsync (durability `none` and `interval`): the fsync that seals the segment then finds
+/// little left, instead of a whole segment's worth that would stall appends for as long.
+const WRITEBACK_AFTER_BYTES: u64 = 8 << 20;
 
 fn parse_segment_name(name: &str) -> Option<(u64, &str)> {
     let (stem, ext) = name.split_once('.')?;
@@ -438,6 +446,7 @@ impl PartitionLog {
                 stats: active_stats,
                 next_offset,
                 dirty: false,
+                unflushed_from: 0,
             },
             report,
         ))
@@ -597,7 +606,23 @@ impl PartitionLog {
             return Err(StorageError::io("fsync", &self.active.paths.log)(e));
         }
         self.dirty = false;
+        self.unflushed_from = self.active.size();
         Ok(())
+    }
+
+    /// Starts the writeback of the active segment's unsynced bytes once there are
+    /// [`WRITEBACK_AFTER_BYTES`] of them. Only a hint to the kernel: a failure changes nothing
+    /// (the fsync that follows reports real errors).
+    fn start_writeback_if_due(&mut self) {
+        let end = self.active.size();
+        let from = self.unflushed_from.min(end);
+        if end - from < WRITEBACK_AFTER_BYTES {
+            return;
+        }
+        if let Ok(file) = self.active.open_file() {
+            let _ = file.start_writeback(from, end - from);
+        }
+        self.unflushed_from = end;
     }
 
     /// Assigns offsets to `batches` and writes them with as few syscalls as possible, rolling
@@ -713,6 +738,8 @@ impl PartitionLog {
         self.check_poisoned()?;
         if sync {
             self.sync_active()?;
+        } else {
+            self.start_writeback_if_due();
         }
         self.shared
             .high_watermark
@@ -748,6 +775,7 @@ impl PartitionLog {
         self.shared.segments.write().push(segment.clone());
         self.active = segment;
         self.stats = ActiveStats::EMPTY;
+        self.unflushed_from = 0;
         Ok(())
     }
 

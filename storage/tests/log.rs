@@ -340,3 +340,36 @@ proptest! {
         }
     }
 }
+
+/// Commits that do not fsync (durability `none`, `interval`) start the disk writing every 8 MiB
+/// of new bytes, so the fsync that seals a segment finds little left to write instead of a
+/// whole segment (which stalled appends for as long); commits that fsync have nothing to start.
+#[test]
+fn unsynced_commits_start_the_writeback_as_they_go() {
+    let dir = tempfile::tempdir().unwrap();
+    let (storage, faults) = sluice_storage::FaultyStorage::new(Arc::new(FsStorage));
+    let storage: Arc<dyn sluice_storage::Storage> = Arc::new(storage);
+    let clock = Arc::new(sluice_storage::SystemClock);
+    let (mut log, _) = open_with(
+        storage.clone(),
+        clock.clone(),
+        dir.path(),
+        small_segments(64 << 20),
+    );
+    let one_mib = |seed: u64| batch(seed, 1, 1 << 20, 1_000 + seed as i64);
+    for seed in 0..20u64 {
+        log.append(&mut [one_mib(seed)]).unwrap();
+        log.commit(false).unwrap();
+    }
+    let started = faults.writeback_bytes();
+    assert!(
+        (16 << 20..=20 << 20).contains(&started),
+        "{started} bytes sent to the disk after 20 MiB unsynced"
+    );
+    // Synced commits leave nothing to start.
+    for seed in 20..40u64 {
+        append(&mut log, one_mib(seed));
+    }
+    assert_eq!(faults.writeback_bytes(), started);
+    assert_eq!(read_all(&log.reader(), 4 << 20).len(), 40);
+}
