@@ -3,6 +3,8 @@
 #   - Debian packages kcat (a Kafka command-line client), mosquitto-clients (mosquitto_pub,
 #     mosquitto_sub) and mosquitto (the broker, a peer of the benchmarks' smoke runs), each only
 #     if it is missing;
+#   - for the deployment suite (tests/deploy): prometheus (scrapes a gateway with the shipped
+#     config) and docker-compose (validates docker-compose.yml; no Docker engine is needed);
 #   - for the RTSP camera suite (tests/rtsp) and examples/camera: ffmpeg (makes the test clips,
 #     decodes what the gateway stored), jpegtran (libjpeg-turbo-progs: JPEGs with restart
 #     markers) and GStreamer's RTSP server with its Python bindings
@@ -41,12 +43,13 @@ apt_install() {
 }
 
 apt_install kcat mosquitto-clients mosquitto
+apt_install prometheus docker-compose
 apt_install ffmpeg libjpeg-turbo-progs python3-gi gir1.2-gst-rtsp-server-1.0 gstreamer1.0-plugins-base \
   gstreamer1.0-plugins-good gstreamer1.0-plugins-bad gstreamer1.0-plugins-ugly gstreamer1.0-libav
 
 PYENV=target/pyenv
 REQUIREMENTS=(tests/kafka/requirements.txt tests/mqtt/requirements.txt tests/rest/requirements.txt tests/abuse/requirements.txt
-  tests/rtsp/requirements.txt)
+  tests/rtsp/requirements.txt tests/deploy/requirements.txt)
 
 if [ ! -x "$PYENV/bin/python" ]; then
   echo "==> creating Python virtual environment $PYENV"

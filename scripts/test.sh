@@ -51,6 +51,11 @@ target/pyenv/bin/python -m pytest -q -p no:cacheprovider tests/rtsp 2>&1 | tee "
 py_passed=$(grep -Eo '[0-9]+ passed' "$log" | tail -1 | grep -Eo '[0-9]+' || echo 0)
 passed=$((passed + py_passed))
 
+echo "==> deployment (docker-compose config, Dockerfile, Prometheus scraping the gateway, the Grafana dashboard's queries)"
+target/pyenv/bin/python -m pytest -q -p no:cacheprovider tests/deploy 2>&1 | tee "$log"
+py_passed=$(grep -Eo '[0-9]+ passed' "$log" | tail -1 | grep -Eo '[0-9]+' || echo 0)
+passed=$((passed + py_passed))
+
 echo "==> benchmark smoke run (tiny sizes; real figures come from docs/BENCHMARKS.md's commands)"
 cargo run --quiet --locked -p sluice-bench -- ledger \
   --dir target/bench-smoke --bytes-per-case 8388608 --max-small-records 2000 --producers 16 >/dev/null

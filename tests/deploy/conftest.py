@@ -1,0 +1,25 @@
+"""Fixtures of the deployment suite (tests/deploy): the compose file and Dockerfile checked as
+far as this machine allows (no Docker engine here), and the same topology run without
+containers: a real gateway scraped by Debian's Prometheus with the shipped scrape config, the
+Grafana dashboard's queries evaluated by that Prometheus.
+
+    target/pyenv/bin/python -m pytest -q tests/deploy
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from harness import (  # noqa: E402,F401  (fixtures and hooks are found by name here)
+    Gateway,
+    gateway,
+    gateway_class,
+    gateway_factory,
+    pytest_collection_modifyitems,
+    pytest_configure,
+    pytest_runtest_makereport,
+    uniq,
+)
