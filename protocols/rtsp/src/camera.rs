@@ -241,9 +241,9 @@ impl Puller {
                 let _ = tokio::time::timeout(self.settings.stall_timeout(), wait).await;
             }
             let started = Instant::now();
-            let mut played = false;
+            self.framed = false;
             let outcome = tokio::select! {
-                r = self.session(&group, &tx, &mut played) => r,
+                r = self.session(&group, &tx) => r,
                 _ = stop.wait_for(|&s| s) => break,
                 _ = cancelled.wait_for(|&s| s) => break,
             };
@@ -251,8 +251,10 @@ impl Puller {
                 Ok(()) => Failure::new("the camera ended the stream"),
                 Err(f) => f,
             };
-            if played {
-                // A session that worked for a while starts the backoff over.
+            if self.framed {
+                // A session that delivered frames for a while starts the backoff (and the
+                // logging of failures) over; one that played but never delivered does not, so
+                // a camera stalling right after each PLAY is one log line too.
                 if started.elapsed() > self.settings.stall_timeout() {
                     backoff = initial;
                 }
@@ -293,7 +295,6 @@ impl Puller {
         &mut self,
         group: &Arc<SessionGroup>,
         tx: &mpsc::Sender<Queued>,
-        played: &mut bool,
     ) -> Result<(), Failure> {
         let target = self.spec.target().map_err(Failure::new)?;
         let creds = (!target.username.is_empty()).then(|| Credentials {
@@ -354,8 +355,7 @@ impl Puller {
         // plays but sends nothing whole keeps saying why it was restarted.
         self.framed = false;
         self.sender_report = None;
-        *played = true;
-        info!(camera = %self.spec.name, codec = codec.name(), transport = ?self.spec.transport, "camera playing");
+        debug!(camera = %self.spec.name, codec = codec.name(), transport = ?self.spec.transport, "camera session playing");
         match codec {
             Codec::Jpeg => self.pull_jpeg(playing, index, sdp_dimensions, tx).await,
             _ => self.pull_frames(playing, index, codec, tx).await,
@@ -489,6 +489,9 @@ impl Puller {
     /// bound (then it is counted as dropped).
     fn emit(&mut self, codec: Codec, frame: Frame, tx: &mpsc::Sender<Queued>) {
         if !self.framed {
+            // Logged when frames flow, not at PLAY: a camera that plays and then stalls, again
+            // and again, is not a line per attempt.
+            info!(camera = %self.spec.name, codec = codec.name(), transport = ?self.spec.transport, "camera delivering frames");
             self.stats.set_error(None);
             self.framed = true;
         }

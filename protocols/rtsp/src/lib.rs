@@ -383,9 +383,15 @@ impl Cameras {
         }
     }
 
+    /// Starts pulling a camera. Its topic is made sure of first; one that cannot be created
+    /// now (the topic limit reached, auto-creation off) does not keep the camera, or the
+    /// gateway, from starting: its frames are refused and counted, with the reason in its
+    /// `last_error`, until the topic can exist. (`add` refuses such a camera instead.)
     async fn launch(&self, spec: CameraSpec, source: Source) -> Result<Arc<Camera>, CameraError> {
         self.check_room(&spec.name)?;
-        self.ensure_topic(&spec.topic).await?;
+        if let Err(e) = self.ensure_topic(&spec.topic).await {
+            warn!(camera = %spec.name, topic = %spec.topic, error = %e, "the camera's topic cannot be created; its frames will be refused until it can");
+        }
         let camera = Camera::start(
             self.engine.clone(),
             spec,
