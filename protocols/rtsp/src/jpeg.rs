@@ -211,7 +211,10 @@ pub(crate) fn sdp_dimensions(sdp: &[u8]) -> Option<(u32, u32)> {
     text.lines().find_map(|line| {
         let v = line.trim().strip_prefix("a=x-dimensions:")?;
         let (w, h) = v.split_once(',')?;
-        Some((w.trim().parse().ok()?, h.trim().parse().ok()?))
+        let (w, h): (u32, u32) = (w.trim().parse().ok()?, h.trim().parse().ok()?);
+        // SOF0 holds each dimension in 16 bits: a camera claiming more is not believed.
+        let fits = |d: u32| (1..=u32::from(u16::MAX)).contains(&d);
+        (fits(w) && fits(h)).then_some((w, h))
     })
 }
 
@@ -439,6 +442,8 @@ mod tests {
         let sdp = b"v=0\r\nm=video 0 RTP/AVP 26\r\na=x-dimensions:3840,2160\r\n";
         let dims = sdp_dimensions(sdp);
         assert_eq!(dims, Some((3840, 2160)));
+        assert_eq!(sdp_dimensions(b"a=x-dimensions:70000,2160\r\n"), None);
+        assert_eq!(sdp_dimensions(b"a=x-dimensions:0,2160\r\n"), None);
         let mut d = Depacketizer::new(1 << 24, dims);
         let Pushed::Frame(f) = d.push(1, true, &packet(0, 0, 80, 0, 0, &[], b"x")) else {
             panic!("frame expected");
