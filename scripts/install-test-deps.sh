@@ -10,15 +10,22 @@
 #     markers) and GStreamer's RTSP server with its Python bindings
 #     (python3-gi, gir1.2-gst-rtsp-server-1.0, gstreamer1.0-plugins-{base,good,bad,ugly},
 #     gstreamer1.0-libav), used from Debian's /usr/bin/python3;
+#   - for the tiered-storage suite (tests/offload): s3s-fs 0.14.1, a real S3 server on a
+#     directory that checks request signatures (each bucket is a directory in its root), built
+#     from crates.io by `cargo install s3s-fs --version 0.14.1 --features binary --locked
+#     --root target/tools` into target/tools/bin/s3s-fs, only when that file is missing or is
+#     another version (a few minutes of compiling, once per machine);
 #   - a Python virtual environment at target/pyenv with tests/kafka, tests/mqtt, tests/rest,
-#     tests/abuse and tests/rtsp requirements.txt, reinstalled only when any of them changes
-#     (stamp file target/pyenv/.installed-<sha256 of all>).
+#     tests/abuse, tests/rtsp, tests/deploy and tests/offload requirements.txt, reinstalled only
+#     when any of them changes (stamp file target/pyenv/.installed-<sha256 of all>).
 # Usage: ./scripts/install-test-deps.sh
 #   then: target/pyenv/bin/python -m pytest -q tests/kafka
 #         target/pyenv/bin/python -m pytest -q tests/mqtt
 #         target/pyenv/bin/python -m pytest -q tests/rest
 #         target/pyenv/bin/python -m pytest -q tests/abuse
 #         target/pyenv/bin/python -m pytest -q tests/rtsp
+#         target/pyenv/bin/python -m pytest -q tests/deploy
+#         target/pyenv/bin/python -m pytest -q tests/offload
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -47,9 +54,17 @@ apt_install prometheus docker-compose
 apt_install ffmpeg libjpeg-turbo-progs python3-gi gir1.2-gst-rtsp-server-1.0 gstreamer1.0-plugins-base \
   gstreamer1.0-plugins-good gstreamer1.0-plugins-bad gstreamer1.0-plugins-ugly gstreamer1.0-libav
 
+# The S3 server of tests/offload (s3s-fs; its crate ships a Cargo.lock, hence --locked).
+S3S_FS_VERSION=0.14.1
+S3S_FS=target/tools/bin/s3s-fs
+if [ ! -x "$S3S_FS" ] || [ "$("$S3S_FS" --version 2>/dev/null)" != "s3s-fs $S3S_FS_VERSION" ]; then
+  echo "==> building s3s-fs $S3S_FS_VERSION into $S3S_FS (cargo install)"
+  cargo install --quiet s3s-fs --version "$S3S_FS_VERSION" --features binary --locked --force --root target/tools
+fi
+
 PYENV=target/pyenv
 REQUIREMENTS=(tests/kafka/requirements.txt tests/mqtt/requirements.txt tests/rest/requirements.txt tests/abuse/requirements.txt
-  tests/rtsp/requirements.txt tests/deploy/requirements.txt)
+  tests/rtsp/requirements.txt tests/deploy/requirements.txt tests/offload/requirements.txt)
 
 if [ ! -x "$PYENV/bin/python" ]; then
   echo "==> creating Python virtual environment $PYENV"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs every check CI runs: formatting, clippy with warnings as errors, all Rust tests, the
-# Kafka, MQTT and REST end-to-end suites with stock clients, and a short smoke run of the benchmark binary.
+# Kafka, MQTT, REST, hostile-input, RTSP, deployment and tiered-storage (offload) end-to-end suites
+# with stock clients, and a short smoke run of the benchmark binary.
 # Installs what the tests need first, idempotently (with sudo when not root).
 # Usage: ./scripts/test.sh
 set -euo pipefail
@@ -53,6 +54,11 @@ passed=$((passed + py_passed))
 
 echo "==> deployment (docker-compose config, Dockerfile, Prometheus scraping the gateway, the Grafana dashboard's queries)"
 target/pyenv/bin/python -m pytest -q -p no:cacheprovider tests/deploy 2>&1 | tee "$log"
+py_passed=$(grep -Eo '[0-9]+ passed' "$log" | tail -1 | grep -Eo '[0-9]+' || echo 0)
+passed=$((passed + py_passed))
+
+echo "==> tiered storage end to end (sealed segments offloaded to s3s-fs, read back over Kafka and REST; S3 outages; Prometheus)"
+target/pyenv/bin/python -m pytest -q -p no:cacheprovider tests/offload 2>&1 | tee "$log"
 py_passed=$(grep -Eo '[0-9]+ passed' "$log" | tail -1 | grep -Eo '[0-9]+' || echo 0)
 passed=$((passed + py_passed))
 

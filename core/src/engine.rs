@@ -14,6 +14,8 @@ use sluice_storage::{
 };
 use tracing::{info, warn};
 
+mod offload;
+
 use crate::error::{CoreError, Result};
 use crate::groups::{CommittedOffset, GroupOffsets, OffsetCommit};
 use crate::live::{LagBudget, LiveOptions, LiveSubscriber};
@@ -26,6 +28,9 @@ use crate::subscription::{
     Consumer, InitialPosition, SubscribeOptions, Subscription, SubscriptionCounters,
     SubscriptionDescription, validate_name,
 };
+use crate::tier::{PartitionTier, Tier};
+use offload::offload_loop;
+pub use offload::{OffloadMetrics, PartitionOffload, TopicOffload};
 
 /// Most partitions one topic may have.
 pub const MAX_PARTITIONS: u32 = 10_000;
@@ -61,6 +66,9 @@ pub struct EngineConfig {
     /// How often changed named-subscription ack state is written: acknowledgements younger
     /// than this may be delivered again after a crash.
     pub subscription_flush_interval: Duration,
+    /// The object-store tier sealed segments of topics with remote storage offload to; `None`
+    /// keeps every topic on the local disk.
+    pub tier: Option<Arc<Tier>>,
 }
 
 impl EngineConfig {
@@ -78,6 +86,7 @@ impl EngineConfig {
             writer: WriterSettings::default(),
             catchup_readers: 4,
             subscription_flush_interval: Duration::from_secs(1),
+            tier: None,
         }
     }
 }
@@ -157,11 +166,20 @@ impl std::future::Future for PendingAck {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PartitionDescription {
     pub partition: u32,
+    /// The first offset of the whole log, its offloaded part included.
     pub log_start: u64,
     pub high_watermark: u64,
+    /// Local segments and their bytes.
     pub segments: usize,
     pub bytes: u64,
     pub poisoned: bool,
+    /// The first offset of the local segments.
+    pub local_start: u64,
+    /// Offsets `remote_start..remote_end` are in the object store (equal when none).
+    pub remote_start: u64,
+    pub remote_end: u64,
+    pub remote_segments: usize,
+    pub remote_bytes: u64,
 }
 
 /// What `describe_topic` returns.
@@ -294,6 +312,7 @@ impl Engine {
                 .map_err(|_| CoreError::ShuttingDown)??
         };
         let lag = Arc::new(LagBudget::new(config.writer.live_ring_lag_bytes));
+        let tiered = config.tier.is_some();
         let inner = Arc::new(Inner {
             subscriptions: DashMap::new(),
             sub_counters: Arc::new(SubscriptionCounters::default()),
@@ -308,6 +327,7 @@ impl Engine {
             shared: EngineShared {
                 counters: Arc::new(EngineCounters::default()),
                 lag,
+                tiered,
             },
             closing: AtomicBool::new(false),
             topic_source: OnceLock::new(),
@@ -328,6 +348,12 @@ impl Engine {
             engine.inner.topics.insert(name, topic);
         }
         engine.load_subscriptions().await?;
+        if let Some(tier) = &engine.inner.config.tier {
+            tokio::spawn(offload_loop(
+                Arc::downgrade(&engine.inner),
+                tier.settings().interval,
+            ));
+        }
         let flusher = Arc::downgrade(&engine.inner);
         let interval = engine.inner.config.subscription_flush_interval;
         tokio::spawn(async move {
@@ -362,7 +388,7 @@ impl Engine {
             let dir = inner.store.partition_dir(&meta.name, id);
             let storage = inner.storage.clone();
             let clock = inner.clock.clone();
-            let log_config = meta.policy.log_config();
+            let log_config = meta.policy.log_config(inner.config.tier.is_some());
             let first = first_offsets.get(id as usize).copied().unwrap_or(0);
             let opened = tokio::task::spawn_blocking(move || {
                 if first > 0 {
@@ -392,7 +418,16 @@ impl Engine {
                     "recovery truncated a partition tail"
                 );
             }
-            partitions.push(Partition::spawn(
+            let tier = inner.config.tier.as_ref().map(|tier| {
+                PartitionTier::open(
+                    tier.clone(),
+                    &meta.name,
+                    id,
+                    meta.created_at_ms,
+                    &log.reader(),
+                )
+            });
+            let mut partition = Partition::spawn(
                 &meta.name,
                 id,
                 log,
@@ -400,7 +435,9 @@ impl Engine {
                 &inner.config.writer,
                 &inner.shared,
                 data.clone(),
-            ));
+            );
+            partition.tier = tier;
+            partitions.push(partition);
         }
         Ok(Arc::new(Topic {
             meta: parking_lot::RwLock::new(meta),
@@ -557,6 +594,10 @@ impl Engine {
         for p in &topic.partitions {
             p.shutdown().await;
         }
+        if let Some(tier) = self.inner.config.tier.clone() {
+            let (owned, incarnation) = (name.to_owned(), topic.meta.read().created_at_ms);
+            tokio::spawn(async move { tier.delete_topic(&owned, incarnation).await });
+        }
         let store = self.inner.store.clone();
         let owned = name.to_owned();
         tokio::task::spawn_blocking(move || store.delete_topic(&owned))
@@ -639,6 +680,10 @@ impl Engine {
                 .iter()
                 .map(|p| {
                     let s = p.reader.stats();
+                    let remote = p.tier.as_ref().map(|t| t.manifest());
+                    let (remote_start, remote_end) = remote
+                        .as_ref()
+                        .map_or((s.local_start, s.local_start), |m| m.range());
                     PartitionDescription {
                         partition: p.id,
                         log_start: s.log_start,
@@ -646,6 +691,11 @@ impl Engine {
                         segments: s.segments,
                         bytes: s.bytes,
                         poisoned: p.reader.is_poisoned(),
+                        local_start: s.local_start,
+                        remote_start,
+                        remote_end,
+                        remote_segments: remote.as_ref().map_or(0, |m| m.segments.len()),
+                        remote_bytes: remote.as_ref().map_or(0, |m| m.bytes()),
                     }
                 })
                 .collect(),

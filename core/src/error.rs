@@ -39,6 +39,14 @@ pub enum CoreError {
         #[source]
         source: Arc<StorageError>,
     },
+    /// The offloaded part of a partition could not be read now; the same read may succeed
+    /// later (protocols answer with their retriable error).
+    #[error("offloaded data of {topic}/{partition} is unavailable: {reason}")]
+    RemoteUnavailable {
+        topic: String,
+        partition: u32,
+        reason: String,
+    },
     #[error("topic metadata at {path}: {source}")]
     Metadata {
         path: PathBuf,
@@ -89,6 +97,11 @@ impl CoreError {
                 offset,
                 log_start,
                 high_watermark,
+            },
+            StorageError::Remote { reason } => Self::RemoteUnavailable {
+                topic: topic.to_owned(),
+                partition,
+                reason,
             },
             other => Self::Storage {
                 topic: topic.to_owned(),

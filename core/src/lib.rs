@@ -17,12 +17,14 @@ mod partitioner;
 mod password;
 mod policy;
 mod subscription;
+mod tier;
 
 pub use ackset::AckSet;
 pub use engine::{
-    Engine, EngineConfig, GroupLag, MAX_COMMIT_METADATA, MAX_PARTITIONS, OpenRecord,
-    PartitionChoice, PartitionDescription, PendingAck, ProduceAck, TopicDescription, TopicSource,
-    is_internal_topic, validate_group_id, validate_topic_name,
+    Engine, EngineConfig, GroupLag, MAX_COMMIT_METADATA, MAX_PARTITIONS, OffloadMetrics,
+    OpenRecord, PartitionChoice, PartitionDescription, PartitionOffload, PendingAck, ProduceAck,
+    TopicDescription, TopicOffload, TopicSource, is_internal_topic, validate_group_id,
+    validate_topic_name,
 };
 pub use error::{CoreError, Result};
 pub use groups::{CommittedOffset, OffsetCommit};
@@ -45,4 +47,8 @@ pub use sluice_storage::{
 pub use subscription::{
     Consumer, InitialPosition, Message, MessageId, SubscribeOptions, SubscriptionBacklog,
     SubscriptionDescription, SubscriptionType,
+};
+pub use tier::{
+    FaultyStore, MANIFEST_FORMAT, Manifest, ManifestSegment, PassOutcome, StoreFaults, StoreSpec,
+    Tier, TierCounters, TierSettings, open_store,
 };

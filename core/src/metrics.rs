@@ -20,7 +20,7 @@ pub struct Histogram {
 }
 
 /// A point-in-time copy of a [`Histogram`].
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct HistogramSnapshot {
     /// Count per bucket (not cumulative), the last one past the largest bound.
     pub buckets: Vec<u64>,

@@ -14,6 +14,7 @@ use crate::error::{CoreError, Result};
 use crate::live::{LagBudget, LiveBatch, LiveRing};
 use crate::metrics::{EngineCounters, PartitionCounters};
 use crate::policy::{Durability, TopicPolicy};
+use crate::tier::PartitionTier;
 
 type AppendReply = oneshot::Sender<Result<AppendInfo, Arc<StorageError>>>;
 
@@ -166,6 +167,8 @@ pub(crate) struct Partition {
     high_watermark: watch::Receiver<u64>,
     pub(crate) counters: Arc<PartitionCounters>,
     pub(crate) ring: Arc<LiveRing>,
+    /// The offloaded part of the log, when the engine offloads.
+    pub(crate) tier: Option<Arc<PartitionTier>>,
 }
 
 impl std::fmt::Debug for WriterMsg {
@@ -185,6 +188,8 @@ pub(crate) struct EngineShared {
     pub(crate) counters: Arc<EngineCounters>,
     /// What the partitions' rings hold past their size for catch-up subscribers.
     pub(crate) lag: Arc<LagBudget>,
+    /// The engine offloads: the tier applies retention to topics with remote storage.
+    pub(crate) tiered: bool,
 }
 
 impl Partition {
@@ -219,6 +224,7 @@ impl Partition {
             default_ring_bytes: settings.live_ring_bytes,
             last_sync: Instant::now(),
             tail: tail.clone(),
+            tiered: engine.tiered,
         };
         tokio::spawn(writer.run(settings.maintenance_interval));
         Self {
@@ -229,6 +235,7 @@ impl Partition {
             high_watermark: hw_rx,
             counters,
             ring,
+            tier: None,
         }
     }
 
@@ -318,6 +325,8 @@ struct Writer {
     default_ring_bytes: usize,
     last_sync: Instant,
     tail: Arc<TailHint>,
+    /// The engine offloads: retention of offloading topics is the tier's.
+    tiered: bool,
 }
 
 impl Writer {
@@ -395,7 +404,7 @@ impl Writer {
         match control {
             Some(WriterMsg::SetPolicy(policy)) => {
                 if let Some(log) = self.log.as_mut() {
-                    log.set_config(policy.log_config());
+                    log.set_config(policy.log_config(self.tiered));
                 }
                 self.tail.set_segment_bytes(policy.segment_bytes);
                 self.policy = policy;

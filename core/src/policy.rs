@@ -47,6 +47,15 @@ pub struct TopicPolicy {
     /// engine's [`WriterSettings::live_ring_bytes`](crate::WriterSettings), the gateway's
     /// `storage.live_ring_bytes`). Image topics want more than the default.
     pub live_ring_bytes: i64,
+    /// Upload sealed segments to the object store (`[offload]`); `retention_ms` and
+    /// `retention_bytes` then count the whole log, its offloaded part included.
+    pub remote_storage_enable: bool,
+    /// With remote storage: keep local copies of offloaded segments whose newest record is
+    /// younger than this (−2: as `retention_ms`; −1: keep them).
+    pub local_retention_ms: i64,
+    /// With remote storage: delete local copies of offloaded segments, oldest first, while the
+    /// local part stays at or above this size (−2: as `retention_bytes`; −1: no size limit).
+    pub local_retention_bytes: i64,
 }
 
 impl Default for TopicPolicy {
@@ -61,6 +70,9 @@ impl Default for TopicPolicy {
             max_message_bytes: 8 * 1024 * 1024,
             index_interval_bytes: 4096,
             live_ring_bytes: -1,
+            remote_storage_enable: false,
+            local_retention_ms: -2,
+            local_retention_bytes: -2,
         }
     }
 }
@@ -94,6 +106,16 @@ impl TopicPolicy {
                 return bad(format!("{key} must be positive or -1 (no limit), not {v}"));
             }
         }
+        for (key, v) in [
+            ("local_retention_ms", self.local_retention_ms),
+            ("local_retention_bytes", self.local_retention_bytes),
+        ] {
+            if v < -2 || v == 0 {
+                return bad(format!(
+                    "{key} must be positive, -1 (no limit) or -2 (as the whole log's), not {v}"
+                ));
+            }
+        }
         if self.durability == Durability::Interval && self.flush_interval_ms == 0 {
             return bad("flush_interval_ms must be positive with durability = \"interval\"".into());
         }
@@ -117,13 +139,31 @@ impl TopicPolicy {
         usize::try_from(self.live_ring_bytes).unwrap_or(default)
     }
 
-    pub(crate) fn log_config(&self) -> LogConfig {
+    /// The log's settings. With `tiered` (the engine offloads) and remote storage enabled,
+    /// the tier applies retention, since it alone sees the whole log.
+    pub(crate) fn log_config(&self, tiered: bool) -> LogConfig {
+        let by_log = !(tiered && self.remote_storage_enable);
         LogConfig {
             segment_bytes: self.segment_bytes,
             segment_ms: limit(self.segment_ms),
             index_interval_bytes: self.index_interval_bytes,
+            retention_ms: limit(self.retention_ms).filter(|_| by_log),
+            retention_bytes: limit(self.retention_bytes)
+                .map(|v| v as u64)
+                .filter(|_| by_log),
+        }
+    }
+
+    /// What an offload pass over this topic does.
+    pub(crate) fn pass_policy(&self) -> crate::tier::PassPolicy {
+        let local = |v: i64, whole: i64| if v == -2 { limit(whole) } else { limit(v) };
+        crate::tier::PassPolicy {
+            upload: self.remote_storage_enable,
             retention_ms: limit(self.retention_ms),
             retention_bytes: limit(self.retention_bytes).map(|v| v as u64),
+            local_retention_ms: local(self.local_retention_ms, self.retention_ms),
+            local_retention_bytes: local(self.local_retention_bytes, self.retention_bytes)
+                .map(|v| v as u64),
         }
     }
 }
@@ -200,6 +240,34 @@ mod tests {
     }
 
     #[test]
+    fn the_tier_takes_retention_of_offloading_topics() {
+        let p = TopicPolicy {
+            remote_storage_enable: true,
+            retention_bytes: 100 << 20,
+            local_retention_ms: 60_000,
+            ..Default::default()
+        };
+        p.validate().unwrap();
+        let c = p.log_config(true);
+        assert_eq!((c.retention_ms, c.retention_bytes), (None, None));
+        assert_eq!(p.log_config(false).retention_bytes, Some(100 << 20));
+        let pass = p.pass_policy();
+        assert_eq!(pass.local_retention_ms, Some(60_000));
+        // −2 takes the whole log's value.
+        assert_eq!(pass.local_retention_bytes, Some(100 << 20));
+        let bad = TopicPolicy {
+            local_retention_bytes: -3,
+            ..Default::default()
+        };
+        assert!(
+            bad.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("local_retention_bytes")
+        );
+    }
+
+    #[test]
     fn minus_one_means_unlimited() {
         let p = TopicPolicy {
             retention_ms: -1,
@@ -207,7 +275,7 @@ mod tests {
             segment_ms: -1,
             ..Default::default()
         };
-        let c = p.log_config();
+        let c = p.log_config(false);
         assert_eq!(
             (c.retention_ms, c.retention_bytes, c.segment_ms),
             (None, None, None)

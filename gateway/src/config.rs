@@ -46,6 +46,7 @@ pub(crate) struct Config {
     pub(crate) runtime: RuntimeSection,
     pub(crate) relay: RelaySection,
     pub(crate) rtsp: sluice_rtsp::RtspSettings,
+    pub(crate) offload: OffloadSection,
     /// Cameras pulled from start (`[[cameras]]`); more can be added over the REST API.
     pub(crate) cameras: Vec<sluice_rtsp::CameraSpec>,
 }
@@ -89,6 +90,51 @@ impl ListenersSection {
                 write: ms(self.write_timeout_ms),
             },
             drain: ms(self.drain_timeout_ms),
+        }
+    }
+}
+
+/// `[offload]`: the object-store tier (docs in examples/sluice.toml).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct OffloadSection {
+    pub(crate) enabled: bool,
+    pub(crate) store: String,
+    pub(crate) endpoint: String,
+    pub(crate) region: String,
+    pub(crate) access_key_id: String,
+    pub(crate) secret_access_key: String,
+    pub(crate) allow_http: bool,
+    pub(crate) virtual_hosted_style: bool,
+    pub(crate) interval_ms: u64,
+    pub(crate) part_bytes: usize,
+    pub(crate) upload_concurrency: usize,
+    pub(crate) cache_bytes: usize,
+    pub(crate) chunk_bytes: usize,
+    pub(crate) read_ahead_chunks: usize,
+}
+
+impl OffloadSection {
+    pub(crate) fn spec(&self) -> sluice_core::StoreSpec {
+        sluice_core::StoreSpec {
+            url: self.store.clone(),
+            endpoint: self.endpoint.clone(),
+            region: self.region.clone(),
+            access_key_id: self.access_key_id.clone(),
+            secret_access_key: self.secret_access_key.clone(),
+            allow_http: self.allow_http,
+            virtual_hosted_style: self.virtual_hosted_style,
+        }
+    }
+
+    pub(crate) fn settings(&self) -> sluice_core::TierSettings {
+        sluice_core::TierSettings {
+            interval: Duration::from_millis(self.interval_ms),
+            part_bytes: self.part_bytes,
+            upload_concurrency: self.upload_concurrency.max(1),
+            cache_bytes: self.cache_bytes,
+            chunk_bytes: self.chunk_bytes,
+            read_ahead_chunks: self.read_ahead_chunks,
         }
     }
 }
@@ -374,6 +420,10 @@ impl Config {
     fn validate(&self) -> Result<(), ConfigError> {
         let invalid = |m: String| Err(ConfigError::Invalid(m));
         self.rtsp.validate().map_err(ConfigError::Invalid)?;
+        self.offload
+            .settings()
+            .validate()
+            .map_err(ConfigError::Invalid)?;
         let mut names = std::collections::HashSet::new();
         for camera in &self.cameras {
             camera
@@ -595,6 +645,7 @@ impl Config {
             subscription_flush_interval: Duration::from_millis(
                 self.storage.subscription_flush_interval_ms,
             ),
+            tier: None,
         }
     }
 

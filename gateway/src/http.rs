@@ -193,6 +193,9 @@ async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
     if let Some(cameras) = &state.cameras {
         crate::metrics::render_cameras(&mut body, &cameras.list());
     }
+    if let Some(offload) = state.engine.offload_metrics() {
+        crate::metrics::render_offload(&mut body, &offload);
+    }
     if let Some(relay) = &state.relay {
         crate::metrics::render_relay(&mut body, relay, &engine);
     }

@@ -148,6 +148,9 @@ fn main() -> ExitCode {
         if !shown.relay.password.is_empty() {
             shown.relay.password = "<hidden>".into();
         }
+        if !shown.offload.secret_access_key.is_empty() {
+            shown.offload.secret_access_key = "<hidden>".into();
+        }
         for camera in &mut shown.cameras {
             camera.url = camera.public_url();
             if !camera.password.is_empty() {
@@ -230,6 +233,15 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         }
         None => config.engine_config(),
     };
+    let mut engine_config = engine_config;
+    // A relay keeps a scratch copy only: nothing of it is offloaded.
+    if config.offload.enabled && !config.is_relay() {
+        let default_dir = engine_config.data_dir.join("offload");
+        let store = sluice_core::open_store(&config.offload.spec(), &default_dir)
+            .map_err(anyhow::Error::msg)?;
+        info!(store = %config.offload.spec().describe(&default_dir), "offload enabled");
+        engine_config.tier = Some(sluice_core::Tier::new(store, config.offload.settings()));
+    }
     let dir = engine_config.data_dir.clone();
     // A relay's scratch copy is never fsynced: direct writes would only make it wait for the disk.
     let direct = (!config.is_relay() && config.storage.direct_write_min_bytes > 0)

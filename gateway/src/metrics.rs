@@ -1014,6 +1014,126 @@ pub(crate) fn render_cameras(body: &mut String, cameras: &[sluice_rtsp::CameraSt
     *body = out.0;
 }
 
+/// Appends the object-store tier's metrics: upload progress and lag per topic, where each
+/// partition's bytes are, remote reads and the read-ahead cache, failures by kind.
+pub(crate) fn render_offload(body: &mut String, m: &sluice_core::OffloadMetrics) {
+    let mut out = Out(std::mem::take(body));
+    type Topic = fn(&sluice_core::TopicOffload) -> f64;
+    let per_topic: [(&str, &str, &str, Topic); 6] = [
+        (
+            "sluice_offload_uploaded_bytes_total",
+            "counter",
+            "Bytes of segments uploaded to the object store (since start).",
+            |t| t.uploaded_bytes as f64,
+        ),
+        (
+            "sluice_offload_uploaded_segments_total",
+            "counter",
+            "Segments uploaded to the object store (since start).",
+            |t| t.uploaded_segments as f64,
+        ),
+        (
+            "sluice_offload_remote_deleted_segments_total",
+            "counter",
+            "Offloaded segments deleted from the object store by retention (since start).",
+            |t| t.remote_deleted_segments as f64,
+        ),
+        (
+            "sluice_offload_lag_bytes",
+            "gauge",
+            "Bytes of sealed segments waiting for upload (the local disk holds them).",
+            |t| t.lag_bytes as f64,
+        ),
+        (
+            "sluice_offload_lag_segments",
+            "gauge",
+            "Sealed segments waiting for upload.",
+            |t| t.lag_segments as f64,
+        ),
+        (
+            "sluice_offload_oldest_pending_age_seconds",
+            "gauge",
+            "Seconds since the oldest segment waiting for upload was sealed (0: none waits).",
+            |t| t.oldest_pending_age_s,
+        ),
+    ];
+    for (name, kind, help, value) in per_topic {
+        out.header(name, kind, help);
+        for t in &m.topics {
+            out.sample(name, &format!("topic=\"{}\"", escape(&t.topic)), value(t));
+        }
+    }
+    type Part = fn(&sluice_core::PartitionOffload) -> u64;
+    let per_partition: [(&str, &str, Part); 2] = [
+        (
+            "sluice_partition_local_bytes",
+            "Bytes of the partition on the local disk.",
+            |p| p.local_bytes,
+        ),
+        (
+            "sluice_partition_remote_bytes",
+            "Bytes of the partition in the object store.",
+            |p| p.remote_bytes,
+        ),
+    ];
+    for (name, help, value) in per_partition {
+        out.header(name, "gauge", help);
+        for p in &m.partitions {
+            out.sample(
+                name,
+                &format!(
+                    "topic=\"{}\",partition=\"{}\"",
+                    escape(&p.topic),
+                    p.partition
+                ),
+                value(p),
+            );
+        }
+    }
+    out.header(
+        "sluice_offload_failures_total",
+        "counter",
+        "Object-store and local-file operations of the tier that failed, by kind (put, manifest, get, list, delete, local).",
+    );
+    for (kind, n) in &m.failures {
+        out.sample(
+            "sluice_offload_failures_total",
+            &format!("kind=\"{kind}\""),
+            n,
+        );
+    }
+    out.single(
+        "sluice_remote_read_bytes_total",
+        "counter",
+        "Bytes read from the object store by ranged GETs (reads and read-ahead).",
+        m.read_bytes,
+    );
+    out.histogram(
+        "sluice_remote_read_seconds",
+        "Latency of one ranged GET of a segment chunk.",
+        &m.read_latency,
+    );
+    out.single(
+        "sluice_remote_cache_hits_total",
+        "counter",
+        "Remote reads served by the read-ahead cache (or a GET already on its way).",
+        m.cache_hits,
+    );
+    out.single(
+        "sluice_remote_cache_misses_total",
+        "counter",
+        "Remote reads that needed a GET of their own.",
+        m.cache_misses,
+    );
+    out.single(
+        "sluice_remote_cache_bytes",
+        "gauge",
+        "Bytes the read-ahead cache holds.",
+        m.cache_bytes,
+    );
+    *body = out.0;
+}
+
 pub(crate) fn render_rest(body: &mut String, m: &sluice_rest::RestMetrics) {
     use std::sync::atomic::Ordering::Relaxed;
     let mut o = Out(std::mem::take(body));

@@ -26,6 +26,10 @@ pub enum StorageError {
     },
     #[error("batch of {size} bytes is larger than a segment can hold ({limit} bytes)")]
     BatchTooLarge { size: usize, limit: u64 },
+    /// The offloaded part of the log could not be read (the object store failed or holds
+    /// something other than its manifest says): the same read may succeed later.
+    #[error("remote segment read failed: {reason}")]
+    Remote { reason: String },
 }
 
 impl StorageError {

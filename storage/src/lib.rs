@@ -2,7 +2,8 @@
 //! batches verbatim, with sparse offset and time indexes, crash recovery, rolling, sealing and
 //! retention. The byte layout of every file is specified in `storage/FORMAT.md`.
 //!
-//! This crate owns files and bytes only. It knows nothing of topics, protocols or async
+//! This crate owns files and bytes only; the offloaded part of a log is reached through the
+//! [`RemoteLog`] trait, implemented by the object-store tier (`sluice-tier`). It knows nothing of topics, protocols or async
 //! runtimes, depends on no other Sluice crate, and never acknowledges anything: the caller
 //! decides when a commit (and its fsync) makes appended batches durable and visible.
 
@@ -15,6 +16,7 @@ mod index;
 mod io;
 mod log;
 mod mapped;
+mod remote;
 mod segment;
 
 pub use batch::{
@@ -34,3 +36,6 @@ pub use log::{
     RecoveryReport, RetentionOutcome, ValidatedBatch,
 };
 pub use mapped::MappedBuf;
+pub use remote::{
+    Cut, RemoteLog, SealedSegmentFiles, SegmentIndexes, TimeScan, cut_batches, scan_for_timestamp,
+};

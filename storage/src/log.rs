@@ -20,6 +20,7 @@ use crate::clock::Clock;
 use crate::error::{Result, StorageError};
 use crate::index::{SegmentIndex, SegmentMeta};
 use crate::io::{LogFile, Storage, TMP_SUFFIX};
+use crate::remote::{RemoteLog, SealedSegmentFiles};
 use crate::segment::{ScanEnd, Segment, SegmentFile, SegmentPaths};
 
 /// Largest segment: index positions are 32-bit.
@@ -170,9 +171,13 @@ pub struct RecoveryReport {
 /// Sizes of a partition log, for metrics and describe calls.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LogStats {
+    /// Local segments and their bytes.
     pub segments: usize,
     pub bytes: u64,
+    /// The first offset of the whole log, its offloaded part included.
     pub log_start: u64,
+    /// The first offset of the local segments.
+    pub local_start: u64,
     pub high_watermark: u64,
 }
 
@@ -199,8 +204,18 @@ struct Shared {
     dir: PathBuf,
     segments: RwLock<Vec<Arc<Segment>>>,
     high_watermark: AtomicU64,
+    /// The first offset of the local segments.
     log_start: AtomicU64,
     poisoned: AtomicBool,
+    remote: RwLock<Remote>,
+}
+
+/// The offloaded part of the log as the reader sees it: offsets `start..end`, served by `log`.
+#[derive(Debug, Default)]
+struct Remote {
+    log: Option<Arc<dyn RemoteLog>>,
+    start: u64,
+    end: u64,
 }
 
 /// Writer-side facts about the active segment that readers do not need.
@@ -432,6 +447,7 @@ impl PartitionLog {
             high_watermark: AtomicU64::new(next_offset),
             log_start: AtomicU64::new(log_start),
             poisoned: AtomicBool::new(false),
+            remote: RwLock::new(Remote::default()),
         });
         if report.truncated_bytes > 0 || report.rebuilt_indexes > 0 {
             info!(dir = %dir.display(), ?report, "partition log recovered");
@@ -883,8 +899,44 @@ impl LogReader {
         self.shared.high_watermark.load(Ordering::Acquire)
     }
 
+    /// The first offset of the log: of its offloaded part when that reaches the local
+    /// segments, else of the local segments.
     pub fn log_start(&self) -> u64 {
+        let local = self.local_start();
+        let remote = self.shared.remote.read();
+        if remote.log.is_some() && remote.start < local && remote.end >= local {
+            remote.start
+        } else {
+            local
+        }
+    }
+
+    /// The first offset of the local segments.
+    pub fn local_start(&self) -> u64 {
         self.shared.log_start.load(Ordering::Acquire)
+    }
+
+    /// Attaches the offloaded part of the log: offsets below the local segments are read
+    /// through `log` while they lie in the range [`Self::set_remote_range`] gives.
+    pub fn set_remote(&self, log: Arc<dyn RemoteLog>) {
+        self.shared.remote.write().log = Some(log);
+    }
+
+    /// The offsets `start..end` the offloaded part holds (empty when `start == end`). A range
+    /// that ends before the local segments start leaves a gap and is not read.
+    pub fn set_remote_range(&self, start: u64, end: u64) {
+        let mut remote = self.shared.remote.write();
+        remote.start = start;
+        remote.end = end.max(start);
+    }
+
+    /// The offloaded part, when it is what serves offsets below the local segments.
+    fn remote_below_local(&self) -> Option<Arc<dyn RemoteLog>> {
+        let local = self.local_start();
+        let remote = self.shared.remote.read();
+        (remote.start < local && remote.end >= local)
+            .then(|| remote.log.clone())
+            .flatten()
     }
 
     pub fn is_poisoned(&self) -> bool {
@@ -897,8 +949,33 @@ impl LogReader {
             segments: segments.len(),
             bytes: segments.iter().map(|s| s.size()).sum(),
             log_start: self.log_start(),
+            local_start: self.local_start(),
             high_watermark: self.high_watermark(),
         }
+    }
+
+    /// The files of every sealed local segment, oldest first, for an uploader. A sealed
+    /// segment's files never change; retention may delete them.
+    pub fn sealed_segment_files(&self) -> Vec<SealedSegmentFiles> {
+        self.shared
+            .segments
+            .read()
+            .iter()
+            .filter_map(|s| {
+                s.sealed.get().map(|meta| SealedSegmentFiles {
+                    meta: *meta,
+                    log: s.paths.log.clone(),
+                    index: s.paths.index.clone(),
+                    time_index: s.paths.time_index.clone(),
+                    seal: s.paths.seal.clone(),
+                })
+            })
+            .collect()
+    }
+
+    /// The directory of this log's files.
+    pub fn dir(&self) -> &Path {
+        &self.shared.dir
     }
 
     /// Metadata of every sealed segment, oldest first.
@@ -932,6 +1009,17 @@ impl LogReader {
                 high_watermark,
             });
         }
+        if offset < self.local_start()
+            && let Some(remote) = self.remote_below_local()
+        {
+            let (data, next_offset) = remote.read(offset, max_bytes)?;
+            return Ok(Fetched {
+                data,
+                next_offset,
+                high_watermark,
+                log_start,
+            });
+        }
         let empty = Fetched {
             data: Bytes::new(),
             next_offset: offset,
@@ -959,7 +1047,12 @@ impl LogReader {
     /// timestamp), or `None` when every record is older.
     pub fn offset_for_timestamp(&self, timestamp: i64) -> Result<Option<(u64, i64)>> {
         let high_watermark = self.high_watermark();
-        let segments = self.segments_from(self.log_start());
+        if let Some(remote) = self.remote_below_local()
+            && let Some(found) = remote.offset_for_timestamp(timestamp)?
+        {
+            return Ok(Some(found));
+        }
+        let segments = self.segments_from(self.local_start());
         for segment in segments {
             if segment.max_timestamp.load(Ordering::Acquire) < timestamp {
                 continue;

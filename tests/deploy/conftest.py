@@ -9,13 +9,14 @@ Grafana dashboard's queries evaluated by that Prometheus.
 from __future__ import annotations
 
 import sys
+
+import pytest
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from harness import (  # noqa: E402,F401  (fixtures and hooks are found by name here)
     Gateway,
-    gateway,
     gateway_class,
     gateway_factory,
     pytest_collection_modifyitems,
@@ -23,3 +24,10 @@ from harness import (  # noqa: E402,F401  (fixtures and hooks are found by name 
     pytest_runtest_makereport,
     uniq,
 )
+
+
+@pytest.fixture
+def gateway(gateway_factory) -> Gateway:
+    """The gateway as the compose file runs it: offload on (to MinIO there; here to the
+    embedded default, a directory store), so every family the dashboard names is exposed."""
+    return gateway_factory(env={"SLUICE_OFFLOAD__ENABLED": "true"})

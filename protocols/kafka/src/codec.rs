@@ -228,6 +228,9 @@ mod tests {
             ApiKey::DescribeConfigs => {
                 RequestKind::DescribeConfigs(DescribeConfigsRequest::default())
             }
+            ApiKey::IncrementalAlterConfigs => {
+                RequestKind::IncrementalAlterConfigs(IncrementalAlterConfigsRequest::default())
+            }
             ApiKey::SaslAuthenticate => {
                 RequestKind::SaslAuthenticate(SaslAuthenticateRequest::default())
             }

@@ -47,7 +47,10 @@ pub(crate) fn code(e: &CoreError) -> i16 {
         CoreError::InvalidBatch(BatchError::CrcMismatch { .. }) => CORRUPT_MESSAGE,
         CoreError::InvalidBatch(_) | CoreError::EmptyProduce => INVALID_RECORD,
         CoreError::OffsetOutOfRange { .. } => OFFSET_OUT_OF_RANGE,
-        CoreError::Storage { .. } | CoreError::Metadata { .. } => KAFKA_STORAGE_ERROR,
+        // Retriable: an offloaded range the object store cannot serve now.
+        CoreError::Storage { .. }
+        | CoreError::Metadata { .. }
+        | CoreError::RemoteUnavailable { .. } => KAFKA_STORAGE_ERROR,
         CoreError::InvalidGroupId { .. } => INVALID_GROUP_ID,
         CoreError::CommitMetadataTooLarge { .. } => OFFSET_METADATA_TOO_LARGE,
         // Retriable: the client reconnects and retries against the restarted gateway.

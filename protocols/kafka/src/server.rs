@@ -350,6 +350,9 @@ impl KafkaServer {
             RequestKind::DescribeConfigs(r) => {
                 ResponseKind::DescribeConfigs(handlers::describe_configs::handle(self, r))
             }
+            RequestKind::IncrementalAlterConfigs(r) => ResponseKind::IncrementalAlterConfigs(
+                handlers::incremental_alter_configs::handle(self, r).await,
+            ),
             RequestKind::DescribeCluster(_) => {
                 ResponseKind::DescribeCluster(handlers::describe_cluster::handle(self, v))
             }

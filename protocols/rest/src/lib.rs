@@ -217,6 +217,7 @@ pub fn router_with(api: Arc<RestApi>, extra: OpenApiRouter) -> Router {
         .routes(routes!(topics::list, topics::create))
         .routes(routes!(topics::describe, topics::delete))
         .routes(routes!(topics::set_policy))
+        .routes(routes!(topics::offload))
         .routes(routes!(records::produce))
         .routes(routes!(records::produce_batch))
         .routes(routes!(records::fetch))

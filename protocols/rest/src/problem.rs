@@ -115,6 +115,9 @@ impl From<CoreError> for Problem {
             | CoreError::InvalidBatch(_) => (StatusCode::BAD_REQUEST, "bad-request"),
             CoreError::InternalTopic { .. } => (StatusCode::FORBIDDEN, "internal-topic"),
             CoreError::ShuttingDown => (StatusCode::SERVICE_UNAVAILABLE, "shutting-down"),
+            CoreError::RemoteUnavailable { .. } => {
+                (StatusCode::SERVICE_UNAVAILABLE, "remote-unavailable")
+            }
             e if e.is_out_of_files() => (StatusCode::SERVICE_UNAVAILABLE, "out-of-files"),
             _ => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
         };

@@ -49,10 +49,20 @@ fn one() -> u32 {
 #[derive(Debug, Serialize, ToSchema)]
 pub(crate) struct Partition {
     partition: u32,
+    /// The first offset of the whole log, its offloaded part included.
     log_start: u64,
     high_watermark: u64,
+    /// Local segments and their bytes.
     segments: usize,
     bytes: u64,
+    /// The first offset held on the local disk.
+    local_start: u64,
+    local_bytes: u64,
+    /// Offsets `remote_start..remote_end` are in the object store (equal when none).
+    remote_start: u64,
+    remote_end: u64,
+    remote_segments: usize,
+    remote_bytes: u64,
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -80,6 +90,12 @@ impl From<TopicDescription> for Topic {
                     high_watermark: p.high_watermark,
                     segments: p.segments,
                     bytes: p.bytes,
+                    local_start: p.local_start,
+                    local_bytes: p.bytes,
+                    remote_start: p.remote_start,
+                    remote_end: p.remote_end,
+                    remote_segments: p.remote_segments,
+                    remote_bytes: p.remote_bytes,
                 })
                 .collect(),
         }
@@ -144,6 +160,58 @@ pub(crate) async fn set_policy(
     let current = engine.describe_topic(&topic)?.policy;
     let policy = merged_policy(&current, changes)?;
     Ok(Json(engine.set_policy(&topic, policy).await?.into()))
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub(crate) struct PartitionOffloaded {
+    partition: u32,
+    uploaded_segments: u64,
+    uploaded_bytes: u64,
+    /// Offloaded segments past the topic's retention, deleted from the store.
+    remote_deleted_segments: u64,
+    /// Local copies of offloaded segments deleted by the local retention.
+    deleted_local_segments: u64,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub(crate) struct Offloaded {
+    topic: String,
+    partitions: Vec<PartitionOffloaded>,
+}
+
+/// Runs an offload pass over the topic's partitions now: uploads their sealed segments, then
+/// applies local and whole-log retention (what the periodic pass does every
+/// `offload.interval_ms`). 503 when the object store failed; what was done before stays done.
+#[utoipa::path(post, path = "/topics/{topic}/offload", tag = "topics", params(("topic" = String, Path, pattern = "^[A-Za-z0-9._-]{1,249}$")),
+    responses((status = 200, description = "What the pass did", body = Offloaded), (status = 400, description = "Bad parameters, or offload not enabled", body = ProblemBody, content_type = "application/problem+json"), (status = 403, description = "An internal topic (`__`): read-only for clients", body = ProblemBody, content_type = "application/problem+json"), (status = 404, description = "Unknown topic, partition or record", body = ProblemBody, content_type = "application/problem+json"), (status = 503, description = "The object store failed; retry after Retry-After seconds", body = ProblemBody, content_type = "application/problem+json")))]
+pub(crate) async fn offload(
+    State(api): State<Arc<RestApi>>,
+    topic: Result<Path<String>, PathRejection>,
+) -> Result<Json<Offloaded>, Problem> {
+    let topic = path(topic)?;
+    let outcomes = api.engine.offload_topic(&topic).await?;
+    if let Some(e) = outcomes.iter().find_map(|o| o.error.as_ref()) {
+        let mut p = Problem::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "remote-unavailable",
+            format!("offload of {topic} failed: {e}"),
+        );
+        p.retry_after_s = Some(5);
+        return Err(p);
+    }
+    Ok(Json(Offloaded {
+        topic,
+        partitions: outcomes
+            .into_iter()
+            .map(|o| PartitionOffloaded {
+                partition: o.partition,
+                uploaded_segments: o.uploaded_segments,
+                uploaded_bytes: o.uploaded_bytes,
+                remote_deleted_segments: o.remote_deleted_segments,
+                deleted_local_segments: o.deleted_local_segments,
+            })
+            .collect(),
+    }))
 }
 
 /// Deletes a topic, its data, its subscriptions and the groups' offsets on it.

@@ -10,6 +10,7 @@ pub(crate) mod describe_groups;
 pub(crate) mod fetch;
 pub(crate) mod find_coordinator;
 pub(crate) mod heartbeat;
+pub(crate) mod incremental_alter_configs;
 pub(crate) mod init_producer_id;
 pub(crate) mod join_group;
 pub(crate) mod leave_group;

@@ -32,6 +32,16 @@ pub(crate) fn apply(policy: &mut TopicPolicy, name: &str, value: &str) -> Result
         "max.message.bytes" => policy.max_message_bytes = pos()?,
         "index.interval.bytes" => policy.index_interval_bytes = pos()?,
         "sluice.live.ring.bytes" => policy.live_ring_bytes = int()?,
+        // KIP-405's tiered-storage configs.
+        "remote.storage.enable" => {
+            policy.remote_storage_enable = match value {
+                "true" => true,
+                "false" => false,
+                _ => return Err(format!("{name} = {value:?}: true or false")),
+            }
+        }
+        "local.retention.ms" => policy.local_retention_ms = int()?,
+        "local.retention.bytes" => policy.local_retention_bytes = int()?,
         // Kafka's flush settings map onto Sluice's durability modes.
         "flush.messages" => {
             if pos()? <= 1 {
@@ -91,6 +101,15 @@ pub(crate) fn describe(policy: &TopicPolicy) -> Vec<(&'static str, String)> {
         ("sluice.durability", durability.into()),
         ("flush.ms", policy.flush_interval_ms.to_string()),
         ("sluice.live.ring.bytes", policy.live_ring_bytes.to_string()),
+        (
+            "remote.storage.enable",
+            policy.remote_storage_enable.to_string(),
+        ),
+        ("local.retention.ms", policy.local_retention_ms.to_string()),
+        (
+            "local.retention.bytes",
+            policy.local_retention_bytes.to_string(),
+        ),
     ]
 }
 

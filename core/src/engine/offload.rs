@@ -1,0 +1,192 @@
+//! Driving the object-store tier: the periodic pass over every offloading partition, the
+//! operator's trigger, and the tier's metrics.
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use tracing::{info, warn};
+
+use super::{Engine, Inner, Topic};
+use crate::error::{CoreError, Result};
+use crate::partition::Partition;
+use crate::tier::PassOutcome;
+
+/// The tier's figures for metrics: per topic and partition, and the store's counters.
+#[derive(Debug, Clone, Default)]
+pub struct OffloadMetrics {
+    pub topics: Vec<TopicOffload>,
+    pub partitions: Vec<PartitionOffload>,
+    pub read_bytes: u64,
+    pub read_latency: crate::HistogramSnapshot,
+    pub cache_hits: u64,
+    pub cache_misses: u64,
+    pub cache_bytes: u64,
+    pub failures: Vec<(&'static str, u64)>,
+}
+
+/// One offloading topic's upload figures.
+#[derive(Debug, Clone, Default)]
+pub struct TopicOffload {
+    pub topic: String,
+    pub uploaded_bytes: u64,
+    pub uploaded_segments: u64,
+    pub remote_deleted_segments: u64,
+    /// Sealed segments waiting for upload, their bytes and the age of the oldest (seconds).
+    pub lag_bytes: u64,
+    pub lag_segments: u64,
+    pub oldest_pending_age_s: f64,
+}
+
+/// Where one partition's bytes are.
+#[derive(Debug, Clone, Default)]
+pub struct PartitionOffload {
+    pub topic: String,
+    pub partition: u32,
+    pub local_bytes: u64,
+    pub remote_bytes: u64,
+}
+
+/// Runs a pass over every partition of every topic that offloads (or still has offloaded
+/// data) each `interval`, until the engine closes.
+pub(super) async fn offload_loop(inner: Weak<Inner>, interval: Duration) {
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut failing = std::collections::HashSet::new();
+    loop {
+        tick.tick().await;
+        let Some(inner) = inner.upgrade() else { break };
+        if inner.closing.load(Ordering::Acquire) {
+            break;
+        }
+        let engine = Engine {
+            inner,
+            system: true,
+        };
+        let topics: Vec<Arc<Topic>> = engine
+            .inner
+            .topics
+            .iter()
+            .map(|t| t.value().clone())
+            .collect();
+        for topic in topics {
+            let name = topic.meta.read().name.clone();
+            for p in &topic.partitions {
+                let Some(outcome) = engine.pass(&topic, p).await else {
+                    continue;
+                };
+                let key = (name.clone(), p.id);
+                match &outcome.error {
+                    Some(e) if failing.insert(key.clone()) => {
+                        warn!(topic = name, partition = p.id, error = %e,
+                            "offload is failing; the local disk keeps the data and the next passes retry");
+                    }
+                    None if failing.remove(&key) => {
+                        info!(topic = name, partition = p.id, "offload works again");
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+}
+
+impl Engine {
+    /// One pass over one partition; `None` when it has nothing to do with the tier.
+    async fn pass(&self, topic: &Topic, p: &Partition) -> Option<PassOutcome> {
+        let tier = p.tier.as_ref()?;
+        let policy = topic.meta.read().policy.pass_policy();
+        if !policy.upload && tier.manifest().segments.is_empty() {
+            return None;
+        }
+        let mut outcome = tier.pass(&p.reader, policy, self.now_ms()).await;
+        if let Some(offset) = outcome.delete_local_before {
+            let before = p.reader.stats().segments;
+            match p.delete_before(offset).await {
+                Some(Ok(_)) => {
+                    let after = p.reader.stats().segments;
+                    outcome.deleted_local_segments = before.saturating_sub(after) as u64;
+                }
+                Some(Err(e)) => {
+                    outcome.error.get_or_insert(format!("local delete: {e}"));
+                }
+                None => {}
+            }
+        }
+        Some(outcome)
+    }
+
+    /// Runs an offload pass over every partition of `topic` now (the admin API's trigger).
+    pub async fn offload_topic(&self, name: &str) -> Result<Vec<PassOutcome>> {
+        self.check_writable(name)?;
+        let topic = self.topic(name)?;
+        if self.inner.config.tier.is_none() {
+            return Err(CoreError::InvalidPolicy {
+                reason: "offload is not enabled on this gateway ([offload] enabled = false)".into(),
+            });
+        }
+        let mut out = Vec::with_capacity(topic.partitions.len());
+        for p in &topic.partitions {
+            if let Some(outcome) = self.pass(&topic, p).await {
+                out.push(outcome);
+            }
+        }
+        Ok(out)
+    }
+
+    /// The tier's figures; `None` when the engine does not offload.
+    pub fn offload_metrics(&self) -> Option<OffloadMetrics> {
+        let tier = self.inner.config.tier.as_ref()?;
+        let now = self.now_ms();
+        let c = tier.counters();
+        let mut m = OffloadMetrics {
+            read_bytes: c.read_bytes.load(Ordering::Relaxed),
+            read_latency: c.read_latency.snapshot(),
+            cache_hits: c.cache_hits.load(Ordering::Relaxed),
+            cache_misses: c.cache_misses.load(Ordering::Relaxed),
+            cache_bytes: tier.cache_bytes() as u64,
+            failures: c.failures().to_vec(),
+            ..Default::default()
+        };
+        let mut names: Vec<String> = self.inner.topics.iter().map(|t| t.key().clone()).collect();
+        names.sort();
+        for name in names {
+            let Ok(topic) = self.topic(&name) else {
+                continue;
+            };
+            let offloading = topic.meta.read().policy.remote_storage_enable;
+            let mut t = TopicOffload {
+                topic: name.clone(),
+                ..Default::default()
+            };
+            let mut any = offloading;
+            for p in &topic.partitions {
+                let Some(pt) = &p.tier else { continue };
+                let manifest = pt.manifest();
+                any |= !manifest.segments.is_empty();
+                t.uploaded_bytes += pt.uploaded_bytes.load(Ordering::Relaxed);
+                t.uploaded_segments += pt.uploaded_segments.load(Ordering::Relaxed);
+                t.remote_deleted_segments += pt.remote_deleted_segments.load(Ordering::Relaxed);
+                if offloading {
+                    let (bytes, segments, oldest) = pt.lag(&p.reader);
+                    t.lag_bytes += bytes;
+                    t.lag_segments += segments;
+                    if let Some(sealed_at) = oldest {
+                        let age = (now - sealed_at).max(0) as f64 / 1000.0;
+                        t.oldest_pending_age_s = t.oldest_pending_age_s.max(age);
+                    }
+                }
+                m.partitions.push(PartitionOffload {
+                    topic: name.clone(),
+                    partition: p.id,
+                    local_bytes: p.reader.stats().bytes,
+                    remote_bytes: manifest.bytes(),
+                });
+            }
+            if any {
+                m.topics.push(t);
+            }
+        }
+        Some(m)
+    }
+}

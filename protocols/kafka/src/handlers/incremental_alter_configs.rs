@@ -1,0 +1,148 @@
+//! IncrementalAlterConfigs (KIP-339): SET and DELETE of topic configs, such as KIP-405's
+//! `remote.storage.enable` and `local.retention.*`, applied to the topic's policy. Broker
+//! configs live in the gateway's config file and are refused here.
+
+use kafka_protocol::messages::incremental_alter_configs_response::AlterConfigsResourceResponse;
+use kafka_protocol::messages::{IncrementalAlterConfigsRequest, IncrementalAlterConfigsResponse};
+use sluice_core::TopicPolicy;
+
+use super::{s, topic_config};
+use crate::errors;
+use crate::server::KafkaServer;
+
+const TOPIC: i8 = 2;
+const SET: i8 = 0;
+const DELETE: i8 = 1;
+
+/// The policy after `configs`; DELETE puts back the gateway's default for the key.
+fn changed(
+    current: &TopicPolicy,
+    defaults: &TopicPolicy,
+    configs: &[(String, i8, Option<String>)],
+) -> Result<TopicPolicy, String> {
+    let mut policy = current.clone();
+    for (name, op, value) in configs {
+        match *op {
+            SET => {
+                let value = value
+                    .as_deref()
+                    .ok_or_else(|| format!("SET {name} without a value"))?;
+                topic_config::apply(&mut policy, name, value)?;
+            }
+            DELETE => {
+                let default = topic_config::describe(defaults)
+                    .into_iter()
+                    .find(|(k, _)| k == name)
+                    .map(|(_, v)| v)
+                    .ok_or_else(|| format!("unknown topic config {name:?}"))?;
+                topic_config::apply(&mut policy, name, &default)?;
+            }
+            other => {
+                return Err(format!(
+                    "operation {other} (APPEND/SUBTRACT) applies to list configs; {name} is not one"
+                ));
+            }
+        }
+    }
+    Ok(policy)
+}
+
+pub(crate) async fn handle(
+    server: &KafkaServer,
+    req: IncrementalAlterConfigsRequest,
+) -> IncrementalAlterConfigsResponse {
+    let engine = &server.engine;
+    let mut resp = IncrementalAlterConfigsResponse::default();
+    for res in req.resources {
+        let mut r = AlterConfigsResourceResponse::default();
+        r.resource_type = res.resource_type;
+        r.resource_name = res.resource_name.clone();
+        let topic = res.resource_name.as_str();
+        let outcome: Result<(), (i16, String)> = if res.resource_type != TOPIC {
+            Err((
+                errors::INVALID_REQUEST,
+                "only topic configs can be changed; broker settings are in the gateway's config file"
+                    .into(),
+            ))
+        } else {
+            let configs: Vec<(String, i8, Option<String>)> = res
+                .configs
+                .iter()
+                .map(|c| {
+                    (
+                        c.name.to_string(),
+                        c.config_operation,
+                        c.value.as_ref().map(|v| v.to_string()),
+                    )
+                })
+                .collect();
+            match engine.describe_topic(topic) {
+                Err(e) => Err((errors::code(&e), e.to_string())),
+                Ok(d) => match changed(&d.policy, &engine.config().default_policy, &configs) {
+                    Err(reason) => Err((errors::INVALID_CONFIG, reason)),
+                    Ok(policy) => match policy.validate() {
+                        Err(e) => Err((errors::code(&e), e.to_string())),
+                        Ok(()) if req.validate_only => Ok(()),
+                        Ok(()) => engine
+                            .set_policy(topic, policy)
+                            .await
+                            .map(drop)
+                            .map_err(|e| (errors::code(&e), e.to_string())),
+                    },
+                },
+            }
+        };
+        if let Err((code, message)) = outcome {
+            r.error_code = code;
+            r.error_message = Some(s(message));
+        }
+        resp.responses.push(r);
+    }
+    resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn set_and_delete_change_the_policy() {
+        let defaults = TopicPolicy::default();
+        let set = vec![
+            (
+                "remote.storage.enable".to_owned(),
+                SET,
+                Some("true".to_owned()),
+            ),
+            (
+                "local.retention.ms".to_owned(),
+                SET,
+                Some("60000".to_owned()),
+            ),
+        ];
+        let p = changed(&defaults, &defaults, &set).unwrap();
+        assert!(p.remote_storage_enable);
+        assert_eq!(p.local_retention_ms, 60_000);
+        let delete = vec![("local.retention.ms".to_owned(), DELETE, None)];
+        let back = changed(&p, &defaults, &delete).unwrap();
+        assert_eq!(back.local_retention_ms, defaults.local_retention_ms);
+        assert!(back.remote_storage_enable);
+    }
+
+    #[test]
+    fn bad_operations_and_values_are_refused() {
+        let d = TopicPolicy::default();
+        for configs in [
+            vec![("retention.ms".to_owned(), 2, Some("1".to_owned()))],
+            vec![(
+                "remote.storage.enable".to_owned(),
+                SET,
+                Some("yes".to_owned()),
+            )],
+            vec![("no.such.config".to_owned(), DELETE, None)],
+            vec![("retention.ms".to_owned(), SET, None)],
+        ] {
+            assert!(changed(&d, &d, &configs).is_err(), "{configs:?}");
+        }
+    }
+}
