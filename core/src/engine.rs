@@ -260,6 +260,19 @@ pub fn is_internal_topic(name: &str) -> bool {
     name.starts_with("__")
 }
 
+/// Refuses remote storage on an engine that does not offload (Kafka refuses
+/// `remote.storage.enable` where tiered storage is off in the broker).
+fn check_tiered(config: &EngineConfig, policy: &TopicPolicy) -> Result<()> {
+    if policy.remote_storage_enable && config.tier.is_none() {
+        return Err(CoreError::InvalidPolicy {
+            reason:
+                "remote_storage_enable needs offload on in the gateway ([offload] enabled = true)"
+                    .into(),
+        });
+    }
+    Ok(())
+}
+
 /// A group id is 1 to 32,767 bytes (what Kafka's protocol strings can carry).
 pub fn validate_group_id(group: &str) -> Result<()> {
     if group.is_empty() || group.len() > i16::MAX as usize {
@@ -301,6 +314,7 @@ impl Engine {
         clock: Arc<dyn Clock>,
     ) -> Result<Self> {
         config.default_policy.validate()?;
+        check_tiered(&config, &config.default_policy)?;
         let store: Arc<dyn MetadataStore> =
             Arc::new(FileMetadataStore::new(&config.data_dir, storage.clone()));
         let catchup = Arc::new(tokio::sync::Semaphore::new(config.catchup_readers.max(1)));
@@ -543,6 +557,7 @@ impl Engine {
         }
         let policy = policy.unwrap_or_else(|| self.inner.config.default_policy.clone());
         policy.validate()?;
+        check_tiered(&self.inner.config, &policy)?;
         self.check_open()?;
         let _admin = self.inner.admin.lock().await;
         if self.inner.topics.contains_key(name) {
@@ -596,7 +611,8 @@ impl Engine {
         }
         if let Some(tier) = self.inner.config.tier.clone() {
             let (owned, incarnation) = (name.to_owned(), topic.meta.read().created_at_ms);
-            tokio::spawn(async move { tier.delete_topic(&owned, incarnation).await });
+            let deleting = tier.clone();
+            tier.spawn(async move { deleting.delete_topic(&owned, incarnation).await });
         }
         let store = self.inner.store.clone();
         let owned = name.to_owned();
@@ -621,6 +637,7 @@ impl Engine {
     pub async fn set_policy(&self, name: &str, policy: TopicPolicy) -> Result<TopicDescription> {
         self.check_writable(name)?;
         policy.validate()?;
+        check_tiered(&self.inner.config, &policy)?;
         let _admin = self.inner.admin.lock().await;
         let topic = self.topic(name)?;
         let mut meta = topic.meta.read().clone();

@@ -6,7 +6,9 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use sluice_storage::{AppendInfo, LogReader, PartitionLog, StorageError, ValidatedBatch};
+use sluice_storage::{
+    AppendInfo, DetachedSegments, LogReader, PartitionLog, StorageError, ValidatedBatch,
+};
 use tokio::sync::{mpsc, oneshot, watch};
 use tracing::{error, warn};
 
@@ -28,6 +30,12 @@ enum WriterMsg {
     DeleteBefore {
         offset: u64,
         reply: oneshot::Sender<Result<u64, Arc<StorageError>>>,
+    },
+    /// Take the offloaded segments wholly below the offset out of the log; the reply holds
+    /// their files, for the caller to delete off the writer.
+    DetachCopiedBefore {
+        offset: u64,
+        reply: oneshot::Sender<DetachedSegments>,
     },
     Shutdown(oneshot::Sender<()>),
 }
@@ -177,6 +185,7 @@ impl std::fmt::Debug for WriterMsg {
             Self::Append { .. } => "Append",
             Self::SetPolicy(_) => "SetPolicy",
             Self::DeleteBefore { .. } => "DeleteBefore",
+            Self::DetachCopiedBefore { .. } => "DetachCopiedBefore",
             Self::Shutdown(_) => "Shutdown",
         })
     }
@@ -298,6 +307,18 @@ impl Partition {
         rx.await.ok()
     }
 
+    /// Has the writer take the offloaded segments wholly below `offset` out of the log, after
+    /// every append queued before; their files are the caller's to delete (`None`: the
+    /// writer is gone).
+    pub(crate) async fn detach_copied_before(&self, offset: u64) -> Option<DetachedSegments> {
+        let (reply, rx) = oneshot::channel();
+        self.tx
+            .send(WriterMsg::DetachCopiedBefore { offset, reply })
+            .await
+            .ok()?;
+        rx.await.ok()
+    }
+
     /// Lets the writer finish every append queued so far, fsync and stop.
     pub(crate) async fn shutdown(&self) {
         let (ack, done) = oneshot::channel();
@@ -408,6 +429,13 @@ impl Writer {
                 }
                 self.tail.set_segment_bytes(policy.segment_bytes);
                 self.policy = policy;
+                ControlFlow::Continue(())
+            }
+            Some(WriterMsg::DetachCopiedBefore { offset, reply }) => {
+                // Only the segment list changes here, in memory: no blocking pool needed.
+                if let Some(log) = self.log.as_mut() {
+                    let _ = reply.send(log.detach_copied_segments_before(offset));
+                }
                 ControlFlow::Continue(())
             }
             Some(WriterMsg::DeleteBefore { offset, reply }) => {

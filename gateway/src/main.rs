@@ -240,7 +240,10 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         let store = sluice_core::open_store(&config.offload.spec(), &default_dir)
             .map_err(anyhow::Error::msg)?;
         info!(store = %config.offload.spec().describe(&default_dir), "offload enabled");
-        engine_config.tier = Some(sluice_core::Tier::new(store, config.offload.settings()));
+        engine_config.tier = Some(
+            sluice_core::Tier::new(store, config.offload.settings())
+                .context("starting the offload runtime")?,
+        );
     }
     let dir = engine_config.data_dir.clone();
     // A relay's scratch copy is never fsynced: direct writes would only make it wait for the disk.

@@ -835,6 +835,28 @@ impl PartitionLog {
     /// retention does; never the active one): for a log whose older records another record
     /// has made useless, such as a state topic below its newest snapshot. Returns what went.
     pub fn delete_segments_before(&mut self, offset: u64) -> Result<RetentionOutcome> {
+        let outcome = self.segments_wholly_before(offset);
+        self.drop_oldest(outcome)
+    }
+
+    /// Takes the sealed segments wholly below `offset` out of the log, as
+    /// [`Self::delete_segments_before`] does, but leaves deleting their files to the caller
+    /// ([`DetachedSegments::remove`]), off the writer: for segments a copy of which is kept
+    /// elsewhere (offloaded to an object store). Deleting a large file makes the file system
+    /// free its blocks, and appends that waited for that (seven 16 MiB segments a second)
+    /// were acknowledged ten times later. A crash before the files go brings them back as
+    /// segments of the log, which the next pass deletes again.
+    pub fn detach_copied_segments_before(&mut self, offset: u64) -> DetachedSegments {
+        let outcome = self.segments_wholly_before(offset);
+        DetachedSegments {
+            storage: self.storage.clone(),
+            segments: self.detach_oldest(outcome.deleted_segments),
+            outcome,
+        }
+    }
+
+    /// The sealed segments that hold only offsets below `offset`, oldest first.
+    fn segments_wholly_before(&self, offset: u64) -> RetentionOutcome {
         let segments = self.shared.segments.read().clone();
         let mut outcome = RetentionOutcome::default();
         for pair in segments.windows(2) {
@@ -846,37 +868,36 @@ impl PartitionLog {
             outcome.deleted_segments += 1;
             outcome.deleted_bytes += meta.size_bytes;
         }
-        self.drop_oldest(outcome)
+        outcome
     }
 
     /// Removes the `outcome.deleted_segments` oldest segments and their files, raising the log
-    /// start to the first one kept.
+    /// start to the first one kept, and fsyncs the directory.
     fn drop_oldest(&mut self, outcome: RetentionOutcome) -> Result<RetentionOutcome> {
         if outcome.deleted_segments == 0 {
             return Ok(outcome);
         }
-        let removed: Vec<Arc<Segment>> = {
-            let mut list = self.shared.segments.write();
-            let removed = list.drain(..outcome.deleted_segments).collect();
-            self.shared
-                .log_start
-                .store(list[0].base_offset, Ordering::Release);
-            removed
-        };
-        for s in removed {
-            // The log file goes first: index files without it are orphans that recovery removes.
-            let p = &s.paths;
-            for f in [&p.log, &p.index, &p.time_index, &p.seal] {
-                self.storage
-                    .remove_file(f)
-                    .map_err(StorageError::io("remove", f))?;
-            }
-            info!(segment = %p.log.display(), bytes = s.size(), "deleted segment");
-        }
+        let removed = self.detach_oldest(outcome.deleted_segments);
+        remove_segment_files(self.storage.as_ref(), &removed)?;
         self.storage
             .sync_dir(&self.shared.dir)
             .map_err(StorageError::io("sync directory", &self.shared.dir))?;
         Ok(outcome)
+    }
+
+    /// Takes the `n` oldest segments out of the list, raising the log start to the first one
+    /// kept (never the active segment).
+    fn detach_oldest(&mut self, n: usize) -> Vec<Arc<Segment>> {
+        if n == 0 {
+            return Vec::new();
+        }
+        let mut list = self.shared.segments.write();
+        let n = n.min(list.len() - 1);
+        let removed = list.drain(..n).collect();
+        self.shared
+            .log_start
+            .store(list[0].base_offset, Ordering::Release);
+        removed
     }
 
     /// Final fsync before the log is dropped.
@@ -885,6 +906,50 @@ impl PartitionLog {
             return Ok(());
         }
         self.sync_active()
+    }
+}
+
+/// Deletes the files of segments taken out of a log.
+fn remove_segment_files(storage: &dyn Storage, segments: &[Arc<Segment>]) -> Result<()> {
+    for s in segments {
+        // The log file goes first: index files without it are orphans that recovery removes.
+        let p = &s.paths;
+        for f in [&p.log, &p.index, &p.time_index, &p.seal] {
+            match storage.remove_file(f) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(StorageError::Io {
+                        op: "remove",
+                        path: f.clone(),
+                        source: e,
+                    });
+                }
+                _ => {}
+            }
+        }
+        info!(segment = %p.log.display(), bytes = s.size(), "deleted segment");
+    }
+    Ok(())
+}
+
+/// Segments taken out of a log whose files are still to be deleted
+/// ([`PartitionLog::detach_copied_segments_before`]).
+#[derive(Debug)]
+pub struct DetachedSegments {
+    storage: Arc<dyn Storage>,
+    segments: Vec<Arc<Segment>>,
+    outcome: RetentionOutcome,
+}
+
+impl DetachedSegments {
+    /// What was taken out.
+    pub fn outcome(&self) -> RetentionOutcome {
+        self.outcome
+    }
+
+    /// Deletes the files (blocking).
+    pub fn remove(self) -> Result<RetentionOutcome> {
+        remove_segment_files(self.storage.as_ref(), &self.segments)?;
+        Ok(self.outcome)
     }
 }
 

@@ -191,6 +191,47 @@ def test_mqtt_publishes_are_offloaded_byte_for_byte_and_read_back_after_a_restar
     assert_same_records(kafka_read(gw, topic, 0, OFFSET_BEGINNING, n), before, "librdkafka read after the restart")
 
 
+@pytest.mark.timeout(240)
+def test_a_consumer_group_reads_the_offloaded_part_and_resumes_from_its_commit(offload_gateway, uniq):
+    gw = offload_gateway()
+    topic, group = uniq("group-remote"), uniq("archive-readers")
+    remote_topic(gw, topic)
+    n = 700  # 700 x 3 KB: two sealed segments
+    want = produce_expected(gw, topic, kafka_records(topic, 0, n, 3000, hour_ago_ms()))[0]
+    st = wait_offloaded(gw, topic)[0]
+    half = st["remote_end"] // 2
+    assert half > 0, st
+    gw.restart()  # an empty live ring: the offloaded part comes from S3, not from memory
+
+    def poll_until(consumer, count: int) -> list:
+        got, deadline = [], time.monotonic() + 90
+        while len(got) < count:
+            assert time.monotonic() < deadline, f"the group got {len(got)} of {count} records"
+            m = consumer.poll(1.0)
+            if m is None:
+                continue
+            assert m.error() is None, m.error()
+            got.append(m)
+        return got
+
+    # A group member from the earliest offset (the group's first join: auto.offset.reset)
+    # gets the offloaded records in order, commits half-way through the remote part and leaves.
+    first = gw.consumer(**{"group.id": group, "auto.offset.reset": "earliest"})
+    first.subscribe([topic])
+    got = poll_until(first, half)
+    assert_same_records([from_confluent(m) for m in got], want[:half], "the group's first member")
+    first.commit(offsets=[TopicPartition(topic, 0, half)], asynchronous=False)
+    first.close()
+
+    # The group's next member resumes at the commit, inside the offloaded part, to the end.
+    second = gw.consumer(**{"group.id": group, "auto.offset.reset": "latest"})
+    second.subscribe([topic])
+    got = poll_until(second, n - half)
+    assert_same_records([from_confluent(m) for m in got], want[half:], "the group's next member")
+    assert (metric(gw, "sluice_remote_read_bytes_total") or 0) > 0, "the remote part was read from S3"
+    second.close()
+
+
 # ---- b. Kafka topic configs ---------------------------------------------------------------------
 
 

@@ -95,22 +95,39 @@ impl Engine {
     /// One pass over one partition; `None` when it has nothing to do with the tier.
     async fn pass(&self, topic: &Topic, p: &Partition) -> Option<PassOutcome> {
         let tier = p.tier.as_ref()?;
-        let policy = topic.meta.read().policy.pass_policy();
+        let (name, mut policy) = {
+            let meta = topic.meta.read();
+            (meta.name.clone(), meta.policy.pass_policy())
+        };
+        // The gateway's own state topics stay whole on the local disk: their replay at start
+        // must never wait for the store.
+        policy.upload &= !super::is_internal_topic(&name);
         if !policy.upload && tier.manifest().segments.is_empty() {
             return None;
         }
-        let mut outcome = tier.pass(&p.reader, policy, self.now_ms()).await;
-        if let Some(offset) = outcome.delete_local_before {
-            let before = p.reader.stats().segments;
-            match p.delete_before(offset).await {
-                Some(Ok(_)) => {
-                    let after = p.reader.stats().segments;
-                    outcome.deleted_local_segments = before.saturating_sub(after) as u64;
+        let (pt, reader, now) = (tier.clone(), p.reader.clone(), self.now_ms());
+        // A pass that panicked left nothing half done that the next pass would not redo.
+        let mut outcome = tier
+            .tier()
+            .spawn(async move { pt.pass(&reader, policy, now).await })
+            .await
+            .ok()?;
+        if let Some(offset) = outcome.delete_local_before
+            && let Some(detached) = p.detach_copied_before(offset).await
+        {
+            outcome.deleted_local_segments = detached.outcome().deleted_segments as u64;
+            let c = &self.inner.shared.counters;
+            c.retention_deleted_segments
+                .fetch_add(outcome.deleted_local_segments, Ordering::Relaxed);
+            c.retention_deleted_bytes
+                .fetch_add(detached.outcome().deleted_bytes, Ordering::Relaxed);
+            match tokio::task::spawn_blocking(move || detached.remove()).await {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => {
+                    // Out of the log already: a restart finds the files and the next pass deletes them.
+                    warn!(topic = name, partition = p.id, error = %e, "could not delete a local copy of an offloaded segment");
                 }
-                Some(Err(e)) => {
-                    outcome.error.get_or_insert(format!("local delete: {e}"));
-                }
-                None => {}
+                Err(_) => {}
             }
         }
         Some(outcome)

@@ -64,6 +64,8 @@ pub(crate) async fn replay(
             // Small segments, so what a snapshot makes useless is soon whole segments that
             // can be deleted.
             segment_bytes: STATE_SEGMENT_BYTES,
+            // The replay at start reads the local disk only, never an object store.
+            remote_storage_enable: false,
             ..engine.config().default_policy.clone()
         };
         match engine.create_topic(topic, 1, Some(policy)).await {
