@@ -99,10 +99,8 @@ import hmac
 import http.client
 import json
 import os
-import platform
 import re
 import shutil
-import signal
 import socket
 import struct
 import subprocess
@@ -115,8 +113,11 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from proclib import (TICKS, background_load, cpu_user_sys, free_port, machine_info,  # noqa: E402
+                     machine_ticks, pct, proc_status, stop_process)
+
 REPO = Path(__file__).resolve().parents[2]
-TICKS = os.sysconf("SC_CLK_TCK")
 MIB = 1 << 20
 BUCKET = "bench"
 PREFIX = "sluice"
@@ -151,109 +152,13 @@ def parse_size(text: str) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# /proc
-
-
-def cpu_user_sys(pid: int) -> tuple[float, float] | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    return int(fields[11]) / TICKS, int(fields[12]) / TICKS
-
-
-def proc_status(pid: int, key: str) -> int:
-    """A `kB` line of /proc/PID/status in bytes (VmRSS, VmHWM); 0 once the process is gone."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-    except FileNotFoundError:
-        pass
-    return 0
-
-
-def machine_ticks() -> tuple[int, int]:
-    """(busy, total) jiffies of all CPUs from /proc/stat."""
-    with open("/proc/stat") as f:
-        parts = [int(x) for x in f.readline().split()[1:]]
-    idle = parts[3] + (parts[4] if len(parts) > 4 else 0)
-    total = sum(parts[:8])
-    return total - idle, total
-
-
-def all_cpu() -> dict[int, tuple[str, float]]:
-    out = {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                text = f.read()
-        except OSError:
-            continue
-        name = text[text.find("(") + 1:text.rfind(")")]
-        fields = text.rsplit(")", 1)[1].split()
-        out[int(d)] = (name, (int(fields[11]) + int(fields[12])) / TICKS)
-    return out
-
-
-def background_load(seconds: float, ours: set[int]) -> dict:
-    a, m0 = all_cpu(), machine_ticks()
-    time.sleep(seconds)
-    b, m1 = all_cpu(), machine_ticks()
-    busy = (m1[0] - m0[0]) / max(m1[1] - m0[1], 1) * 100
-    top = sorted(((b[p][1] - a[p][1], b[p][0], p) for p in b if p in a and p not in ours), reverse=True)[:4]
-    return {"seconds": seconds, "machine_busy_pct": busy,
-            "top_others": [{"pid": p, "name": n, "cpu_pct": 100 * c / seconds} for c, n, p in top if c > 0]}
-
-
-def machine_info() -> dict:
-    model = "?"
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    mem = 0
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                mem = int(line.split()[1]) * 1024
-    return {"cpu_model": model, "cores": os.cpu_count(), "mem_gib": round(mem / 2**30, 1),
-            "kernel": platform.release()}
-
-
-def pct(sorted_values: list, q: float) -> float | None:
-    if not sorted_values:
-        return None
-    i = max(0, min(len(sorted_values) - 1, int(q * len(sorted_values) + 0.999999) - 1))
-    return sorted_values[i]
+# Statistics
 
 
 def summary_ms(values_s: list[float]) -> dict:
     v = sorted(x * 1e3 for x in values_s)
     return {"n": len(v), "p50": pct(v, 0.5), "p99": pct(v, 0.99), "p999": pct(v, 0.999),
             "max": v[-1] if v else None}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def stop_process(proc: subprocess.Popen | None, grace: float = 10.0) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(grace)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(5)
 
 
 class Window:

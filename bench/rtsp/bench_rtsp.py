@@ -107,7 +107,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import shutil
 import signal
@@ -122,8 +121,11 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from proclib import (background_load, cpu_seconds, cpu_user_sys, free_port, machine_info,  # noqa: E402
+                     machine_ticks, pct, rss_bytes, stop_process)
+
 REPO = Path(__file__).resolve().parents[2]
-TICKS = os.sysconf("SC_CLK_TCK")
 NTP_UNIX_OFFSET_S = 2_208_988_800
 TOPIC = "cameras"
 MOUNT = "/cam"
@@ -137,114 +139,6 @@ def loud(msg: str) -> None:
     bar = "!" * 100
     print(f"\n{bar}\n!!! {msg}\n{bar}\n", flush=True)
     print(f"\n{bar}\n!!! {msg}\n{bar}\n", file=sys.stderr, flush=True)
-
-
-# ---------------------------------------------------------------------------------------------
-# /proc
-
-
-def cpu_seconds(pid: int) -> float | None:
-    """utime + stime of a live process (all its threads), seconds; None once it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    return (int(fields[11]) + int(fields[12])) / TICKS
-
-
-def user_sys(pid: int) -> tuple[float, float]:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return int(fields[11]) / TICKS, int(fields[12]) / TICKS
-
-
-def rss_bytes(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except FileNotFoundError:
-        pass
-    return 0
-
-
-def machine_ticks() -> tuple[int, int]:
-    """(busy, total) jiffies of all CPUs from /proc/stat."""
-    with open("/proc/stat") as f:
-        parts = [int(x) for x in f.readline().split()[1:]]
-    idle = parts[3] + (parts[4] if len(parts) > 4 else 0)  # idle + iowait
-    total = sum(parts[:8])  # guest time is already in user
-    return total - idle, total
-
-
-def all_cpu() -> dict[int, tuple[str, float]]:
-    """utime+stime of every process now: pid -> (name, seconds)."""
-    out = {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                text = f.read()
-        except OSError:
-            continue
-        name = text[text.find("(") + 1:text.rfind(")")]
-        fields = text.rsplit(")", 1)[1].split()
-        out[int(d)] = (name, (int(fields[11]) + int(fields[12])) / TICKS)
-    return out
-
-
-def background_load(seconds: float, ours: set[int]) -> dict:
-    """The machine's busy % (all cores) over a few idle seconds of ours, and who used it."""
-    a, m0 = all_cpu(), machine_ticks()
-    time.sleep(seconds)
-    b, m1 = all_cpu(), machine_ticks()
-    busy = (m1[0] - m0[0]) / max(m1[1] - m0[1], 1) * 100
-    top = sorted(((b[p][1] - a[p][1], b[p][0], p) for p in b if p in a and p not in ours), reverse=True)[:4]
-    return {"seconds": seconds, "machine_busy_pct": busy,
-            "top_others": [{"pid": p, "name": n, "cpu_pct": 100 * c / seconds} for c, n, p in top if c > 0]}
-
-
-def machine_info() -> dict:
-    model = "?"
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    mem = 0
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                mem = int(line.split()[1]) * 1024
-    return {"cpu_model": model, "cores": os.cpu_count(), "mem_gib": round(mem / 2**30, 1),
-            "kernel": platform.release()}
-
-
-def pct(sorted_values: list, q: float) -> float | None:
-    if not sorted_values:
-        return None
-    i = max(0, min(len(sorted_values) - 1, int(q * len(sorted_values) + 0.999999) - 1))
-    return sorted_values[i]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def stop_process(proc: subprocess.Popen | None, grace: float = 10.0) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(grace)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(5)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -923,9 +817,9 @@ def gateway_phase(n: int, url: str, gw: Gateway, server: Server, consumer: Laten
     time.sleep(0.3)  # a fetch in flight ends within fetch.wait.max.ms
     log(f"gateway: {n} cameras, ingest window ({seconds:g} s, consumer paused)")
     c0 = gw.cameras()
-    us0 = user_sys(gw.pid)
+    us0 = cpu_user_sys(gw.pid)
     ri = Window(pids, gw.pid).run(seconds)
-    us1 = user_sys(gw.pid)
+    us1 = cpu_user_sys(gw.pid)
     c1 = gw.cameras()
 
     # 2. With the consumer, and the clock probe as one more session.
@@ -943,9 +837,9 @@ def gateway_phase(n: int, url: str, gw: Gateway, server: Server, consumer: Laten
     time.sleep(0.5)
     log(f"gateway: {n} cameras, latency window ({seconds:g} s, consumer reading)")
     c2 = gw.cameras()
-    us2 = user_sys(gw.pid)
+    us2 = cpu_user_sys(gw.pid)
     rl = Window(pids, gw.pid).run(seconds)
-    us3 = user_sys(gw.pid)
+    us3 = cpu_user_sys(gw.pid)
     c3 = gw.cameras()
     if probe_thread:
         probe_thread.join(20)

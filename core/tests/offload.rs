@@ -66,6 +66,37 @@ async fn open(d: &Dirs) -> (Engine, Arc<StoreFaults>) {
     (engine, faults)
 }
 
+/// A policy whose live ring holds about 100 records: older offsets come from the log (and the
+/// store), not from memory.
+fn small_ring() -> TopicPolicy {
+    TopicPolicy {
+        live_ring_bytes: 1 << 20,
+        ..policy()
+    }
+}
+
+/// An engine over `d` with the topic made with `policy` and `n` records in it.
+async fn filled(d: &Dirs, policy: TopicPolicy, n: usize) -> (Engine, Arc<StoreFaults>) {
+    let (engine, faults) = open(d).await;
+    engine.create_topic(TOPIC, 1, Some(policy)).await.unwrap();
+    produce(&engine, 0, n, now()).await;
+    (engine, faults)
+}
+
+/// The keys of records 0..n as produced.
+fn keys(n: usize) -> Vec<String> {
+    (0..n).map(|i| format!("k{i}")).collect()
+}
+
+/// The keys of every record of the partition, read from the log start.
+async fn read_keys(engine: &Engine) -> Vec<String> {
+    read_all(engine, TOPIC, 0)
+        .await
+        .iter()
+        .map(key_of)
+        .collect()
+}
+
 /// `n` records of 10 KiB, one per batch, with timestamps 10 ms apart from `t0`.
 async fn produce(engine: &Engine, from: usize, n: usize, t0: i64) {
     for i in from..from + n {
@@ -214,9 +245,7 @@ async fn offloaded_segments_read_back_identically_and_by_timestamp_after_a_resta
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_put_leaves_the_local_copy_and_the_next_pass_uploads() {
     let d = dirs();
-    let (engine, faults) = open(&d).await;
-    engine.create_topic(TOPIC, 1, Some(policy())).await.unwrap();
-    produce(&engine, 0, 250, now()).await;
+    let (engine, faults) = filled(&d, policy(), 250).await;
     let logs = local_logs(&d);
     faults.fail_next_puts(1);
     let outcome = engine.offload_topic(TOPIC).await.unwrap();
@@ -238,9 +267,7 @@ async fn a_failed_put_leaves_the_local_copy_and_the_next_pass_uploads() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upload_whose_manifest_never_came_is_swept_and_redone_after_a_crash() {
     let d = dirs();
-    let (engine, faults) = open(&d).await;
-    engine.create_topic(TOPIC, 1, Some(policy())).await.unwrap();
-    produce(&engine, 0, 250, now()).await;
+    let (engine, faults) = filled(&d, policy(), 250).await;
     faults.fail_next_manifest_puts(1);
     let outcome = engine.offload_topic(TOPIC).await.unwrap();
     assert!(outcome[0].error.is_some());
@@ -257,25 +284,18 @@ async fn an_upload_whose_manifest_never_came_is_swept_and_redone_after_a_crash()
     let outcome = engine.offload_topic(TOPIC).await.unwrap();
     assert!(outcome[0].error.is_none(), "{outcome:?}");
     assert_manifest_matches_objects(&d);
-    let keys: Vec<String> = read_all(&engine, TOPIC, 0)
-        .await
-        .iter()
-        .map(key_of)
-        .collect();
-    assert_eq!(keys, (0..250).map(|i| format!("k{i}")).collect::<Vec<_>>());
+    assert_eq!(read_keys(&engine).await, keys(250));
     engine.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_multipart_upload_cut_short_never_reaches_the_manifest() {
     let d = dirs();
-    let (engine, faults) = open(&d).await;
     let big = TopicPolicy {
         segment_bytes: 12 << 20,
         ..policy()
     };
-    engine.create_topic(TOPIC, 1, Some(big)).await.unwrap();
-    produce(&engine, 0, 1300, now()).await;
+    let (engine, faults) = filled(&d, big, 1300).await;
     assert!(local_logs(&d).len() >= 2, "a sealed segment of three parts");
     faults.fail_multipart_after(1);
     let outcome = engine.offload_topic(TOPIC).await.unwrap();
@@ -336,17 +356,7 @@ async fn an_outage_delays_offload_and_never_holds_produce_back() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failing_remote_read_is_a_retriable_error_not_a_wrong_answer() {
     let d = dirs();
-    let (engine, faults) = open(&d).await;
-    // A small ring: offset 0 must come from the log, not from memory.
-    let small_ring = TopicPolicy {
-        live_ring_bytes: 1 << 20,
-        ..policy()
-    };
-    engine
-        .create_topic(TOPIC, 1, Some(small_ring))
-        .await
-        .unwrap();
-    produce(&engine, 0, 250, now()).await;
+    let (engine, faults) = filled(&d, small_ring(), 250).await;
     engine.offload_topic(TOPIC).await.unwrap();
     let (start, end) = engine.offsets(TOPIC, 0).unwrap();
     let local_start = engine.describe_topic(TOPIC).unwrap().partitions[0].local_start;
@@ -374,13 +384,11 @@ async fn a_failing_remote_read_is_a_retriable_error_not_a_wrong_answer() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retention_deletes_offloaded_segments_from_the_store() {
     let d = dirs();
-    let (engine, _) = open(&d).await;
     let limited = TopicPolicy {
         retention_bytes: 5 << 19,
         ..policy()
     };
-    engine.create_topic(TOPIC, 1, Some(limited)).await.unwrap();
-    produce(&engine, 0, 600, now()).await;
+    let (engine, _) = filled(&d, limited, 600).await;
     let outcome = engine.offload_topic(TOPIC).await.unwrap();
     assert!(outcome[0].error.is_none(), "{outcome:?}");
     assert!(outcome[0].remote_deleted_segments > 0, "{outcome:?}");
@@ -407,12 +415,7 @@ async fn a_crash_between_manifest_and_local_delete_is_resolved_at_restart() {
         local_retention_bytes: -1,
         ..policy()
     };
-    let (engine, _) = open(&d).await;
-    engine
-        .create_topic(TOPIC, 1, Some(keep_local))
-        .await
-        .unwrap();
-    produce(&engine, 0, 250, now()).await;
+    let (engine, _) = filled(&d, keep_local, 250).await;
     let logs = local_logs(&d);
     let outcome = engine.offload_topic(TOPIC).await.unwrap();
     assert!(outcome[0].error.is_none() && outcome[0].deleted_local_segments == 0);
@@ -439,32 +442,18 @@ async fn a_crash_between_manifest_and_local_delete_is_resolved_at_restart() {
     );
     assert_eq!(outcome[0].deleted_local_segments as usize, logs.len() - 1);
     assert_manifest_matches_objects(&d);
-    let keys: Vec<String> = read_all(&engine, TOPIC, 0)
-        .await
-        .iter()
-        .map(key_of)
-        .collect();
-    assert_eq!(keys, (0..250).map(|i| format!("k{i}")).collect::<Vec<_>>());
+    assert_eq!(read_keys(&engine).await, keys(250));
     engine.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn live_catch_up_and_named_subscriptions_read_across_the_boundary() {
     let d = dirs();
-    let (engine, _) = open(&d).await;
-    let small_ring = TopicPolicy {
-        live_ring_bytes: 1 << 20,
-        ..policy()
-    };
-    engine
-        .create_topic(TOPIC, 1, Some(small_ring))
-        .await
-        .unwrap();
-    produce(&engine, 0, 300, now()).await;
+    let (engine, _) = filled(&d, small_ring(), 300).await;
     engine.offload_topic(TOPIC).await.unwrap();
     let local_start = engine.describe_topic(TOPIC).unwrap().partitions[0].local_start;
     assert!(local_start > 100, "most of the log is offloaded");
-    let expected: Vec<String> = (0..300).map(|i| format!("k{i}")).collect();
+    let expected = keys(300);
 
     // A live subscriber catching up from offset 0 reads the store, then the disk, then the ring.
     let mut live = engine
