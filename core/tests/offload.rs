@@ -515,3 +515,26 @@ async fn remote_storage_needs_an_engine_that_offloads() {
     assert!(engine.offload_topic(TOPIC).await.is_err());
     engine.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_damaged_object_is_a_retriable_error_not_a_wrong_answer() {
+    let d = dirs();
+    let (engine, _) = filled(&d, small_ring(), 250).await;
+    engine.offload_topic(TOPIC).await.unwrap();
+    let first_log = segment_objects(&d)
+        .into_iter()
+        .find(|o| o.ends_with(&format!("{:020}.log", 0)))
+        .unwrap();
+    // The first batch now claims to be 2 GiB long.
+    let path = d.store.join(first_log);
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[8..12].copy_from_slice(&i32::MAX.to_be_bytes());
+    std::fs::write(&path, bytes).unwrap();
+    let fetched = engine.fetch(TOPIC, 0, 0, 1 << 20).await;
+    assert!(
+        matches!(fetched, Err(CoreError::RemoteUnavailable { .. })),
+        "{:?}",
+        fetched.map(|f| f.next_offset)
+    );
+    engine.shutdown().await;
+}

@@ -937,7 +937,9 @@ impl PartitionTier {
                 Ok(r) => return Ok((buf, r)),
                 Err(need) => need,
             };
-            if complete || need <= buf.len() {
+            // A length read from the object is believed only as far as the segment goes: a
+            // damaged header must not make this allocate what it claims.
+            if complete || need <= buf.len() || need as u64 > seg.size_bytes - pos {
                 return Err(remote_err(format!(
                     "segment {} of {}/{} ends inside a batch",
                     seg.base_offset, self.topic, self.partition
