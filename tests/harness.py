@@ -15,8 +15,10 @@ environment, so that only what a test asks for (gateway_factory(env=...)) config
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import queue
+import shutil
 import re
 import signal
 import socket
@@ -486,6 +488,54 @@ def _kill_leftovers() -> None:
 
 
 atexit.register(_kill_leftovers)
+
+
+# ---- Prometheus (tests/deploy, tests/offload) -----------------------------------------------
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def prometheus_scraping(gw: "Gateway", work_dir: Path):
+    """Debian's Prometheus with the shipped scrape config (deploy/prometheus/prometheus.yml), its
+    target pointed at the gateway; yields its base URL and stops it after."""
+    prometheus, promtool = shutil.which("prometheus"), shutil.which("promtool")
+    assert prometheus and promtool, "prometheus is not installed (scripts/install-test-deps.sh)"
+    text = (REPO_ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text()
+    assert '"sluice:8080"' in text, "the shipped scrape config no longer targets sluice:8080"
+    config = work_dir / "prometheus.yml"
+    config.write_text(text.replace('"sluice:8080"', f'"{gw.http.removeprefix("http://")}"'))
+    check = subprocess.run([promtool, "check", "config", str(config)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    port = free_port()
+    log_path = work_dir / "prometheus.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([prometheus, f"--config.file={config}", f"--storage.tsdb.path={work_dir / 'tsdb'}",
+                                 f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if urllib.request.urlopen(url + "/-/ready", timeout=2).status == 200:
+                    break
+            except OSError:
+                pass
+            assert proc.poll() is None, log_path.read_text()[-2000:]
+            assert time.monotonic() < deadline, "Prometheus not ready within 30 s"
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 # ---- fixtures and hooks (imported by each suite's conftest.py) --------------------------------

@@ -7,21 +7,16 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import socket
 import subprocess
 import time
 import urllib.parse
 import urllib.request
-from pathlib import Path
 
 import pytest
 
-from harness import REPO_ROOT
+from harness import REPO_ROOT, free_port, prometheus_scraping
 
-PROMETHEUS = shutil.which("prometheus")
-PROMTOOL = shutil.which("promtool")
 DASHBOARD = REPO_ROOT / "deploy" / "grafana" / "dashboards" / "sluice.json"
-SCRAPE_CONFIG = REPO_ROOT / "deploy" / "prometheus" / "prometheus.yml"
 
 
 def compose_command() -> list[str] | None:
@@ -61,17 +56,9 @@ def test_the_health_check_script_says_ready_or_not(gateway):
     host, port = gateway.http.removeprefix("http://").rsplit(":", 1)
     ok = subprocess.run(["bash", str(script), host, port], capture_output=True, timeout=10)
     assert ok.returncode == 0, ok.stderr
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        closed = s.getsockname()[1]
+    closed = free_port()
     down = subprocess.run(["bash", str(script), "127.0.0.1", str(closed)], capture_output=True, timeout=10)
     assert down.returncode != 0, "a port where nothing listens is not healthy"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get_json(url: str, timeout: float = 5.0) -> dict:
@@ -82,36 +69,8 @@ def _get_json(url: str, timeout: float = 5.0) -> dict:
 @pytest.fixture
 def prometheus(gateway, tmp_path):
     """Debian's Prometheus with the shipped scrape config, its target pointed at the gateway."""
-    assert PROMETHEUS and PROMTOOL, "prometheus is not installed (scripts/install-test-deps.sh)"
-    target = gateway.http.removeprefix("http://")
-    config = tmp_path / "prometheus.yml"
-    config.write_text(SCRAPE_CONFIG.read_text().replace('"sluice:8080"', f'"{target}"'))
-    check = subprocess.run([PROMTOOL, "check", "config", str(config)], capture_output=True, text=True)
-    assert check.returncode == 0, check.stdout + check.stderr
-    port = _free_port()
-    log = open(tmp_path / "prometheus.log", "w")
-    proc = subprocess.Popen([PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                             f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if urllib.request.urlopen(url + "/-/ready", timeout=2).status == 200:
-                    break
-            except OSError:
-                pass
-            assert proc.poll() is None, (tmp_path / "prometheus.log").read_text()[-2000:]
-            assert time.monotonic() < deadline, "Prometheus not ready within 30 s"
-            time.sleep(0.2)
+    with prometheus_scraping(gateway, tmp_path) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
 
 
 def _query(prom: str, expr: str) -> dict:

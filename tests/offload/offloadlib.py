@@ -13,7 +13,6 @@ s3s-fs keeps bucket `b`'s object `k` at <root>/b/k (and its own metadata as dot 
 from __future__ import annotations
 
 import base64
-import contextlib
 import datetime
 import hashlib
 import hmac
@@ -36,7 +35,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from harness import REPO_ROOT, close_quietly, poll_messages, unique  # noqa: E402,F401  (for the test module)
+from harness import REPO_ROOT, close_quietly, free_port, poll_messages, prometheus_scraping, unique  # noqa: E402,F401  (for the test module)
 
 # The store prefix: with a slash inside, so that the gateway must keep it whole in every key.
 PREFIX = "e2e/sluice"
@@ -50,13 +49,6 @@ PROBLEM_JSON = "application/problem+json"
 KAFKA_STORAGE_ERROR = 56
 
 # ---- small helpers ------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    """A TCP port nothing listens on now (bound and closed at once)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(check, timeout: float, what: str, interval: float = 0.1):
@@ -674,45 +666,6 @@ def mqtt_publish_all(gw, messages: list[tuple[str, bytes, list]], timeout: float
 
 
 # ---- Prometheus ---------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def prometheus_scraping(gw, work_dir: Path):
-    """Debian's Prometheus with the shipped scrape config (deploy/prometheus/prometheus.yml), its
-    target pointed at the gateway, as tests/deploy runs it; yields its base URL."""
-    import shutil
-
-    prometheus, promtool = shutil.which("prometheus"), shutil.which("promtool")
-    assert prometheus and promtool, "prometheus is not installed (scripts/install-test-deps.sh)"
-    shipped = REPO_ROOT / "deploy" / "prometheus" / "prometheus.yml"
-    text = shipped.read_text()
-    assert '"sluice:8080"' in text, "the shipped scrape config no longer targets sluice:8080"
-    config = work_dir / "prometheus.yml"
-    config.write_text(text.replace('"sluice:8080"', f'"{gw.http.removeprefix("http://")}"'))
-    check = subprocess.run([promtool, "check", "config", str(config)], capture_output=True, text=True)
-    assert check.returncode == 0, check.stdout + check.stderr
-    port = free_port()
-    log_path = work_dir / "prometheus.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([prometheus, f"--config.file={config}", f"--storage.tsdb.path={work_dir / 'tsdb'}",
-                                 f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        def ready():
-            assert proc.poll() is None, log_path.read_text()[-2000:]
-            try:
-                return urllib.request.urlopen(url + "/-/ready", timeout=2).status == 200, "not ready"
-            except OSError as e:
-                return False, e
-
-        wait_for(ready, 30, "Prometheus ready", interval=0.2)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def prometheus_query(url: str, expr: str) -> list:
