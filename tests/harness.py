@@ -42,7 +42,7 @@ WAIT_S = 10.0
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 # `... INFO sluice: listening protocol="mqtt" addr=127.0.0.1:PORT ...` (quotes optional).
-_LISTENING = re.compile(r'\blistening\s+protocol="?(?P<proto>[a-z]+)"?\s+addr="?(?P<addr>[^\s"]+)"?')
+_LISTENING = re.compile(r'\blistening\s+protocol="?(?P<proto>[a-z-]+)"?\s+addr="?(?P<addr>[^\s"]+)"?')
 # `... INFO sluice: ready` (the word alone: `/readyz` in the http line does not match).
 _READY = re.compile(r"\bready\b")
 

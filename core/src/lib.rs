@@ -6,6 +6,7 @@
 //! the protocol crates and the gateway do that.
 
 mod ackset;
+pub mod auth;
 mod engine;
 mod error;
 mod groups;
@@ -14,7 +15,6 @@ mod meta;
 mod metrics;
 mod partition;
 mod partitioner;
-mod password;
 mod policy;
 mod subscription;
 mod tier;
@@ -37,7 +37,6 @@ pub use metrics::{
     EngineMetrics, Histogram, HistogramSnapshot, LATENCY_BUCKETS_US, PartitionMetrics,
 };
 pub use partition::WriterSettings;
-pub use password::{hash_password, is_password_hash, verify_password};
 pub use policy::{Durability, MAX_LIVE_RING_BYTES, MIN_SEGMENT_BYTES, TopicPolicy};
 pub use sluice_storage::{
     BatchError, BatchHeader, Clock, DecodedRecord, DirectFsStorage, DirectStats, Faults,

@@ -49,6 +49,12 @@ pub(crate) struct Config {
     pub(crate) offload: OffloadSection,
     /// Cameras pulled from start (`[[cameras]]`); more can be added over the REST API.
     pub(crate) cameras: Vec<sluice_rtsp::CameraSpec>,
+    /// The identity store (`[[users]]`), shared by every protocol.
+    pub(crate) users: Vec<sluice_core::auth::UserSpec>,
+    /// Access rules (`[[acl]]`), first match wins.
+    pub(crate) acl: Vec<sluice_core::auth::AclRule>,
+    pub(crate) auth: crate::security::AuthSection,
+    pub(crate) tls: crate::security::TlsSection,
 }
 
 /// The fewest connections the default total cap allows, however few files are left.
@@ -199,7 +205,10 @@ pub(crate) struct LogSection {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct HttpSection {
+    /// Empty: no plain HTTP listener.
     pub(crate) addr: String,
+    /// The HTTPS listener, served when `[tls]` has a certificate; empty: none.
+    pub(crate) tls_addr: String,
     /// Most bytes one REST fetch reads from the log, whatever its `max_bytes` asks.
     pub(crate) max_fetch_bytes: usize,
     /// Origins whose pages may open WebSockets besides same-origin pages; `*`: any.
@@ -333,7 +342,16 @@ impl Config {
                 path: path.to_path_buf(),
                 source,
             })?;
-            merge(&mut table, parse_table(&text, &path.display().to_string())?);
+            let overlay = parse_table(&text, &path.display().to_string())?;
+            for old in [&["mqtt", "users"][..], &["kafka", "sasl_plain_users"]] {
+                if get_path(&overlay, old).is_some() {
+                    return Err(ConfigError::Invalid(format!(
+                        "{} was replaced by [[users]], one identity store for every protocol, with argon2id hashes: make each entry with `sluice passwd NAME` (docs/SECURITY.md)",
+                        old.join(".")
+                    )));
+                }
+            }
+            merge(&mut table, overlay);
         }
         let mut vars: Vec<(String, String)> = env
             .into_iter()
@@ -450,7 +468,14 @@ impl Config {
             ("http.addr", &self.http.addr),
             ("mqtt.addr", &self.mqtt.addr),
             ("kafka.addr", &self.kafka.addr),
+            ("http.tls_addr", &self.http.tls_addr),
+            ("mqtt.tls_addr", &self.mqtt.tls_addr),
+            ("kafka.tls_addr", &self.kafka.tls_addr),
         ] {
+            // An empty address switches that listener off.
+            if addr.is_empty() {
+                continue;
+            }
             match addr.to_socket_addrs().map(|mut a| a.next()) {
                 Ok(Some(_)) => {}
                 Ok(None) => return invalid(format!("{key} = {addr:?} resolves to no address")),
@@ -462,13 +487,6 @@ impl Config {
                 "mqtt.max_packet_bytes must be between 1024 and 268435455 (the MQTT maximum)"
                     .into(),
             );
-        }
-        for (user, hash) in &self.mqtt.users {
-            if !sluice_core::is_password_hash(hash) {
-                return invalid(format!(
-                    "mqtt.users.{user} must be \"sha256:\" and 64 hex digits"
-                ));
-            }
         }
         let k = &self.kafka;
         if k.max_request_bytes < 1024 {
@@ -498,12 +516,13 @@ impl Config {
                     .into(),
             );
         }
-        for (user, hash) in &k.sasl_plain_users {
-            if !sluice_core::is_password_hash(hash) {
-                return invalid(format!(
-                    "kafka.sasl_plain_users.{user} must be \"sha256:\" and 64 hex digits"
-                ));
-            }
+        crate::security::validate(self).map_err(ConfigError::Invalid)?;
+        if self.http.addr.is_empty()
+            && self.mqtt.addr.is_empty()
+            && self.kafka.addr.is_empty()
+            && !self.tls.enabled()
+        {
+            return invalid("every listener is switched off: set an address or [tls]".into());
         }
         if let Err(e) = tracing_subscriber::EnvFilter::try_new(&self.log.level) {
             return invalid(format!("log.level = {:?}: {e}", self.log.level));

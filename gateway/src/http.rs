@@ -35,6 +35,10 @@ pub(crate) struct AppState {
     pub(crate) listeners: Listeners,
     /// The RTSP cameras (none on a relay).
     pub(crate) cameras: Option<Arc<sluice_rtsp::Cameras>>,
+    /// HTTP requests refused by access control.
+    pub(crate) access: Arc<sluice_rest::access::AccessMetrics>,
+    /// The TLS configuration, when there is one (its handshake failures and reloads).
+    pub(crate) tls: Option<Arc<sluice_net::Tls>>,
 }
 
 /// A protocol's name and its listener's counts, set once it is bound.
@@ -47,12 +51,13 @@ type BoundListener = (
 #[derive(Debug, Clone)]
 pub(crate) struct Listeners {
     pub(crate) admission: Arc<sluice_net::Admission>,
-    pub(crate) stats: Arc<[BoundListener; 3]>,
+    pub(crate) stats: Arc<[BoundListener; 6]>,
 }
 
 impl Listeners {
     pub(crate) fn new(admission: Arc<sluice_net::Admission>) -> Self {
-        let stats = ["http", "kafka", "mqtt"].map(|name| (name, std::sync::OnceLock::new()));
+        let stats = ["http", "kafka", "mqtt", "https", "kafka-tls", "mqtt-tls"]
+            .map(|name| (name, std::sync::OnceLock::new()));
         Self {
             admission,
             stats: Arc::new(stats),
@@ -88,56 +93,79 @@ impl Relay {
     }
 }
 
-/// Serves HTTP/1.1 on the listener runtime: hyper reads each connection, with the request
-/// deadline as its header read timeout (which closes idle keep-alive connections too) and the
-/// write deadline on the socket; upgrades (WebSockets) keep the connection's place under the
-/// caps for as long as they live. On shutdown each connection finishes its request in flight.
+/// Serves HTTP/1.1 on the listener runtime (HTTPS when `tls` is given: the handshake first,
+/// within the request deadline): hyper reads each connection, with the request deadline as
+/// its header read timeout (which closes idle keep-alive connections too) and the write
+/// deadline on the socket; upgrades (WebSockets) keep the connection's place under the caps
+/// for as long as they live. On shutdown each connection finishes its request in flight.
 pub(crate) async fn serve(
     listener: tokio::net::TcpListener,
     app: Router,
     listening: sluice_net::Listening,
     stats: Arc<sluice_net::ListenerStats>,
+    tls: Option<Arc<sluice_net::Tls>>,
     stop: tokio::sync::watch::Receiver<bool>,
 ) {
     let deadlines = listening.deadlines;
+    let name = if tls.is_some() { "https" } else { "http" };
     sluice_net::serve(
-        "http",
+        name,
         listener,
         &listening,
         stats,
         stop.clone(),
         |stream, peer, admitted| {
             let app = app.clone();
-            let mut stop = stop.clone();
+            let stop = stop.clone();
+            let tls = tls.clone();
             async move {
                 let io = sluice_net::WriteDeadline::new(
                     sluice_net::Tracked::new(stream, admitted),
                     deadlines.write,
                 );
-                let service = hyper::service::service_fn(move |mut req: Request<Incoming>| {
-                    req.extensions_mut().insert(ConnectInfo(peer));
-                    app.clone().oneshot(req)
-                });
-                let conn = hyper::server::conn::http1::Builder::new()
-                    .timer(TokioTimer::new())
-                    .header_read_timeout(deadlines.request)
-                    .serve_connection(TokioIo::new(io), service)
-                    .with_upgrades();
-                tokio::pin!(conn);
-                let done = tokio::select! {
-                    r = conn.as_mut() => r,
-                    () = async { let _ = stop.wait_for(|&s| s).await; } => {
-                        conn.as_mut().graceful_shutdown();
-                        conn.await
-                    }
-                };
-                if let Err(e) = done {
-                    tracing::debug!(%peer, error = %e, "http connection ended");
+                match tls {
+                    None => connection(io, app, peer, deadlines, stop).await,
+                    Some(tls) => match tls.accept(io, deadlines.request).await {
+                        Ok(io) => connection(io, app, peer, deadlines, stop).await,
+                        Err(e) => tracing::debug!(%peer, error = %e, "https handshake failed"),
+                    },
                 }
             }
         },
     )
     .await;
+}
+
+/// One HTTP/1.1 connection on `io` (a socket, or a TLS session over one).
+async fn connection<I>(
+    io: I,
+    app: Router,
+    peer: std::net::SocketAddr,
+    deadlines: sluice_net::Deadlines,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let service = hyper::service::service_fn(move |mut req: Request<Incoming>| {
+        req.extensions_mut().insert(ConnectInfo(peer));
+        app.clone().oneshot(req)
+    });
+    let conn = hyper::server::conn::http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(deadlines.request)
+        .serve_connection(TokioIo::new(io), service)
+        .with_upgrades();
+    tokio::pin!(conn);
+    let done = tokio::select! {
+        r = conn.as_mut() => r,
+        () = async { let _ = stop.wait_for(|&s| s).await; } => {
+            conn.as_mut().graceful_shutdown();
+            conn.await
+        }
+    };
+    if let Err(e) = done {
+        tracing::debug!(%peer, error = %e, "http connection ended");
+    }
 }
 
 pub(crate) fn router(state: AppState) -> Router {
@@ -189,6 +217,7 @@ async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
         crate::metrics::render_mqtt(&mut body, mqtt);
     }
     crate::metrics::render_rest(&mut body, &state.rest.metrics);
+    crate::metrics::render_access(&mut body, &state.access, state.tls.as_deref());
     crate::metrics::render_listeners(&mut body, &state.listeners);
     if let Some(cameras) = &state.cameras {
         crate::metrics::render_cameras(&mut body, &cameras.list());

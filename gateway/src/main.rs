@@ -5,6 +5,7 @@ mod config;
 mod http;
 mod metrics;
 mod process;
+mod security;
 mod ws;
 
 use std::path::PathBuf;
@@ -50,6 +51,18 @@ enum Command {
     PrintConfig(Opts),
     /// Print the commented default configuration file and exit.
     DefaultConfig,
+    /// Print a `[[users]]` entry for NAME: the password is read from stdin (its first line)
+    /// and printed only as its argon2id hash and SCRAM credentials.
+    Passwd(PasswdArgs),
+}
+
+#[derive(Debug, Args, Clone)]
+struct PasswdArgs {
+    /// The user name.
+    name: String,
+    /// Print a new HTTP API token (Bearer) and its stored form instead; reads nothing.
+    #[arg(long)]
+    token: bool,
 }
 
 #[derive(Debug, Args, Clone, Default)]
@@ -130,7 +143,29 @@ fn main() -> ExitCode {
             print!("{DEFAULT_CONFIG}");
             return ExitCode::SUCCESS;
         }
+        Some(Command::Passwd(args)) => {
+            return match security::passwd(&args.name, args.token) {
+                Ok(entry) => {
+                    print!("{entry}");
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("sluice: {e}");
+                    ExitCode::from(2)
+                }
+            };
+        }
     };
+    // SIGHUP reloads users, rules and certificates by reading the same layers again.
+    let reload_with = match &cli.command {
+        Some(Command::Relay(relay)) => (relay.opts.clone(), Some(relay.clone())),
+        Some(Command::Serve(opts)) => (opts.clone(), None),
+        _ => (cli.opts.clone(), None),
+    };
+    let reload: security::LoadConfig = Box::new(move || {
+        let (opts, relay) = &reload_with;
+        opts.load_with(relay.as_ref()).map_err(|e| e.to_string())
+    });
     let config = match loaded {
         Ok(c) => c,
         Err(e) => {
@@ -181,7 +216,7 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(serve(config)) {
+    match runtime.block_on(serve(config, reload)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!(error = format!("{e:#}"), "gateway failed");
@@ -207,7 +242,7 @@ fn init_logging(config: &Config) {
 /// Open files kept free of client connections: segment rolls, index and metadata writes.
 const FILE_HEADROOM: u64 = 64;
 
-async fn serve(config: Config) -> anyhow::Result<()> {
+async fn serve(mut config: Config, reload: security::LoadConfig) -> anyhow::Result<()> {
     // Installed before anything else, so a signal that arrives during start-up (or right after
     // "ready") is a clean shutdown rather than the default kill.
     let mut signals = Signals::install()?;
@@ -277,6 +312,33 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     );
     let listeners = http::Listeners::new(listening.admission.clone());
 
+    let security = sluice_core::auth::SecurityHandle::new(
+        security::build(&config).map_err(anyhow::Error::msg)?,
+    );
+    config.mqtt.security = security.clone();
+    config.kafka.security = security.clone();
+    let tls = if config.tls.enabled() {
+        Some(sluice_net::Tls::load(config.tls.files()).map_err(anyhow::Error::msg)?)
+    } else {
+        None
+    };
+    {
+        let current = security.current();
+        info!(
+            users = config.users.len(),
+            acl_rules = config.acl.len(),
+            allow_anonymous = current.identities.allow_anonymous(),
+            tls = tls.is_some(),
+            "access control"
+        );
+    }
+    security::Reloader {
+        load: reload,
+        security: security.clone(),
+        tls: tls.clone(),
+    }
+    .spawn()?;
+
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let relay = if config.is_relay() {
         let name = if config.relay.name.is_empty() {
@@ -284,12 +346,18 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         } else {
             config.relay.name.clone()
         };
+        // The id the relay's links use upstream: one its user owns there, where it has one
+        // (an upstream with access control lets a user use only ids its patterns give it).
+        let link_id = match &config.relay.credentials() {
+            Some((user, _)) => format!("{user}-sluice-relay-{name}"),
+            None => format!("sluice-relay-{name}"),
+        };
         // The relay's copies include the upstream's internal topics (`__mqtt_retained`).
         let mirror = Mirror::new(
             engine.system(),
             MirrorSettings {
                 upstream: config.relay.upstream.clone(),
-                client_id: format!("sluice-relay-{name}"),
+                client_id: link_id.clone(),
                 max_wait_ms: config.relay.fetch_max_wait_ms as i32,
                 partition_max_bytes: config.relay.fetch_partition_max_bytes as i32,
                 local_policy: config.relay_topic_policy(),
@@ -300,7 +368,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         engine.set_topic_source(mirror.clone());
         let upstream = Upstream::start(
             config.relay.upstream_mqtt(),
-            format!("sluice-relay-{name}"),
+            link_id,
             config.relay.credentials(),
             stop_rx.clone(),
         )
@@ -339,11 +407,8 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     };
 
     let ready = Arc::new(AtomicBool::new(false));
-    let http_listener = sluice_net::bind(&config.http.addr, Default::default())
-        .await
-        .with_context(|| format!("binding the HTTP listener to {}", config.http.addr))?;
-    let http_addr = http_listener.local_addr()?;
     let kafka_metrics = Arc::new(std::sync::OnceLock::new());
+    let access_metrics = Arc::new(sluice_rest::access::AccessMetrics::default());
     let mqtt_metrics = Arc::new(std::sync::OnceLock::new());
     let app = http::router(http::AppState {
         engine: engine.clone(),
@@ -365,27 +430,59 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         direct_writes: direct_stats,
         listeners: listeners.clone(),
         cameras: cameras.clone(),
+        access: access_metrics.clone(),
+        tls: tls.clone(),
     });
-    let http_stats = Arc::new(sluice_net::ListenerStats::default());
-    listeners.bound("http", http_stats.clone());
-    let http_task = tokio::spawn(http::serve(
-        http_listener,
-        app,
-        listening.clone(),
-        http_stats,
-        stop_rx.clone(),
+    let camera_topics = cameras.clone();
+    let app = app.layer(axum::middleware::from_fn_with_state(
+        sluice_rest::access::Access {
+            security: security.clone(),
+            metrics_signed: config.auth.metrics_require_auth,
+            camera_topic: Arc::new(move |name: &str| {
+                camera_topics
+                    .as_ref()
+                    .and_then(|c| c.get(name))
+                    .map(|c| c.topic)
+            }),
+            metrics: access_metrics,
+        },
+        sluice_rest::access::guard,
     ));
     let routes = if relay.is_some() {
         "/healthz /readyz /metrics /mqtt (MQTT over WebSocket) and the streams /topics/{topic}/ws and /topics/{topic}/events"
     } else {
         "/healthz /readyz /metrics /mqtt (MQTT over WebSocket) /openapi.json and the REST API (docs/REST.md)"
     };
-    info!(protocol = "http", addr = %http_addr, routes, "listening");
+    let mut http_tasks = Vec::new();
+    let https = tls
+        .as_ref()
+        .map(|t| (config.http.tls_addr.as_str(), Some(t.clone())));
+    for (addr, tls) in [(config.http.addr.as_str(), None)].into_iter().chain(https) {
+        if addr.is_empty() {
+            continue;
+        }
+        let name = if tls.is_some() { "https" } else { "http" };
+        let listener = sluice_net::bind(addr, Default::default())
+            .await
+            .with_context(|| format!("binding the {name} listener to {addr}"))?;
+        let bound = listener.local_addr()?;
+        let stats = Arc::new(sluice_net::ListenerStats::default());
+        listeners.bound(name, stats.clone());
+        http_tasks.push(tokio::spawn(http::serve(
+            listener,
+            app.clone(),
+            listening.clone(),
+            stats,
+            tls,
+            stop_rx.clone(),
+        )));
+        info!(protocol = name, addr = %bound, routes, "listening");
+    }
 
     // A relay is no Kafka broker: Kafka clients use the upstream. It serves reads only, and
     // only when relays below it follow it.
     let kafka_addr = match &relay {
-        None => Some(config.kafka.addr.as_str()),
+        None => Some(config.kafka.addr.as_str()).filter(|a| !a.is_empty()),
         Some(_) => Some(config.relay.downstream_addr.as_str()).filter(|a| !a.is_empty()),
     };
     let kafka_task = if let Some(addr) = kafka_addr {
@@ -401,7 +498,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         let (adv_host, adv_port) = kafka.advertised();
         let _ = kafka_metrics.set(kafka.clone());
         listeners.bound("kafka", kafka.listener.clone());
-        info!(protocol = "kafka", addr = %kafka_addr, advertised = %format!("{adv_host}:{adv_port}"), sasl = !config.kafka.sasl_plain_users.is_empty(), read_only = relay.is_some(), "listening");
+        info!(protocol = "kafka", addr = %kafka_addr, advertised = %format!("{adv_host}:{adv_port}"), read_only = relay.is_some(), "listening");
         Some(tokio::spawn(kafka.clone().serve(
             kafka_listener,
             listening.clone(),
@@ -409,6 +506,43 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         )))
     } else {
         None
+    };
+    // Kafka over TLS: the main node only (a relay's read-only listener stays plain).
+    let kafka_tls_task = match (&tls, &relay) {
+        (Some(tls), None) if !config.kafka.tls_addr.is_empty() => {
+            let addr = config.kafka.tls_addr.as_str();
+            let listener = sluice_net::bind(addr, Default::default())
+                .await
+                .with_context(|| format!("binding the Kafka TLS listener to {addr}"))?;
+            let bound = listener.local_addr()?;
+            let kafka = match kafka_metrics.get() {
+                Some(k) => k.clone(),
+                None => {
+                    let k = KafkaServer::new(engine.clone(), config.kafka.clone(), bound);
+                    let _ = kafka_metrics.set(k.clone());
+                    k
+                }
+            };
+            let host = if !config.kafka.tls_advertised_host.is_empty() {
+                config.kafka.tls_advertised_host.clone()
+            } else {
+                kafka.advertised().0
+            };
+            let port = match config.kafka.tls_advertised_port {
+                0 => i32::from(bound.port()),
+                p => i32::from(p),
+            };
+            listeners.bound("kafka-tls", kafka.tls_listener.clone());
+            info!(protocol = "kafka-tls", addr = %bound, advertised = %format!("{host}:{port}"), "listening");
+            Some(tokio::spawn(kafka.serve_tls(
+                listener,
+                listening.clone(),
+                tls.clone(),
+                (host, port),
+                stop_rx.clone(),
+            )))
+        }
+        _ => None,
     };
 
     let mqtt = match &relay {
@@ -425,22 +559,43 @@ async fn serve(config: Config) -> anyhow::Result<()> {
                 reuse_port: relay.is_some(),
                 ..Default::default()
             };
-            let mqtt_listener = sluice_net::bind(&config.mqtt.addr, options)
-                .await
-                .with_context(|| format!("binding the MQTT listener to {}", config.mqtt.addr))?;
-            let mqtt_addr = mqtt_listener.local_addr()?;
             let _ = mqtt_metrics.set(mqtt.clone());
-            listeners.bound("mqtt", mqtt.listener.clone());
-            let task = tokio::spawn(
-                mqtt.clone()
-                    .serve(mqtt_listener, listening, stop_rx.clone()),
-            );
-            info!(protocol = "mqtt", addr = %mqtt_addr, routes = config.mqtt.routes.len(), default_topic = %config.mqtt.default_topic, "listening");
+            let mut tasks = Vec::new();
+            if !config.mqtt.addr.is_empty() {
+                let mqtt_listener = sluice_net::bind(&config.mqtt.addr, options)
+                    .await
+                    .with_context(|| {
+                        format!("binding the MQTT listener to {}", config.mqtt.addr)
+                    })?;
+                let mqtt_addr = mqtt_listener.local_addr()?;
+                listeners.bound("mqtt", mqtt.listener.clone());
+                tasks.push(tokio::spawn(mqtt.clone().serve(
+                    mqtt_listener,
+                    listening.clone(),
+                    stop_rx.clone(),
+                )));
+                info!(protocol = "mqtt", addr = %mqtt_addr, routes = config.mqtt.routes.len(), default_topic = %config.mqtt.default_topic, "listening");
+            }
+            if let Some(tls) = tls.as_ref().filter(|_| !config.mqtt.tls_addr.is_empty()) {
+                let addr = &config.mqtt.tls_addr;
+                let listener = sluice_net::bind(addr, options)
+                    .await
+                    .with_context(|| format!("binding the MQTT TLS listener to {addr}"))?;
+                let bound = listener.local_addr()?;
+                listeners.bound("mqtt-tls", mqtt.tls_listener.clone());
+                tasks.push(tokio::spawn(mqtt.clone().serve_tls(
+                    listener,
+                    listening.clone(),
+                    tls.clone(),
+                    stop_rx.clone(),
+                )));
+                info!(protocol = "mqtt-tls", addr = %bound, "listening");
+            }
             ready.store(true, Ordering::Release);
             info!("ready");
-            (Some(task), signals.recv().await)
+            (tasks, signals.recv().await)
         }
-        Err(signal) => (None, signal),
+        Err(signal) => (Vec::new(), signal),
     };
     info!(
         signal,
@@ -448,18 +603,20 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     );
     ready.store(false, Ordering::Release);
     let _ = stop_tx.send(true);
-    if let Err(e) = http_task.await {
-        warn!(error = %e, "HTTP listener task failed");
+    for task in http_tasks {
+        if let Err(e) = task.await {
+            warn!(error = %e, "HTTP listener task failed");
+        }
     }
-    if let Some(task) = kafka_task
-        && let Err(e) = task.await
-    {
-        warn!(error = %e, "Kafka listener task failed");
+    for task in kafka_task.into_iter().chain(kafka_tls_task) {
+        if let Err(e) = task.await {
+            warn!(error = %e, "Kafka listener task failed");
+        }
     }
-    if let Some(task) = mqtt_task
-        && let Err(e) = task.await
-    {
-        warn!(error = %e, "MQTT listener task failed");
+    for task in mqtt_task {
+        if let Err(e) = task.await {
+            warn!(error = %e, "MQTT listener task failed");
+        }
     }
     if let Some(cameras) = &cameras {
         // Their last frames are appended before the partition writers stop.

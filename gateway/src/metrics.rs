@@ -183,7 +183,43 @@ pub(crate) fn render_relay(body: &mut String, relay: &crate::http::Relay, engine
     *body = o.0;
 }
 
-/// Appends how segment appends reached the disk.
+/// Appends access control's and TLS's refusals.
+pub(crate) fn render_access(
+    body: &mut String,
+    access: &sluice_rest::access::AccessMetrics,
+    tls: Option<&sluice_net::Tls>,
+) {
+    use std::sync::atomic::Ordering::Relaxed;
+    let mut o = Out(std::mem::take(body));
+    o.single(
+        "sluice_http_unauthenticated_total",
+        "counter",
+        "HTTP requests answered 401: no credentials where anonymous clients are refused, or bad ones.",
+        access.unauthenticated.load(Relaxed),
+    );
+    o.single(
+        "sluice_http_forbidden_total",
+        "counter",
+        "HTTP requests answered 403 by the access rules.",
+        access.forbidden.load(Relaxed),
+    );
+    if let Some(tls) = tls {
+        o.single(
+            "sluice_tls_handshake_failures_total",
+            "counter",
+            "TLS handshakes that failed or timed out, on every TLS listener (untrusted or expired certificates, plain text on a TLS port).",
+            tls.handshake_failures.load(Relaxed),
+        );
+        o.single(
+            "sluice_tls_reloads_total",
+            "counter",
+            "Certificate reloads (SIGHUP) that put new certificates in force.",
+            tls.reloads.load(Relaxed),
+        );
+    }
+    *body = o.0;
+}
+
 /// The listener runtime's figures: per protocol (each TCP listener; WebSockets are HTTP
 /// connections), and the process-wide caps.
 pub(crate) fn render_listeners(body: &mut String, listeners: &crate::http::Listeners) {
@@ -244,6 +280,7 @@ pub(crate) fn render_listeners(body: &mut String, listeners: &crate::http::Liste
     *body = o.0;
 }
 
+/// Appends how segment appends reached the disk.
 pub(crate) fn render_direct_writes(body: &mut String, d: &sluice_core::DirectStats) {
     use std::sync::atomic::Ordering::Relaxed;
     let mut o = Out(std::mem::take(body));
@@ -337,6 +374,12 @@ pub(crate) fn render_kafka(body: &mut String, k: &sluice_kafka::KafkaMetrics) {
         "counter",
         "Kafka SASL failures and requests before authentication.",
         k.auth_failures.load(Relaxed),
+    );
+    o.single(
+        "sluice_kafka_authz_denied_total",
+        "counter",
+        "Kafka produce requests (per topic) the access rules refused.",
+        k.authz_denied.load(Relaxed),
     );
     o.single(
         "sluice_kafka_writes_refused_total",
@@ -522,8 +565,14 @@ pub(crate) fn render_mqtt(body: &mut String, server: &sluice_mqtt::MqttServer) {
     o.single(
         "sluice_mqtt_auth_failures_total",
         "counter",
-        "CONNECTs refused for a wrong or missing user name or password.",
+        "CONNECTs refused for a wrong or missing user name or password (or none, where anonymous clients are refused).",
         m.auth_failures.load(Relaxed),
+    );
+    o.single(
+        "sluice_mqtt_authz_denied_total",
+        "counter",
+        "MQTT requests the access rules refused: CONNECTs (client id or will topic), subscriptions and publishes.",
+        m.authz_denied.load(Relaxed),
     );
     o.single(
         "sluice_mqtt_sessions_expired_total",

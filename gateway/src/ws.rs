@@ -35,7 +35,7 @@ pub(crate) async fn mqtt(
             let (session_side, bridge_side) = tokio::io::duplex(BRIDGE_BUFFER);
             tokio::spawn(bridge(socket, bridge_side));
             server
-                .serve_stream(session_side, format!("ws://{peer}"), stop)
+                .serve_stream(session_side, format!("ws://{peer}"), None, stop)
                 .await;
         })
 }

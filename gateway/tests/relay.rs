@@ -585,29 +585,20 @@ async fn relays_of_a_relay_form_a_deeper_tree_that_delivers_and_forwards_every_m
     }
 }
 
-/// A configuration file giving the named users their passwords, on MQTT and on Kafka.
-fn users_file(
-    dir: &std::path::Path,
-    name: &str,
-    mqtt: &[(&str, &str)],
-    kafka: &[(&str, &str)],
-) -> String {
-    let table = |users: &[(&str, &str)]| {
-        users
-            .iter()
-            .map(|(u, p)| format!("{u} = \"{}\"\n", sluice_core::hash_password(p.as_bytes())))
-            .collect::<String>()
-    };
+/// A configuration file giving the named users their passwords (one identity store for MQTT
+/// and Kafka alike).
+fn users_file(dir: &std::path::Path, name: &str, users: &[(&str, &str)]) -> String {
+    let entries: String = users
+        .iter()
+        .map(|(u, p)| {
+            let (phc, s256, s512) = sluice_core::auth::hash_new_password(p.as_bytes()).unwrap();
+            format!(
+                "[[users]]\nname = \"{u}\"\npassword_hash = \"{phc}\"\nscram_sha_256 = \"{s256}\"\nscram_sha_512 = \"{s512}\"\n"
+            )
+        })
+        .collect();
     let path = dir.join(name);
-    std::fs::write(
-        &path,
-        format!(
-            "[mqtt.users]\n{}[kafka.sasl_plain_users]\n{}",
-            table(mqtt),
-            table(kafka)
-        ),
-    )
-    .unwrap();
+    std::fs::write(&path, entries).unwrap();
     path.display().to_string()
 }
 
@@ -631,6 +622,27 @@ fn start_failure(args: &[&str], env: &[(&str, &str)]) -> (Option<i32>, String) {
     let text =
         String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
     (out.status.code(), text)
+}
+
+/// MQTT 3.1.1 CONNECT with Clean Session 0 (a persistent session) and `login`; returns the
+/// CONNACK's return code.
+fn persistent_connect(addr: &str, client_id: &str, login: Option<(&str, &str)>) -> u8 {
+    let mut c = rumqttc::Connect::new(client_id);
+    c.clean_session = false;
+    if let Some((u, p)) = login {
+        c.set_login(u, p);
+    }
+    let mut buf = bytes::BytesMut::new();
+    rumqttc::Packet::Connect(c)
+        .write(&mut buf, usize::MAX)
+        .unwrap();
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(PATIENCE)).unwrap();
+    s.write_all(&buf).unwrap();
+    let mut connack = [0u8; 4];
+    s.read_exact(&mut connack).unwrap();
+    assert_eq!(connack[0], 0x20, "a CONNACK");
+    connack[3]
 }
 
 /// MQTT 5 over a plain socket: CONNECT with `user`/`password`, then one QoS 1 PUBLISH; returns
@@ -659,7 +671,7 @@ fn publish_v5(addr: &str, user: &str, password: &str, topic: &str) -> (u8, Optio
     let mut connect = Vec::new();
     put_str(&mut connect, "MQTT");
     connect.extend_from_slice(&[5, 0xC2, 0, 60, 0]);
-    put_str(&mut connect, "v5-device");
+    put_str(&mut connect, &format!("{user}-v5"));
     put_str(&mut connect, user);
     put_str(&mut connect, password);
     s.write_all(&packet(0x10, &connect)).unwrap();
@@ -690,10 +702,10 @@ async fn a_relay_signs_in_to_an_upstream_with_users_and_is_refused_clearly_witho
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("main");
     let users = [("relay-1", "relay secret"), ("device", "device secret")];
-    let main_config = users_file(dir.path(), "main.toml", &users, &users[..1]);
+    let main_config = users_file(dir.path(), "main.toml", &users);
     let main = Gateway::start(&data, &["--config", &main_config]);
-    // The relay checks its own clients against the same users as the main node.
-    let relay_config = users_file(dir.path(), "relay.toml", &users[1..], &[]);
+    // The relay checks its own clients against its own users, before anything goes upstream.
+    let relay_config = users_file(dir.path(), "relay.toml", &users[1..]);
     let args = [
         "relay",
         "--upstream",
@@ -725,16 +737,27 @@ async fn a_relay_signs_in_to_an_upstream_with_users_and_is_refused_clearly_witho
         ("SLUICE_RELAY__USERNAME", "relay-1"),
         ("SLUICE_RELAY__PASSWORD", "relay secret"),
     ];
-    // A main node with Kafka users only: the MQTT link is let in, the Kafka follower is not,
-    // with a password that differs there or with no user at all.
+    // A main node that lets anonymous MQTT clients in but knows the relay's user with another
+    // password: the MQTT link gets in anonymously only when the relay has no user; with its
+    // user the Kafka follower's SASL sign-in is refused too, and the start stops.
     let other_main = dir.path().join("other");
-    let split = users_file(
-        dir.path(),
-        "split.toml",
-        &[],
-        &[("relay-1", "another secret")],
+    let other_config = users_file(dir.path(), "other.toml", &[("relay-1", "another secret")]);
+    let other_data = other_main.display().to_string();
+    let other = Gateway::spawn_with_env(
+        &[
+            "--config",
+            &other_config,
+            "--data-dir",
+            &other_data,
+            "--http-addr",
+            "127.0.0.1:0",
+            "--kafka-addr",
+            "127.0.0.1:0",
+            "--mqtt-addr",
+            "127.0.0.1:0",
+        ],
+        &[("SLUICE_AUTH__ALLOW_ANONYMOUS", "true")],
     );
-    let other = Gateway::start(&other_main, &["--config", &split]);
     let other_args = [
         "relay",
         "--upstream",
@@ -748,19 +771,41 @@ async fn a_relay_signs_in_to_an_upstream_with_users_and_is_refused_clearly_witho
     ];
     let (code, out) = start_failure(&other_args, &signed_in);
     assert_ne!(code, Some(0), "{out}");
-    assert!(out.contains("refused the relay's SASL user"), "{out}");
-    let (code, out) = start_failure(&other_args, &[]);
-    assert_ne!(code, Some(0), "{out}");
-    assert!(
-        out.contains("has SASL users and the relay has none"),
-        "{out}"
-    );
+    assert!(out.contains("refused the relay"), "{out}");
     drop(other);
 
     // With its user the relay follows and forwards as usual.
     let relay = Gateway::spawn_with_env(&args, &signed_in);
+    // A persistent session is spliced to the upstream, but only once the relay has signed the
+    // client in itself: a wrong password, another user's client id or no user at all are
+    // refused by the relay, and the upstream never sees them.
+    let (_, before) = get(&format!("{}/metrics", main.http)).await;
+    let relay_mqtt = relay.mqtt.clone();
+    let refusals = tokio::task::spawn_blocking(move || {
+        [
+            persistent_connect(&relay_mqtt, "device-1", Some(("device", "wrong"))),
+            persistent_connect(&relay_mqtt, "relay-1-x", Some(("device", "device secret"))),
+            persistent_connect(&relay_mqtt, "anyone", None),
+            persistent_connect(&relay_mqtt, "device-2", Some(("device", "device secret"))),
+        ]
+    })
+    .await
+    .unwrap();
+    assert_eq!(refusals, [4, 5, 5, 0], "3.1.1 CONNACK codes from the relay");
+    let (_, after) = get(&format!("{}/metrics", main.http)).await;
+    for name in [
+        "sluice_mqtt_auth_failures_total",
+        "sluice_mqtt_authz_denied_total",
+    ] {
+        assert_eq!(
+            metric(&after, name),
+            metric(&before, name),
+            "{name} upstream"
+        );
+    }
     let (tx, mut notes) = mpsc::unbounded_channel();
-    let mut o = options(&relay.mqtt, "viewer", true);
+    // Client ids are owned by their users: "device" may use "device-*".
+    let mut o = options(&relay.mqtt, "device-viewer", true);
     o.set_credentials("device", "device secret");
     let view = subscriber_with(o, Some("cars/#"), 2, tx);
     wait_for_suback(&mut notes, 1).await;
@@ -792,7 +837,6 @@ async fn a_relay_signs_in_to_an_upstream_with_users_and_is_refused_clearly_witho
         dir.path(),
         "changed.toml",
         &[("relay-1", "new secret"), users[1]],
-        &[("relay-1", "new secret")],
     );
     let _main = main.restart(&data, &["--config", &changed]);
     let relay_mqtt = relay.mqtt.clone();

@@ -15,6 +15,7 @@
 mod admission;
 mod deadline;
 mod listener;
+mod tls;
 
 pub use admission::{Admission, ConnectionLimits, Refused, Slot};
 pub use deadline::{WriteDeadline, within};
@@ -22,3 +23,5 @@ pub use listener::{
     Admitted, BindOptions, Deadlines, LISTEN_BACKLOG, ListenerStats, Listening, Tracked, bind,
     serve,
 };
+pub use tls::{ClientCerts, Tls, TlsFiles, peer_common_name};
+pub use tokio_rustls::server::TlsStream;

@@ -16,8 +16,6 @@ mod producers;
 mod server;
 mod versions;
 
-use std::collections::BTreeMap;
-
 use serde::{Deserialize, Serialize};
 
 pub use alloc_guard::GuardedAlloc;
@@ -75,7 +73,15 @@ pub struct KafkaSettings {
     /// A producer that has appended nothing for this long is forgotten (Kafka's
     /// `producer.id.expiration.ms`).
     pub producer_id_expiration_ms: u64,
-    /// SASL/PLAIN users as `name = "sha256:<hex of SHA-256 of the password>"`. Empty: no
-    /// authentication.
-    pub sasl_plain_users: BTreeMap<String, String>,
+    /// The Kafka-over-TLS listener (Kafka's `SSL` and `SASL_SSL` in one), HOST:PORT, served
+    /// when the gateway has a certificate; empty: none.
+    pub tls_addr: String,
+    /// Host and port clients are told for the TLS listener; empty/0: as for the plain one,
+    /// with the TLS listener's port.
+    pub tls_advertised_host: String,
+    pub tls_advertised_port: u16,
+    /// Who may connect and what they may do (the gateway's `[[users]]` and `[[acl]]`); open by
+    /// default.
+    #[serde(skip)]
+    pub security: sluice_core::auth::SecurityHandle,
 }

@@ -9,15 +9,18 @@ use std::time::Duration;
 use bytes::Bytes;
 use kafka_protocol::messages::{ApiKey, RequestKind, ResponseKind};
 use sluice_core::Engine;
+use sluice_core::auth::{Action, Principal, Resource, ScramServer, Security};
 use sluice_net::{Deadlines, ListenerStats, Listening, Tracked, WriteDeadline, within};
+use tokio::io::AsyncWrite;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tracing::{debug, warn};
 
 use crate::KafkaSettings;
 use crate::codec::{self, DecodeError};
 use crate::coordinator::{Coordinator, GroupSettings};
+use crate::errors;
 use crate::handlers;
 use crate::producers::Producers;
 use crate::versions;
@@ -33,6 +36,8 @@ pub struct KafkaMetrics {
     pub bytes_in: AtomicU64,
     pub bytes_out: AtomicU64,
     pub auth_failures: AtomicU64,
+    /// Requests (or parts of them) the access rules refused.
+    pub authz_denied: AtomicU64,
     /// Produce requests a relay's read-only listener refused.
     pub writes_refused: AtomicU64,
     /// Connections closed because a request did not come, or did not come whole, within its
@@ -67,6 +72,8 @@ pub struct KafkaServer {
     pub metrics: KafkaMetrics,
     /// The listener runtime's counts for this listener (admitted, open, refused).
     pub listener: Arc<ListenerStats>,
+    /// The same for the TLS listener.
+    pub tls_listener: Arc<ListenerStats>,
 }
 
 /// Per-connection facts handlers may need.
@@ -74,9 +81,46 @@ pub struct KafkaServer {
 pub(crate) struct Conn {
     pub(crate) peer: SocketAddr,
     pub(crate) client_id: String,
-    /// SASL state: a mechanism was agreed (handshake) and the client authenticated.
-    pub(crate) sasl_mechanism_ok: bool,
+    /// The SASL mechanism agreed by the handshake, and the exchange in progress.
+    pub(crate) sasl: Option<Sasl>,
+    /// Signed in (or needing no sign-in): requests past the SASL ones are served.
     pub(crate) authenticated: bool,
+    /// Who the connection acts as (anonymous until SASL or a client certificate says).
+    pub(crate) principal: Principal,
+    /// The access rules in force when the connection was made.
+    pub(crate) security: Arc<Security>,
+    /// The address of the listener this connection came through, as clients are told it.
+    pub(crate) advertised: (String, i32),
+}
+
+/// The SASL mechanism a connection's handshake agreed on.
+#[derive(Debug)]
+pub(crate) enum Sasl {
+    Plain,
+    Scram(ScramServer),
+}
+
+impl Conn {
+    /// Whether the access rules let this connection do `action` on `resource`.
+    pub(crate) fn may(&self, action: Action, resource: Resource<'_>) -> bool {
+        self.security.is_open() || self.security.allows(&self.principal, action, resource)
+    }
+
+    pub(crate) fn may_topic(&self, action: Action, topic: &str) -> bool {
+        self.may(action, Resource::Topic(topic))
+    }
+
+    /// Kafka's DESCRIBE of a topic: allowed to anyone who may publish, read or administer it.
+    pub(crate) fn may_describe(&self, topic: &str) -> bool {
+        [Action::Subscribe, Action::Publish, Action::Admin]
+            .into_iter()
+            .any(|a| self.may_topic(a, topic))
+    }
+
+    /// Joining, committing for or describing a consumer group.
+    pub(crate) fn may_group(&self, group: &str) -> bool {
+        self.may(Action::Subscribe, Resource::Group(group))
+    }
 }
 
 /// The node id of this single-node cluster.
@@ -140,6 +184,7 @@ impl KafkaServer {
             read_only,
             metrics: KafkaMetrics::default(),
             listener: Arc::default(),
+            tls_listener: Arc::default(),
         })
     }
 
@@ -168,10 +213,42 @@ impl KafkaServer {
         listening: Listening,
         shutdown: watch::Receiver<bool>,
     ) {
+        let advertised = self.advertised.clone();
+        self.serve_on(listener, listening, None, advertised, shutdown)
+            .await
+    }
+
+    /// Accepts Kafka over TLS on `listener` (Kafka's `SSL` and `SASL_SSL` listeners in one:
+    /// a client signs in with SASL, or with a client certificate where certificates name
+    /// principals); `advertised` is the address clients are told for this listener, so that
+    /// a client that bootstrapped over TLS stays on it.
+    pub async fn serve_tls(
+        self: Arc<Self>,
+        listener: TcpListener,
+        listening: Listening,
+        tls: Arc<sluice_net::Tls>,
+        advertised: (String, i32),
+        shutdown: watch::Receiver<bool>,
+    ) {
+        self.serve_on(listener, listening, Some(tls), advertised, shutdown)
+            .await
+    }
+
+    async fn serve_on(
+        self: Arc<Self>,
+        listener: TcpListener,
+        listening: Listening,
+        tls: Option<Arc<sluice_net::Tls>>,
+        advertised: (String, i32),
+        shutdown: watch::Receiver<bool>,
+    ) {
         let deadlines = listening.deadlines;
-        let stats = self.listener.clone();
+        let (name, stats) = match tls {
+            Some(_) => ("kafka-tls", self.tls_listener.clone()),
+            None => ("kafka", self.listener.clone()),
+        };
         sluice_net::serve(
-            "kafka",
+            name,
             listener,
             &listening,
             stats,
@@ -179,6 +256,8 @@ impl KafkaServer {
             |stream, peer, admitted| {
                 let server = self.clone();
                 let shutdown = shutdown.clone();
+                let tls = tls.clone();
+                let advertised = advertised.clone();
                 async move {
                     let stream =
                         WriteDeadline::new(Tracked::new(stream, admitted), deadlines.write);
@@ -190,7 +269,37 @@ impl KafkaServer {
                         .metrics
                         .connections_open
                         .fetch_add(1, Ordering::Relaxed);
-                    if let Err(e) = server.connection(stream, peer, deadlines, shutdown).await {
+                    let security = server.settings.security.current();
+                    let mut conn = Conn {
+                        peer,
+                        client_id: String::new(),
+                        sasl: None,
+                        authenticated: security.is_open() || security.identities.allow_anonymous(),
+                        principal: Principal::Anonymous,
+                        security,
+                        advertised,
+                    };
+                    let ended = match tls {
+                        None => {
+                            server
+                                .connection(stream, &mut conn, deadlines, shutdown)
+                                .await
+                        }
+                        Some(tls) => match tls.accept(stream, deadlines.request).await {
+                            Ok(stream) => {
+                                let cn = sluice_net::peer_common_name(&stream);
+                                if let Some(p) = conn.security.certified(cn) {
+                                    conn.principal = p;
+                                    conn.authenticated = true;
+                                }
+                                server
+                                    .connection(stream, &mut conn, deadlines, shutdown)
+                                    .await
+                            }
+                            Err(e) => Err(e),
+                        },
+                    };
+                    if let Err(e) = ended {
                         if e.kind() == std::io::ErrorKind::TimedOut {
                             server.metrics.timeouts.fetch_add(1, Ordering::Relaxed);
                         }
@@ -206,19 +315,14 @@ impl KafkaServer {
         .await;
     }
 
-    async fn connection(
+    async fn connection<S: AsyncRead + AsyncWrite + Unpin>(
         self: &Arc<Self>,
-        mut stream: WriteDeadline<Tracked<TcpStream>>,
-        peer: SocketAddr,
+        mut stream: S,
+        conn: &mut Conn,
         deadlines: Deadlines,
         mut shutdown: watch::Receiver<bool>,
     ) -> std::io::Result<()> {
-        let mut conn = Conn {
-            peer,
-            client_id: String::new(),
-            sasl_mechanism_ok: false,
-            authenticated: self.settings.sasl_plain_users.is_empty(),
-        };
+        let peer = conn.peer;
         // The first request must come within the request deadline of the connect (a socket
         // that never speaks holds a file for nothing); later ones within the idle deadline.
         let mut wait = (deadlines.request, "the first request");
@@ -248,9 +352,14 @@ impl KafkaServer {
                 Ok(req) => {
                     self.metrics.requests.fetch_add(1, Ordering::Relaxed);
                     conn.client_id.clone_from(&req.client_id);
-                    match self.handle(&mut conn, req).await {
+                    match self.handle(conn, req).await {
                         Handled::Respond(bytes) => Some(bytes),
                         Handled::NoResponse => None,
+                        Handled::RespondThenClose(bytes) => {
+                            stream.write_all(&bytes).await?;
+                            stream.flush().await?;
+                            return Ok(());
+                        }
                         Handled::Close(reason) => {
                             self.metrics.bad_requests.fetch_add(1, Ordering::Relaxed);
                             warn!(%peer, client = conn.client_id, reason, "closing kafka connection");
@@ -301,68 +410,101 @@ impl KafkaServer {
                 ResponseKind::ApiVersions(handlers::api_versions::handle(self.read_only))
             }
             RequestKind::Metadata(r) => {
-                ResponseKind::Metadata(handlers::metadata::handle(self, r, v).await)
+                ResponseKind::Metadata(handlers::metadata::handle(self, conn, r, v).await)
             }
-            RequestKind::Produce(r) => match handlers::produce::handle(self, r, v).await {
+            RequestKind::Produce(r) => match handlers::produce::handle(self, conn, r, v).await {
                 Some(resp) => ResponseKind::Produce(resp),
                 None => return Handled::NoResponse,
             },
-            RequestKind::Fetch(r) => ResponseKind::Fetch(handlers::fetch::handle(self, r, v).await),
+            RequestKind::Fetch(r) => {
+                ResponseKind::Fetch(handlers::fetch::handle(self, conn, r, v).await)
+            }
             RequestKind::ListOffsets(r) => {
-                ResponseKind::ListOffsets(handlers::list_offsets::handle(self, r, v).await)
+                ResponseKind::ListOffsets(handlers::list_offsets::handle(self, conn, r, v).await)
             }
             RequestKind::FindCoordinator(r) => {
-                ResponseKind::FindCoordinator(handlers::find_coordinator::handle(self, r, v))
+                ResponseKind::FindCoordinator(handlers::find_coordinator::handle(conn, r, v))
+            }
+            RequestKind::JoinGroup(r) if !conn.may_group(r.group_id.as_str()) => {
+                let mut resp = kafka_protocol::messages::JoinGroupResponse::default();
+                resp.error_code = errors::GROUP_AUTHORIZATION_FAILED;
+                resp.generation_id = -1;
+                ResponseKind::JoinGroup(resp)
             }
             RequestKind::JoinGroup(r) => {
                 ResponseKind::JoinGroup(handlers::join_group::handle(self, conn, r, v).await)
             }
+            RequestKind::SyncGroup(r) if !conn.may_group(r.group_id.as_str()) => {
+                let mut resp = kafka_protocol::messages::SyncGroupResponse::default();
+                resp.error_code = errors::GROUP_AUTHORIZATION_FAILED;
+                ResponseKind::SyncGroup(resp)
+            }
             RequestKind::SyncGroup(r) => {
                 ResponseKind::SyncGroup(handlers::sync_group::handle(self, r, v).await)
             }
+            RequestKind::Heartbeat(r) if !conn.may_group(r.group_id.as_str()) => {
+                let mut resp = kafka_protocol::messages::HeartbeatResponse::default();
+                resp.error_code = errors::GROUP_AUTHORIZATION_FAILED;
+                ResponseKind::Heartbeat(resp)
+            }
             RequestKind::Heartbeat(r) => {
                 ResponseKind::Heartbeat(handlers::heartbeat::handle(self, r))
+            }
+            RequestKind::LeaveGroup(r) if !conn.may_group(r.group_id.as_str()) => {
+                let mut resp = kafka_protocol::messages::LeaveGroupResponse::default();
+                resp.error_code = errors::GROUP_AUTHORIZATION_FAILED;
+                ResponseKind::LeaveGroup(resp)
             }
             RequestKind::LeaveGroup(r) => {
                 ResponseKind::LeaveGroup(handlers::leave_group::handle(self, r, v))
             }
             RequestKind::OffsetCommit(r) => {
-                ResponseKind::OffsetCommit(handlers::offset_commit::handle(self, r).await)
+                ResponseKind::OffsetCommit(handlers::offset_commit::handle(self, conn, r).await)
             }
             RequestKind::OffsetFetch(r) => {
-                ResponseKind::OffsetFetch(handlers::offset_fetch::handle(self, r))
+                ResponseKind::OffsetFetch(handlers::offset_fetch::handle(self, conn, r, v))
             }
             RequestKind::ListGroups(_) => {
-                ResponseKind::ListGroups(handlers::list_groups::handle(self, v))
+                ResponseKind::ListGroups(handlers::list_groups::handle(self, conn, v))
             }
             RequestKind::DescribeGroups(r) => {
-                ResponseKind::DescribeGroups(handlers::describe_groups::handle(self, r, v))
+                ResponseKind::DescribeGroups(handlers::describe_groups::handle(self, conn, r, v))
             }
             RequestKind::InitProducerId(r) => {
                 ResponseKind::InitProducerId(handlers::init_producer_id::handle(self, r))
             }
             RequestKind::CreateTopics(r) => {
-                ResponseKind::CreateTopics(handlers::create_topics::handle(self, r, v).await)
+                ResponseKind::CreateTopics(handlers::create_topics::handle(self, conn, r, v).await)
             }
             RequestKind::DeleteTopics(r) => {
-                ResponseKind::DeleteTopics(handlers::delete_topics::handle(self, r).await)
+                ResponseKind::DeleteTopics(handlers::delete_topics::handle(self, conn, r).await)
             }
             RequestKind::DescribeConfigs(r) => {
-                ResponseKind::DescribeConfigs(handlers::describe_configs::handle(self, r))
+                ResponseKind::DescribeConfigs(handlers::describe_configs::handle(self, conn, r))
             }
             RequestKind::IncrementalAlterConfigs(r) => ResponseKind::IncrementalAlterConfigs(
-                handlers::incremental_alter_configs::handle(self, r).await,
+                handlers::incremental_alter_configs::handle(self, conn, r).await,
             ),
             RequestKind::DescribeCluster(_) => {
-                ResponseKind::DescribeCluster(handlers::describe_cluster::handle(self, v))
+                ResponseKind::DescribeCluster(handlers::describe_cluster::handle(self, conn, v))
             }
             RequestKind::SaslHandshake(r) => {
-                ResponseKind::SaslHandshake(handlers::sasl::handshake(self, conn, r))
+                ResponseKind::SaslHandshake(handlers::sasl::handshake(conn, r))
             }
             RequestKind::SaslAuthenticate(r) => {
-                let resp = handlers::sasl::authenticate(self, conn, r);
-                if resp.error_code != 0 {
+                let (resp, failed) = handlers::sasl::authenticate(conn, r).await;
+                if failed {
                     self.metrics.auth_failures.fetch_add(1, Ordering::Relaxed);
+                    warn!(peer = %conn.peer, client = conn.client_id, "kafka SASL authentication failed; closing the connection");
+                    return match codec::encode_response(
+                        api,
+                        v,
+                        req.correlation_id,
+                        &ResponseKind::SaslAuthenticate(resp),
+                    ) {
+                        Ok(bytes) => Handled::RespondThenClose(bytes.freeze()),
+                        Err(e) => Handled::Close(format!("encoding a SASL response failed: {e}")),
+                    };
                 }
                 ResponseKind::SaslAuthenticate(resp)
             }
@@ -407,6 +549,8 @@ enum Handled {
     Respond(Bytes),
     NoResponse,
     Close(String),
+    /// Send this, then close (a failed SASL exchange).
+    RespondThenClose(Bytes),
 }
 
 fn hostname() -> Option<String> {

@@ -54,7 +54,10 @@ async fn start_with(
         group_max_size: 1000,
         max_producer_ids: 100_000,
         producer_id_expiration_ms: 86_400_000,
-        sasl_plain_users: BTreeMap::new(),
+        tls_addr: String::new(),
+        tls_advertised_host: String::new(),
+        tls_advertised_port: 0,
+        security: Default::default(),
     };
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();

@@ -426,6 +426,7 @@ pub(crate) fn connack(
                 reason::UNSUPPORTED_VERSION => v4::ConnectReturnCode::RefusedProtocolVersion,
                 reason::CLIENT_ID_INVALID => v4::ConnectReturnCode::BadClientId,
                 reason::BAD_USER_NAME_OR_PASSWORD => v4::ConnectReturnCode::BadUserNamePassword,
+                reason::NOT_AUTHORIZED => v4::ConnectReturnCode::NotAuthorized,
                 _ => v4::ConnectReturnCode::ServiceUnavailable,
             };
             let _ = v4::ConnAck::new(rc, session_present).write(out);
@@ -437,6 +438,7 @@ pub(crate) fn connack(
                 reason::CLIENT_ID_INVALID => v5::ConnectReturnCode::ClientIdentifierNotValid,
                 reason::TOPIC_NAME_INVALID => v5::ConnectReturnCode::TopicNameInvalid,
                 reason::BAD_USER_NAME_OR_PASSWORD => v5::ConnectReturnCode::BadUserNamePassword,
+                reason::NOT_AUTHORIZED => v5::ConnectReturnCode::NotAuthorized,
                 reason::PACKET_TOO_LARGE => v5::ConnectReturnCode::PacketTooLarge,
                 reason::MALFORMED => v5::ConnectReturnCode::MalformedPacket,
                 reason::PROTOCOL_ERROR => v5::ConnectReturnCode::ProtocolError,
@@ -566,6 +568,7 @@ pub(crate) fn suback(version: Version, pkid: u16, codes: &[u8], out: &mut BytesM
                     2 => v5::SubscribeReasonCode::Success(QoS5::ExactlyOnce),
                     reason::TOPIC_FILTER_INVALID => v5::SubscribeReasonCode::TopicFilterInvalid,
                     reason::QUOTA_EXCEEDED => v5::SubscribeReasonCode::QuotaExceeded,
+                    reason::NOT_AUTHORIZED => v5::SubscribeReasonCode::NotAuthorized,
                     _ => v5::SubscribeReasonCode::Unspecified,
                 })
                 .collect();

@@ -20,8 +20,6 @@ mod state;
 mod topic;
 mod upstream;
 
-use std::collections::BTreeMap;
-
 use serde::{Deserialize, Serialize};
 
 pub use retained::RETAINED_TOPIC;
@@ -44,8 +42,13 @@ pub struct MqttSettings {
     pub connect_timeout_ms: u64,
     /// MQTT topic filters → ledger topics, first match wins.
     pub routes: Vec<Route>,
-    /// Users allowed to connect, as `name = "sha256:<hex>"`; empty: no authentication.
-    pub users: BTreeMap<String, String>,
+    /// The MQTT-over-TLS listener, HOST:PORT, served when the gateway has a certificate
+    /// (`[tls]`); empty: none.
+    pub tls_addr: String,
+    /// Who may connect and what they may do: the gateway's `[[users]]` and `[[acl]]`, shared
+    /// by every protocol (open, as before access control, by default).
+    #[serde(skip)]
+    pub security: sluice_core::auth::SecurityHandle,
     /// How often persistent sessions whose expiry has passed are removed, and the state
     /// topics checked for a snapshot (ms).
     pub session_sweep_interval_ms: u64,

@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use dashmap::DashMap;
+use sluice_core::auth::Principal;
 use sluice_core::{CoreError, Engine};
 use sluice_net::{Deadlines, ListenerStats, Listening};
 use tokio::net::TcpListener;
@@ -55,8 +56,12 @@ pub struct MqttMetrics {
     pub properties_dropped: AtomicU64,
     /// Messages dropped on delivery because their MQTT 5 expiry had passed.
     pub expired: AtomicU64,
-    /// CONNECTs refused for a wrong or missing user name or password.
+    /// CONNECTs refused for a wrong or missing user name or password (or, with anonymous
+    /// clients refused, none).
     pub auth_failures: AtomicU64,
+    /// Requests the access rules refused: CONNECTs (client id or will topic), subscriptions
+    /// and publishes.
+    pub authz_denied: AtomicU64,
     /// Persistent sessions removed by the sweep because their expiry had passed.
     pub sessions_expired: AtomicU64,
     /// Records of `__mqtt_retained` and `__mqtt_sessions` read at start (from their newest
@@ -167,6 +172,10 @@ pub struct MqttServer {
     pub metrics: MqttMetrics,
     /// The listener runtime's counts for the TCP listener (admitted, open, refused).
     pub listener: Arc<ListenerStats>,
+    /// The same for the TLS listener.
+    pub tls_listener: Arc<ListenerStats>,
+    /// Keeps refused sign-ins and requests from flooding the log.
+    pub(crate) refusals: sluice_core::auth::RefusalLog,
     /// The listener runtime's deadlines, as `serve` was given them; connections that arrive
     /// another way (WebSocket) use them too.
     deadlines: std::sync::OnceLock<Deadlines>,
@@ -314,6 +323,8 @@ impl MqttServer {
             egress: tokio::sync::Semaphore::new(EGRESS_BUDGET / EGRESS_UNIT),
             metrics,
             listener: Arc::default(),
+            tls_listener: Arc::default(),
+            refusals: Default::default(),
             deadlines: std::sync::OnceLock::new(),
         });
         // A relay keeps no sessions of its own: the upstream's sweep removes them.
@@ -351,6 +362,7 @@ impl MqttServer {
         self: &Arc<Self>,
         stream: S,
         peer: String,
+        certified: Option<Principal>,
         shutdown: watch::Receiver<bool>,
     ) where
         S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send,
@@ -362,8 +374,16 @@ impl MqttServer {
             .connections_open
             .fetch_add(1, Ordering::Relaxed);
         let deadlines = self.deadlines();
-        if let Err(e) =
-            session::run(self, Plain(stream), None, deadlines, peer.clone(), shutdown).await
+        if let Err(e) = session::run(
+            self,
+            Plain(stream),
+            None,
+            deadlines,
+            peer.clone(),
+            certified,
+            shutdown,
+        )
+        .await
         {
             debug!(peer, error = %e, "mqtt connection ended");
         }
@@ -424,6 +444,7 @@ impl MqttServer {
                         Some(fd),
                         deadlines,
                         peer.to_string(),
+                        None,
                         shutdown,
                     )
                     .await
@@ -434,6 +455,50 @@ impl MqttServer {
                         .metrics
                         .connections_open
                         .fetch_sub(1, Ordering::Relaxed);
+                }
+            },
+        )
+        .await;
+    }
+
+    /// Accepts MQTT over TLS on `listener` until `shutdown` turns true, as [`Self::serve`]
+    /// does over TCP. A TLS connection cannot lend its socket to the live fan-out (the bytes
+    /// must be encrypted per connection), so its deliveries go the connection's own way, as a
+    /// WebSocket's do. With certificates naming principals, a verified client certificate
+    /// signs the client in.
+    pub async fn serve_tls(
+        self: Arc<Self>,
+        listener: TcpListener,
+        listening: Listening,
+        tls: Arc<sluice_net::Tls>,
+        shutdown: watch::Receiver<bool>,
+    ) {
+        let stats = self.tls_listener.clone();
+        let deadlines = *self.deadlines.get_or_init(|| listening.deadlines);
+        sluice_net::serve(
+            "mqtt-tls",
+            listener,
+            &listening,
+            stats,
+            shutdown.clone(),
+            |stream, peer, admitted| {
+                let server = self.clone();
+                let shutdown = shutdown.clone();
+                let tls = tls.clone();
+                async move {
+                    let _admitted = admitted;
+                    let stream = match tls.accept(stream, deadlines.request).await {
+                        Ok(s) => s,
+                        Err(e) => {
+                            debug!(%peer, error = %e, "mqtt tls handshake failed");
+                            return;
+                        }
+                    };
+                    let cn = sluice_net::peer_common_name(&stream);
+                    let certified = server.settings.security.current().certified(cn);
+                    server
+                        .serve_stream(stream, peer.to_string(), certified, shutdown)
+                        .await;
                 }
             },
         )

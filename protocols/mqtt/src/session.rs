@@ -26,6 +26,7 @@ use std::time::Duration;
 
 use bytes::{Buf, Bytes, BytesMut};
 use futures_util::FutureExt;
+use sluice_core::auth::{Action, AuthError, Principal, Resource, Security};
 use sluice_core::{
     Consumer, CoreError, DecodedRecord, InitialPosition, LiveOptions, MessageId, OpenRecord,
     PartitionChoice, Record, SlowPolicy, StartAt, SubscribeOptions, SubscriptionType,
@@ -321,6 +322,9 @@ struct Session<'a, S> {
     server: &'a Arc<MqttServer>,
     stream: S,
     peer: String,
+    /// Who the client signed in as, and the access rules in force when it did.
+    principal: Principal,
+    security: Arc<Security>,
     version: Version,
     client_id: String,
     keep_alive: Duration,
@@ -462,6 +466,7 @@ pub(crate) async fn run<S: Conn>(
     fd: Option<RawFd>,
     deadlines: Deadlines,
     peer: String,
+    certified: Option<Principal>,
     mut shutdown: watch::Receiver<bool>,
 ) -> std::io::Result<()> {
     let max = server.settings.max_packet_bytes;
@@ -543,6 +548,18 @@ pub(crate) async fn run<S: Conn>(
             .fetch_add(read as u64, Ordering::Relaxed);
     };
     server.metrics.packets_in.add(0x10);
+    // Who the client is, and whether it may use its client id and will, before anything
+    // else: a relay passes nothing upstream for a client it would refuse.
+    let security = server.settings.security.current();
+    let principal = match authenticate(server, &security, &connect, &peer, certified).await {
+        Ok(p) => p,
+        Err(code) => {
+            let mut out = BytesMut::new();
+            codec::connack(version, false, code, max as u32, None, &mut out);
+            server.metrics.packets_out.add(0x20);
+            return write_within(&mut stream, deadlines.write, &server.metrics, &out, &[]).await;
+        }
+    };
     if let (Some(upstream), Some(head)) = (&server.upstream, head)
         && wants_persistent_session(&connect)
     {
@@ -570,6 +587,8 @@ pub(crate) async fn run<S: Conn>(
         server,
         stream,
         peer,
+        principal,
+        security,
         version,
         client_id: String::new(),
         keep_alive: Duration::from_secs(u64::from(connect.keep_alive)),
@@ -678,28 +697,80 @@ async fn reject<S: AsyncWrite + Unpin>(
     write_within(stream, deadlines.write, &server.metrics, &out, &[]).await
 }
 
+/// Signs the client in with the identity store (a client certificate's principal, a user
+/// name and password, or none), and checks that it may use its client id and will topic; the
+/// CONNACK reason code when not. Failures are counted, and answered later the more often one
+/// address fails (the identity store's throttle).
+async fn authenticate(
+    server: &MqttServer,
+    security: &Security,
+    c: &Connect,
+    peer: &str,
+    certified: Option<Principal>,
+) -> Result<Principal, u8> {
+    if security.is_open() {
+        return Ok(Principal::Anonymous);
+    }
+    let ids = &security.identities;
+    let signed_in = match (&c.username, &c.password, certified) {
+        (Some(u), Some(p), _) => ids.verify_password(u, p.as_bytes()).await,
+        (None, None, Some(p)) => Ok(p),
+        (None, None, None) => ids.anonymous(),
+        _ => Err(AuthError::BadCredentials),
+    };
+    let source = peer.parse::<std::net::SocketAddr>().ok().map(|a| a.ip());
+    let principal = match signed_in {
+        Ok(p) => {
+            if let Some(ip) = source {
+                ids.throttle().succeeded(ip);
+            }
+            p
+        }
+        Err(why) => {
+            server.metrics.auth_failures.fetch_add(1, Ordering::Relaxed);
+            if let Some(unlogged) = server.refusals.admit() {
+                warn!(peer, user = ?c.username, ?why, unlogged, "mqtt sign-in refused");
+            }
+            if let Some(ip) = source {
+                tokio::time::sleep(ids.throttle().failed(ip)).await;
+            }
+            return Err(match why {
+                AuthError::BadCredentials => reason::BAD_USER_NAME_OR_PASSWORD,
+                AuthError::AnonymousRefused => reason::NOT_AUTHORIZED,
+            });
+        }
+    };
+    let will_denied = c.will.as_ref().is_some_and(|w| {
+        !security.allows(
+            &principal,
+            Action::Publish,
+            Resource::Mqtt {
+                topic: &w.topic,
+                client_id: &c.client_id,
+            },
+        )
+    });
+    if !security.may_use_client_id(&principal, &c.client_id) || will_denied {
+        server.metrics.authz_denied.fetch_add(1, Ordering::Relaxed);
+        if let Some(unlogged) = server.refusals.admit() {
+            warn!(
+                peer,
+                user = principal.name(),
+                client = c.client_id,
+                will_denied,
+                unlogged,
+                "mqtt connect not authorized"
+            );
+        }
+        return Err(reason::NOT_AUTHORIZED);
+    }
+    Ok(principal)
+}
+
 impl<S: Conn> Session<'_, S> {
     /// Validates CONNECT, restores or clears a persistent session, and answers CONNACK;
     /// `None` when the connection was refused.
     async fn accept(&mut self, c: Connect) -> std::io::Result<Option<Arc<Notify>>> {
-        let users = &self.server.settings.users;
-        if !users.is_empty() {
-            let ok = match (&c.username, &c.password) {
-                (Some(u), Some(p)) => users
-                    .get(u)
-                    .is_some_and(|stored| sluice_core::verify_password(stored, p.as_bytes())),
-                _ => false,
-            };
-            if !ok {
-                self.server
-                    .metrics
-                    .auth_failures
-                    .fetch_add(1, Ordering::Relaxed);
-                self.write_connack(false, reason::BAD_USER_NAME_OR_PASSWORD, None)
-                    .await?;
-                return Ok(None);
-            }
-        }
         let mut assigned = None;
         if c.client_id.is_empty() {
             if !c.clean_start && self.version == Version::V4 {
@@ -707,7 +778,13 @@ impl<S: Conn> Session<'_, S> {
                     .await?;
                 return Ok(None);
             }
-            let id = format!("sluice-{}", self.server.connection_id());
+            // A user's assigned id is one it owns, so its session is its own too.
+            let id = match self.principal.user() {
+                Some(u) if !self.security.is_open() => {
+                    format!("{u}-sluice-{}", self.server.connection_id())
+                }
+                _ => format!("sluice-{}", self.server.connection_id()),
+            };
             assigned = Some(id.clone());
             self.client_id = id;
         } else {
@@ -793,7 +870,10 @@ impl<S: Conn> Session<'_, S> {
             // Subscriptions come back before any packet is read; durable ones resume from their
             // cursors, so what was published while the client was away arrives now.
             for sub in saved.subs {
-                if let Some(target) = Target::parse(&sub.filter) {
+                if let Some(target) = Target::parse(&sub.filter)
+                    // Rules may have changed while the client was away.
+                    && self.may(Action::Subscribe, &target.filter)
+                {
                     match self.attach(&target, &sub).await {
                         Ok(feeds) => {
                             self.subs.insert(
@@ -1320,6 +1400,9 @@ impl<S: Conn> Session<'_, S> {
                 .await
                 .map(|()| None);
         }
+        if !self.may(Action::Publish, &p.topic) {
+            return self.unauthorized(&p).await.map(|()| None);
+        }
         if p.qos == 2 && self.qos2_in.lock().contains(&p.pkid) {
             // The client resent a QoS 2 publish we already stored: only the PUBREC again.
             codec::ack(
@@ -1416,6 +1499,7 @@ impl<S: Conn> Session<'_, S> {
             || p.topic_alias.is_some()
             || self.server.upstream.is_some()
             || !topic::valid_name(&p.topic)
+            || !self.may(Action::Publish, &p.topic)
         {
             return None;
         }
@@ -1504,6 +1588,65 @@ impl<S: Conn> Session<'_, S> {
 
     /// A publish that cannot be stored: MQTT 5 answers with a reason code; MQTT 3.1.1 has none
     /// for QoS 1/2, so the connection closes and the client will resend.
+    /// Whether the access rules let this client do `action` on the MQTT name or filter
+    /// `topic`.
+    fn may(&self, action: Action, topic: &str) -> bool {
+        self.security.is_open()
+            || self.security.allows(
+                &self.principal,
+                action,
+                Resource::Mqtt {
+                    topic,
+                    client_id: &self.client_id,
+                },
+            )
+    }
+
+    /// Counts and logs (a line per interval at most: a client repeating a refused request must
+    /// not flood the log) a request the access rules refused.
+    fn denied(&self, what: &'static str, topic: &str) {
+        self.server
+            .metrics
+            .authz_denied
+            .fetch_add(1, Ordering::Relaxed);
+        if let Some(unlogged) = self.server.refusals.admit() {
+            warn!(
+                peer = self.peer,
+                user = self.principal.name(),
+                client = self.client_id,
+                topic,
+                unlogged,
+                "mqtt {what} not authorized"
+            );
+        }
+    }
+
+    /// A publish the access rules refuse: MQTT 5 says so in the PUBACK / PUBREC (0x87); MQTT
+    /// 3.1.1 has no way to, so it is acknowledged as usual and dropped (3.1.1 §3.3.5), as a QoS
+    /// 0 one is in both.
+    async fn unauthorized(&mut self, p: &Publish) -> std::io::Result<()> {
+        self.denied("publish", &p.topic);
+        match (self.version, p.qos) {
+            (_, 0) => return Ok(()),
+            (Version::V5, _) => return self.refuse(p, reason::NOT_AUTHORIZED).await,
+            (Version::V4, 1) => codec::ack(
+                self.version,
+                Ack::Puback,
+                p.pkid,
+                reason::SUCCESS,
+                &mut self.out,
+            ),
+            (Version::V4, _) => codec::ack(
+                self.version,
+                Ack::Pubrec,
+                p.pkid,
+                reason::SUCCESS,
+                &mut self.out,
+            ),
+        }
+        self.flush().await
+    }
+
     async fn refuse(&mut self, p: &Publish, code: u8) -> std::io::Result<()> {
         warn!(
             peer = self.peer,
@@ -1546,6 +1689,11 @@ impl<S: Conn> Session<'_, S> {
                 codes.push(reason::TOPIC_FILTER_INVALID);
                 continue;
             };
+            if !self.may(Action::Subscribe, &target.filter) {
+                self.denied("subscribe", &f.filter);
+                codes.push(reason::NOT_AUTHORIZED);
+                continue;
+            }
             let saved = SavedSub {
                 filter: f.filter.clone(),
                 qos: f.qos.min(2),

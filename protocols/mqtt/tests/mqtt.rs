@@ -7,6 +7,9 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use rumqttc::{AsyncClient, Event, MqttOptions, Packet, QoS};
+use sluice_core::auth::{
+    AclRule, ActionSpec, Authorizer, Effect, Identities, Security, SecurityHandle, UserSpec,
+};
 use sluice_core::{
     Engine, EngineConfig, Faults, FaultyStorage, FsStorage, PartitionChoice, Record, Storage,
     SystemClock,
@@ -29,32 +32,31 @@ async fn start(dir: &std::path::Path) -> Gateway {
     start_with(dir, Default::default()).await
 }
 
-async fn start_with(
-    dir: &std::path::Path,
-    users: std::collections::BTreeMap<String, String>,
-) -> Gateway {
-    start_on(dir, users, Arc::new(FsStorage)).await
+async fn start_with(dir: &std::path::Path, security: Security) -> Gateway {
+    start_on(dir, security, Arc::new(FsStorage)).await
 }
 
-async fn start_on(
-    dir: &std::path::Path,
-    users: std::collections::BTreeMap<String, String>,
-    storage: Arc<dyn Storage>,
-) -> Gateway {
-    start_engine(EngineConfig::new(dir), users, storage).await
+async fn start_on(dir: &std::path::Path, security: Security, storage: Arc<dyn Storage>) -> Gateway {
+    start_engine(EngineConfig::new(dir), security, storage).await
 }
 
 async fn start_engine(
     config: EngineConfig,
-    users: std::collections::BTreeMap<String, String>,
+    security: Security,
     storage: Arc<dyn Storage>,
 ) -> Gateway {
-    start_listening(config, users, storage, sluice_net::Listening::unbounded()).await
+    start_listening(
+        config,
+        security,
+        storage,
+        sluice_net::Listening::unbounded(),
+    )
+    .await
 }
 
 async fn start_listening(
     config: EngineConfig,
-    users: std::collections::BTreeMap<String, String>,
+    security: Security,
     storage: Arc<dyn Storage>,
     listening: sluice_net::Listening,
 ) -> Gateway {
@@ -70,7 +72,8 @@ async fn start_listening(
             filter: "cameras/+/jpeg".into(),
             topic: "camera-images".into(),
         }],
-        users,
+        tls_addr: String::new(),
+        security: SecurityHandle::new(security),
         session_sweep_interval_ms: 60_000,
         state_snapshot_min_records: 10_000,
         max_retained_messages: 100_000,
@@ -696,16 +699,251 @@ async fn a_shared_subscription_splits_the_load() {
     gw.stop().await;
 }
 
+/// Users alice and bob (passwords "wonderland" and "builder"), client ids owned by their users,
+/// `rules` in front of a default of allow.
+fn secured(rules: Vec<AclRule>, allow_anonymous: Option<bool>) -> Security {
+    let users: Vec<UserSpec> = [("alice", "wonderland"), ("bob", "builder")]
+        .iter()
+        .map(|(name, password)| UserSpec {
+            name: (*name).into(),
+            password_hash: sluice_core::auth::hash_new_password(password.as_bytes())
+                .unwrap()
+                .0,
+            ..UserSpec::default()
+        })
+        .collect();
+    Security::new(
+        Identities::new(&users, allow_anonymous).unwrap(),
+        Authorizer::new(rules, Effect::Allow).unwrap(),
+        vec!["%u".into(), "%u-*".into()],
+    )
+}
+
+/// A bare MQTT client on a socket, speaking 3.1.1 or 5 with rumqttc's packet codecs, so a
+/// test sees every reason code as sent.
+struct Raw {
+    s: TcpStream,
+    buf: bytes::BytesMut,
+    v5: bool,
+    next_pkid: u16,
+    /// Deliveries read while waiting for something else.
+    delivered: std::collections::VecDeque<String>,
+}
+
+/// What a [`Raw`] client reads, reason codes as MQTT 5 numbers (3.1.1's SUBACK failure: 0x80).
+#[derive(Debug, PartialEq, Eq)]
+enum RawIn {
+    ConnAck(u8),
+    SubAck(Vec<u8>),
+    PubAck(u8),
+    Publish(String),
+    Other,
+}
+
+impl Raw {
+    /// Connects and returns the client with the CONNACK's code (MQTT 5 number, or 3.1.1's).
+    async fn connect(
+        port: u16,
+        v5: bool,
+        client_id: &str,
+        login: Option<(&str, &str)>,
+    ) -> (Self, u8) {
+        use rumqttc::v5::mqttbytes::v5 as m5;
+        let s = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+        let mut out = bytes::BytesMut::new();
+        if v5 {
+            let c = m5::Connect {
+                keep_alive: 30,
+                client_id: client_id.into(),
+                clean_start: true,
+                properties: None,
+            };
+            let login = login.map(|(u, p)| m5::Login::new(u, p));
+            m5::Packet::Connect(c, None, login)
+                .write(&mut out, None)
+                .unwrap();
+        } else {
+            let mut c = rumqttc::Connect::new(client_id);
+            if let Some((u, p)) = login {
+                c.set_login(u, p);
+            }
+            rumqttc::Packet::Connect(c)
+                .write(&mut out, usize::MAX)
+                .unwrap();
+        }
+        let mut raw = Self {
+            s,
+            buf: bytes::BytesMut::new(),
+            v5,
+            next_pkid: 0,
+            delivered: Default::default(),
+        };
+        raw.s.write_all(&out).await.unwrap();
+        match raw.next().await {
+            RawIn::ConnAck(code) => (raw, code),
+            other => panic!("expected a CONNACK, got {other:?}"),
+        }
+    }
+
+    async fn next(&mut self) -> RawIn {
+        use rumqttc::v5::mqttbytes::v5 as m5;
+        loop {
+            let parsed = if self.v5 {
+                match m5::Packet::read(&mut self.buf, None) {
+                    Ok(m5::Packet::ConnAck(a)) => Some(RawIn::ConnAck(connack_v5(a.code))),
+                    Ok(m5::Packet::SubAck(a)) => Some(RawIn::SubAck(
+                        a.return_codes
+                            .iter()
+                            .map(|c| match c {
+                                m5::SubscribeReasonCode::Success(q) => *q as u8,
+                                m5::SubscribeReasonCode::NotAuthorized => 0x87,
+                                _ => 0x80,
+                            })
+                            .collect(),
+                    )),
+                    Ok(m5::Packet::PubAck(a)) => Some(RawIn::PubAck(match a.reason {
+                        m5::PubAckReason::Success => 0,
+                        m5::PubAckReason::NotAuthorized => 0x87,
+                        _ => 0x80,
+                    })),
+                    Ok(m5::Packet::Publish(p)) => Some(RawIn::Publish(
+                        String::from_utf8_lossy(&p.topic).into_owned(),
+                    )),
+                    Ok(_) => Some(RawIn::Other),
+                    Err(_) => None,
+                }
+            } else {
+                match rumqttc::Packet::read(&mut self.buf, usize::MAX) {
+                    Ok(Packet::ConnAck(a)) => Some(RawIn::ConnAck(a.code as u8)),
+                    Ok(Packet::SubAck(a)) => Some(RawIn::SubAck(
+                        a.return_codes
+                            .iter()
+                            .map(|c| match c {
+                                rumqttc::SubscribeReasonCode::Success(q) => *q as u8,
+                                rumqttc::SubscribeReasonCode::Failure => 0x80,
+                            })
+                            .collect(),
+                    )),
+                    Ok(Packet::PubAck(_)) => Some(RawIn::PubAck(0)),
+                    Ok(Packet::Publish(p)) => Some(RawIn::Publish(p.topic)),
+                    Ok(_) => Some(RawIn::Other),
+                    Err(_) => None,
+                }
+            };
+            if let Some(p) = parsed {
+                return p;
+            }
+            let n = tokio::time::timeout(Duration::from_secs(10), self.s.read_buf(&mut self.buf))
+                .await
+                .expect("a packet within 10 s")
+                .unwrap();
+            assert!(n > 0, "the connection closed");
+        }
+    }
+
+    fn pkid(&mut self) -> u16 {
+        self.next_pkid += 1;
+        self.next_pkid
+    }
+
+    /// Subscribes to `filters` at QoS 1 and returns the SUBACK's codes.
+    async fn subscribe(&mut self, filters: &[&str]) -> Vec<u8> {
+        use rumqttc::v5::mqttbytes::v5 as m5;
+        let pkid = self.pkid();
+        let mut out = bytes::BytesMut::new();
+        if self.v5 {
+            let mut sub = m5::Subscribe::new_many(
+                filters
+                    .iter()
+                    .map(|f| m5::Filter::new(*f, rumqttc::v5::mqttbytes::QoS::AtLeastOnce)),
+                None,
+            );
+            sub.pkid = pkid;
+            m5::Packet::Subscribe(sub).write(&mut out, None).unwrap();
+        } else {
+            let mut sub = rumqttc::Subscribe::new_many(
+                filters
+                    .iter()
+                    .map(|f| rumqttc::SubscribeFilter::new((*f).into(), QoS::AtLeastOnce)),
+            );
+            sub.pkid = pkid;
+            rumqttc::Packet::Subscribe(sub)
+                .write(&mut out, usize::MAX)
+                .unwrap();
+        }
+        self.s.write_all(&out).await.unwrap();
+        loop {
+            match self.next().await {
+                RawIn::SubAck(codes) => return codes,
+                RawIn::Publish(t) => self.delivered.push_back(t),
+                _ => {}
+            }
+        }
+    }
+
+    /// Publishes at QoS 1 and returns the PUBACK's reason.
+    async fn publish_qos1(&mut self, topic: &str, payload: &str) -> u8 {
+        use rumqttc::v5::mqttbytes::v5 as m5;
+        let pkid = self.pkid();
+        let mut out = bytes::BytesMut::new();
+        if self.v5 {
+            let mut p = m5::Publish::new(
+                topic,
+                rumqttc::v5::mqttbytes::QoS::AtLeastOnce,
+                payload.to_owned(),
+                None,
+            );
+            p.pkid = pkid;
+            m5::Packet::Publish(p).write(&mut out, None).unwrap();
+        } else {
+            let mut p = rumqttc::Publish::new(topic, QoS::AtLeastOnce, payload);
+            p.pkid = pkid;
+            rumqttc::Packet::Publish(p)
+                .write(&mut out, usize::MAX)
+                .unwrap();
+        }
+        self.s.write_all(&out).await.unwrap();
+        loop {
+            match self.next().await {
+                RawIn::PubAck(code) => return code,
+                RawIn::Publish(t) => self.delivered.push_back(t),
+                _ => {}
+            }
+        }
+    }
+
+    /// The topic of the next PUBLISH delivered.
+    async fn next_publish(&mut self) -> String {
+        if let Some(t) = self.delivered.pop_front() {
+            return t;
+        }
+        loop {
+            if let RawIn::Publish(t) = self.next().await {
+                return t;
+            }
+        }
+    }
+}
+
+fn connack_v5(code: rumqttc::v5::mqttbytes::v5::ConnectReturnCode) -> u8 {
+    use rumqttc::v5::mqttbytes::v5::ConnectReturnCode as C;
+    match code {
+        C::Success => 0,
+        C::BadUserNamePassword => 0x86,
+        C::NotAuthorized => 0x87,
+        other => panic!("unexpected CONNACK {other:?}"),
+    }
+}
+
+async fn connack_code(port: u16, v5: bool, client_id: &str, login: Option<(&str, &str)>) -> u8 {
+    Raw::connect(port, v5, client_id, login).await.1
+}
+
 #[tokio::test]
 async fn user_names_and_passwords_are_checked_when_configured() {
     let dir = tempfile::tempdir().unwrap();
-    let users = [(
-        "alice".to_string(),
-        sluice_core::hash_password(b"wonderland"),
-    )]
-    .into();
-    let gw = start_with(dir.path(), users).await;
-    let (_ok, mut rx) = client(gw.port, "good", |o| {
+    let gw = start_with(dir.path(), secured(vec![], None)).await;
+    let (_ok, mut rx) = client(gw.port, "alice", |o| {
         o.set_credentials("alice", "wonderland");
     })
     .await;
@@ -716,34 +954,90 @@ async fn user_names_and_passwords_are_checked_when_configured() {
     .await;
     assert_eq!(ack.code, rumqttc::ConnectReturnCode::Success);
     for (user, pass) in [("alice", "wrong"), ("mallory", "wonderland")] {
-        let mut s = TcpStream::connect(("127.0.0.1", gw.port)).await.unwrap();
-        let mut c = rumqttc::Connect::new("bad");
-        c.set_login(user, pass);
-        let mut buf = bytes::BytesMut::new();
-        rumqttc::Packet::Connect(c)
-            .write(&mut buf, usize::MAX)
-            .unwrap();
-        s.write_all(&buf).await.unwrap();
-        let mut connack = [0u8; 4];
-        s.read_exact(&mut connack).await.unwrap();
-        assert_eq!(connack[3], 4, "bad user name or password for {user}");
+        // 3.1.1: 4, bad user name or password; 5: 0x86.
+        assert_eq!(
+            connack_code(gw.port, false, "bad", Some((user, pass))).await,
+            4,
+            "{user}"
+        );
+        assert_eq!(
+            connack_code(gw.port, true, "bad", Some((user, pass))).await,
+            0x86,
+            "{user}"
+        );
     }
-    let mut anonymous = TcpStream::connect(("127.0.0.1", gw.port)).await.unwrap();
-    let mut buf = bytes::BytesMut::new();
-    rumqttc::Packet::Connect(rumqttc::Connect::new("anon"))
-        .write(&mut buf, usize::MAX)
-        .unwrap();
-    anonymous.write_all(&buf).await.unwrap();
-    let mut connack = [0u8; 4];
-    anonymous.read_exact(&mut connack).await.unwrap();
-    assert_eq!(connack[3], 4);
-    assert_eq!(
-        gw.server
-            .metrics
-            .auth_failures
-            .load(std::sync::atomic::Ordering::Relaxed),
-        3
-    );
+    // No credentials, with users configured: not authorized (3.1.1: 5; 5: 0x87).
+    assert_eq!(connack_code(gw.port, false, "anon", None).await, 5);
+    assert_eq!(connack_code(gw.port, true, "anon", None).await, 0x87);
+    assert_eq!(gw.server.metrics.auth_failures.load(Ordering::Relaxed), 6);
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn a_user_cannot_take_over_another_users_client_id() {
+    let dir = tempfile::tempdir().unwrap();
+    let gw = start_with(dir.path(), secured(vec![], Some(true))).await;
+    let alice = Some(("alice", "wonderland"));
+    assert_eq!(connack_code(gw.port, true, "alice-cam-1", alice).await, 0);
+    assert_eq!(connack_code(gw.port, true, "bob", alice).await, 0x87);
+    assert_eq!(connack_code(gw.port, false, "bob-phone", alice).await, 5);
+    // Anonymous clients (allowed here) may not use ids a user owns either.
+    assert_eq!(connack_code(gw.port, true, "alice", None).await, 0x87);
+    assert_eq!(connack_code(gw.port, true, "sensor-7", None).await, 0);
+    assert_eq!(gw.server.metrics.authz_denied.load(Ordering::Relaxed), 3);
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn access_rules_refuse_subscriptions_and_publishes_in_mqtt_terms() {
+    let dir = tempfile::tempdir().unwrap();
+    let rule = |actions: &[ActionSpec], mqtt: &[&str], effect| AclRule {
+        principal: "*".into(),
+        actions: actions.to_vec(),
+        mqtt_topics: mqtt.iter().map(|s| s.to_string()).collect(),
+        topics: vec![],
+        groups: vec![],
+        effect,
+    };
+    let rules = vec![
+        rule(
+            &[ActionSpec::Subscribe],
+            &["test/nosubscribe"],
+            Effect::Deny,
+        ),
+        rule(&[ActionSpec::Publish], &["readonly/#"], Effect::Deny),
+        rule(&[ActionSpec::All], &["users/%u/#"], Effect::Allow),
+        rule(&[ActionSpec::All], &["users/#"], Effect::Deny),
+    ];
+    let gw = start_with(dir.path(), secured(rules, None)).await;
+    for v5 in [false, true] {
+        let id = if v5 { "alice-v5" } else { "alice-v4" };
+        let (mut c, code) = Raw::connect(gw.port, v5, id, Some(("alice", "wonderland"))).await;
+        assert_eq!(code, 0);
+        let codes = c
+            .subscribe(&[
+                "test/nosubscribe",
+                "test/other",
+                "users/alice/#",
+                "users/bob/x",
+            ])
+            .await;
+        let denied = if v5 { 0x87 } else { 0x80 };
+        assert_eq!(codes, [denied, 1, 1, denied], "v5={v5}");
+        // A refused publish: MQTT 5 says so in the PUBACK; 3.1.1 acknowledges and drops it.
+        let reason = c.publish_qos1("readonly/a", "x").await;
+        assert_eq!(reason, if v5 { 0x87 } else { 0 }, "v5={v5}");
+        assert_eq!(c.publish_qos1("users/alice/b", "x").await, 0);
+        assert_eq!(
+            c.publish_qos1("users/bob/b", "x").await,
+            if v5 { 0x87 } else { 0 }
+        );
+        // What was refused never reached a subscriber; what was allowed did, in order.
+        assert_eq!(c.publish_qos1("test/other", "y").await, 0);
+        assert_eq!(c.next_publish().await, "users/alice/b");
+        assert_eq!(c.next_publish().await, "test/other");
+    }
+    assert_eq!(gw.server.metrics.authz_denied.load(Ordering::Relaxed), 8);
     gw.stop().await;
 }
 

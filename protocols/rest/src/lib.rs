@@ -6,6 +6,7 @@
 //! [`problem`]). Each route is declared once, with its OpenAPI description beside it, and
 //! `/openapi.json` is generated from those declarations. Routes are listed in docs/REST.md.
 
+pub mod access;
 mod admin;
 mod groups;
 mod origin;

@@ -5,10 +5,12 @@ use kafka_protocol::messages::{CreateTopicsRequest, CreateTopicsResponse};
 
 use super::{s, topic_config};
 use crate::errors;
-use crate::server::KafkaServer;
+use crate::server::{Conn, KafkaServer};
+use sluice_core::auth::Action;
 
 pub(crate) async fn handle(
     server: &KafkaServer,
+    conn: &Conn,
     req: CreateTopicsRequest,
     version: i16,
 ) -> CreateTopicsResponse {
@@ -25,7 +27,12 @@ pub(crate) async fn handle(
             u32::try_from(topic.num_partitions).unwrap_or(0)
         };
         let mut error: Option<(i16, String)> = None;
-        if topic.replication_factor > 1 || !topic.assignments.is_empty() {
+        if !conn.may_topic(Action::Admin, &name) {
+            error = Some((
+                errors::TOPIC_AUTHORIZATION_FAILED,
+                "not authorized to create this topic".into(),
+            ));
+        } else if topic.replication_factor > 1 || !topic.assignments.is_empty() {
             error = Some((
                 errors::INVALID_REPLICATION_FACTOR,
                 "a single Sluice node keeps one copy; replication factor must be 1 or -1".into(),

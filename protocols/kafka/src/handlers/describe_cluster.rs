@@ -2,10 +2,10 @@ use kafka_protocol::messages::describe_cluster_response::DescribeClusterBroker;
 use kafka_protocol::messages::{BrokerId, DescribeClusterResponse};
 
 use super::s;
-use crate::server::{KafkaServer, NODE_ID};
+use crate::server::{Conn, KafkaServer, NODE_ID};
 
-pub(crate) fn handle(server: &KafkaServer, version: i16) -> DescribeClusterResponse {
-    let (host, port) = server.advertised();
+pub(crate) fn handle(server: &KafkaServer, conn: &Conn, version: i16) -> DescribeClusterResponse {
+    let (host, port) = conn.advertised.clone();
     let mut broker = DescribeClusterBroker::default();
     broker.broker_id = BrokerId(NODE_ID);
     broker.host = s(host);

@@ -5,14 +5,19 @@ use kafka_protocol::messages::{DescribeConfigsRequest, DescribeConfigsResponse};
 
 use super::{s, topic_config};
 use crate::errors;
-use crate::server::KafkaServer;
+use crate::server::{Conn, KafkaServer};
+use sluice_core::auth::{Action, Resource};
 
 const TOPIC: i8 = 2;
 const BROKER: i8 = 4;
 /// ConfigSource: DEFAULT_CONFIG and DYNAMIC_TOPIC_CONFIG.
 const SOURCE_DEFAULT: i8 = 5;
 
-pub(crate) fn handle(server: &KafkaServer, req: DescribeConfigsRequest) -> DescribeConfigsResponse {
+pub(crate) fn handle(
+    server: &KafkaServer,
+    conn: &Conn,
+    req: DescribeConfigsRequest,
+) -> DescribeConfigsResponse {
     let engine = &server.engine;
     let mut resp = DescribeConfigsResponse::default();
     for res in req.resources {
@@ -20,6 +25,16 @@ pub(crate) fn handle(server: &KafkaServer, req: DescribeConfigsRequest) -> Descr
         r.resource_type = res.resource_type;
         r.resource_name = res.resource_name.clone();
         let configs: Vec<(String, String)> = match res.resource_type {
+            TOPIC if !conn.may_describe(res.resource_name.as_str()) => {
+                r.error_code = errors::TOPIC_AUTHORIZATION_FAILED;
+                r.error_message = Some(s("not authorized to describe this topic"));
+                Vec::new()
+            }
+            BROKER if !conn.may(Action::Admin, Resource::Cluster) => {
+                r.error_code = errors::CLUSTER_AUTHORIZATION_FAILED;
+                r.error_message = Some(s("not authorized to describe the broker"));
+                Vec::new()
+            }
             TOPIC => match engine.describe_topic(res.resource_name.as_str()) {
                 Ok(d) => topic_config::describe(&d.policy)
                     .into_iter()

@@ -2,10 +2,12 @@ use kafka_protocol::messages::describe_groups_response::{DescribedGroup, Describ
 use kafka_protocol::messages::{DescribeGroupsRequest, DescribeGroupsResponse};
 
 use super::s;
-use crate::server::KafkaServer;
+use crate::errors;
+use crate::server::{Conn, KafkaServer};
 
 pub(crate) fn handle(
     server: &KafkaServer,
+    conn: &Conn,
     req: DescribeGroupsRequest,
     version: i16,
 ) -> DescribeGroupsResponse {
@@ -15,6 +17,11 @@ pub(crate) fn handle(
         .into_iter()
         .map(|id| {
             let mut g = DescribedGroup::default();
+            if !conn.may_group(id.0.as_str()) {
+                g.error_code = errors::GROUP_AUTHORIZATION_FAILED;
+                g.group_id = id;
+                return g;
+            }
             match server.coordinator.describe(id.0.as_str()) {
                 Some(info) => {
                     g.group_state = s(info.state);

@@ -10,7 +10,8 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 
 use crate::errors;
-use crate::server::KafkaServer;
+use crate::server::{Conn, KafkaServer};
+use sluice_core::auth::Action;
 
 /// Long-poll fetch: answers at once when at least `min_bytes` are available, else waits for
 /// new data on the partitions it could read until `max_wait_ms`. A partition with an error
@@ -24,6 +25,7 @@ use crate::server::KafkaServer;
 /// them, and it alone: a batch that does not fit any later entry is left for the next fetch.
 pub(crate) async fn handle(
     server: &Arc<KafkaServer>,
+    conn: &Conn,
     req: FetchRequest,
     version: i16,
 ) -> FetchResponse {
@@ -34,7 +36,7 @@ pub(crate) async fn handle(
         .await;
     let mut new_data = true;
     loop {
-        let read = read_once(server, &req, &limits, version).await;
+        let read = read_once(server, conn, &req, &limits, version).await;
         if read.total >= limits.min_bytes
             || read.waits.is_empty()
             || !new_data
@@ -96,6 +98,7 @@ struct Read {
 
 async fn read_once(
     server: &KafkaServer,
+    conn: &Conn,
     req: &FetchRequest,
     limits: &Limits,
     version: i16,
@@ -112,6 +115,7 @@ async fn read_once(
         let name = topic.topic.0.as_str();
         let mut t = FetchableTopicResponse::default();
         t.topic = topic.topic.clone();
+        let denied = !conn.may_topic(Action::Subscribe, name);
         for p in &topic.partitions {
             let mut pd = PartitionData::default();
             pd.partition_index = p.partition;
@@ -120,6 +124,11 @@ async fn read_once(
             pd.last_stable_offset = -1;
             pd.preferred_read_replica = kafka_protocol::messages::BrokerId(-1);
             let partition = u32::try_from(p.partition).unwrap_or(u32::MAX);
+            if denied {
+                pd.error_code = errors::TOPIC_AUTHORIZATION_FAILED;
+                t.partitions.push(pd);
+                continue;
+            }
             let offset = match (
                 engine.offsets(name, partition),
                 u64::try_from(p.fetch_offset),

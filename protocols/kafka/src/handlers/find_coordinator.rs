@@ -1,16 +1,26 @@
 use kafka_protocol::messages::{BrokerId, FindCoordinatorRequest, FindCoordinatorResponse};
 
 use super::s;
-use crate::server::{KafkaServer, NODE_ID};
+use crate::errors;
+use crate::server::{Conn, NODE_ID};
 
-/// Every group's (and transaction's) coordinator is this node.
+/// Every group's (and transaction's) coordinator is this node, at the address of the listener
+/// the client came through; a group the client may not use is GROUP_AUTHORIZATION_FAILED.
 pub(crate) fn handle(
-    server: &KafkaServer,
-    _req: FindCoordinatorRequest,
+    conn: &Conn,
+    req: FindCoordinatorRequest,
     _version: i16,
 ) -> FindCoordinatorResponse {
-    let (host, port) = server.advertised();
+    let (host, port) = conn.advertised.clone();
     let mut r = FindCoordinatorResponse::default();
+    // key_type 0: a consumer group.
+    if req.key_type == 0 && !conn.may_group(req.key.as_str()) {
+        r.error_code = errors::GROUP_AUTHORIZATION_FAILED;
+        r.node_id = BrokerId(-1);
+        r.host = s("");
+        r.port = -1;
+        return r;
+    }
     r.node_id = BrokerId(NODE_ID);
     r.host = s(host);
     r.port = port;

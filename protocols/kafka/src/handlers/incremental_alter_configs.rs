@@ -8,7 +8,8 @@ use sluice_core::TopicPolicy;
 
 use super::{s, topic_config};
 use crate::errors;
-use crate::server::KafkaServer;
+use crate::server::{Conn, KafkaServer};
+use sluice_core::auth::{Action, Resource};
 
 const TOPIC: i8 = 2;
 const SET: i8 = 0;
@@ -49,6 +50,7 @@ fn changed(
 
 pub(crate) async fn handle(
     server: &KafkaServer,
+    conn: &Conn,
     req: IncrementalAlterConfigsRequest,
 ) -> IncrementalAlterConfigsResponse {
     let engine = &server.engine;
@@ -58,7 +60,19 @@ pub(crate) async fn handle(
         r.resource_type = res.resource_type;
         r.resource_name = res.resource_name.clone();
         let topic = res.resource_name.as_str();
-        let outcome: Result<(), (i16, String)> = if res.resource_type != TOPIC {
+        let outcome: Result<(), (i16, String)> = if res.resource_type != TOPIC
+            && !conn.may(Action::Admin, Resource::Cluster)
+        {
+            Err((
+                errors::CLUSTER_AUTHORIZATION_FAILED,
+                "not authorized to change broker configs".into(),
+            ))
+        } else if res.resource_type == TOPIC && !conn.may_topic(Action::Admin, topic) {
+            Err((
+                errors::TOPIC_AUTHORIZATION_FAILED,
+                "not authorized to change this topic's configs".into(),
+            ))
+        } else if res.resource_type != TOPIC {
             Err((
                 errors::INVALID_REQUEST,
                 "only topic configs can be changed; broker settings are in the gateway's config file"

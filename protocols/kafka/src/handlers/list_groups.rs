@@ -4,10 +4,11 @@ use kafka_protocol::messages::list_groups_response::ListedGroup;
 use kafka_protocol::messages::{GroupId, ListGroupsResponse};
 
 use super::s;
-use crate::server::KafkaServer;
+use crate::server::{Conn, KafkaServer};
 
-/// Groups with members, and groups that only have committed offsets (state Empty).
-pub(crate) fn handle(server: &KafkaServer, version: i16) -> ListGroupsResponse {
+/// Groups with members, and groups that only have committed offsets (state Empty); only
+/// those the client may use.
+pub(crate) fn handle(server: &KafkaServer, conn: &Conn, version: i16) -> ListGroupsResponse {
     let mut groups: BTreeMap<String, (String, &'static str)> = server
         .engine
         .list_groups()
@@ -20,6 +21,7 @@ pub(crate) fn handle(server: &KafkaServer, version: i16) -> ListGroupsResponse {
     let mut r = ListGroupsResponse::default();
     r.groups = groups
         .into_iter()
+        .filter(|(id, _)| conn.may_group(id))
         .map(|(id, (protocol_type, state))| {
             let mut g = ListedGroup::default();
             g.group_id = GroupId(s(id));

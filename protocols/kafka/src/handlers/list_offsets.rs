@@ -4,13 +4,15 @@ use kafka_protocol::messages::list_offsets_response::{
 use kafka_protocol::messages::{ListOffsetsRequest, ListOffsetsResponse};
 
 use crate::errors;
-use crate::server::KafkaServer;
+use crate::server::{Conn, KafkaServer};
+use sluice_core::auth::Action;
 
 const LATEST: i64 = -1;
 const EARLIEST: i64 = -2;
 
 pub(crate) async fn handle(
     server: &KafkaServer,
+    conn: &Conn,
     req: ListOffsetsRequest,
     version: i16,
 ) -> ListOffsetsResponse {
@@ -32,6 +34,11 @@ pub(crate) async fn handle(
                 pr.leader_epoch = 0;
             }
             let partition = u32::try_from(p.partition_index).unwrap_or(u32::MAX);
+            if !conn.may_topic(Action::Subscribe, &name) {
+                pr.error_code = errors::TOPIC_AUTHORIZATION_FAILED;
+                t.partitions.push(pr);
+                continue;
+            }
             match engine.offsets(&name, partition) {
                 Err(e) => pr.error_code = errors::code(&e),
                 Ok((start, hw)) => match p.timestamp {

@@ -5,10 +5,15 @@ use kafka_protocol::messages::{BrokerId, MetadataRequest, MetadataResponse, Topi
 
 use super::s;
 use crate::errors;
-use crate::server::{KafkaServer, NODE_ID};
+use crate::server::{Conn, KafkaServer, NODE_ID};
+use sluice_core::auth::Action;
 
+/// Topics and the broker. A topic the client may not describe is answered
+/// TOPIC_AUTHORIZATION_FAILED when named, and left out of a listing of every topic, as Kafka
+/// does; creating one on the way needs the admin action.
 pub(crate) async fn handle(
     server: &KafkaServer,
+    conn: &Conn,
     req: MetadataRequest,
     version: i16,
 ) -> MetadataResponse {
@@ -31,14 +36,23 @@ pub(crate) async fn handle(
             .await;
     }
     let names = match &requested {
-        None => engine.list_topics(),
+        None => engine
+            .list_topics()
+            .into_iter()
+            .filter(|t| conn.may_describe(t))
+            .collect(),
         Some(names) => names.clone(),
     };
     let mut topics = Vec::with_capacity(names.len());
     for name in names {
         let mut t = MetadataResponseTopic::default();
         t.name = Some(TopicName(s(name.clone())));
-        let count = if auto_create {
+        if !conn.may_describe(&name) {
+            t.error_code = errors::TOPIC_AUTHORIZATION_FAILED;
+            topics.push(t);
+            continue;
+        }
+        let count = if auto_create && conn.may_topic(Action::Admin, &name) {
             engine.ensure_topic(&name).await
         } else {
             engine.partition_count(&name)
@@ -63,7 +77,7 @@ pub(crate) async fn handle(
         }
         topics.push(t);
     }
-    let (host, port) = server.advertised();
+    let (host, port) = conn.advertised.clone();
     let mut broker = MetadataResponseBroker::default();
     broker.node_id = BrokerId(NODE_ID);
     broker.host = s(host);

@@ -6,17 +6,26 @@ use sluice_core::{CoreError, OffsetCommit};
 
 use crate::coordinator::code;
 use crate::errors;
-use crate::server::KafkaServer;
+use crate::server::{Conn, KafkaServer};
+use sluice_core::auth::Action;
 
 /// Commits offsets for a group after checking the member and generation with the coordinator;
 /// the commit is durable (fsynced with every commit queued beside it) before the answer.
-pub(crate) async fn handle(server: &KafkaServer, req: OffsetCommitRequest) -> OffsetCommitResponse {
+pub(crate) async fn handle(
+    server: &KafkaServer,
+    conn: &Conn,
+    req: OffsetCommitRequest,
+) -> OffsetCommitResponse {
     let group = req.group_id.0.as_str().to_owned();
-    let check = server.coordinator.check_commit(
-        &group,
-        req.member_id.as_str(),
-        req.generation_id_or_member_epoch,
-    );
+    let check = if conn.may_group(&group) {
+        server.coordinator.check_commit(
+            &group,
+            req.member_id.as_str(),
+            req.generation_id_or_member_epoch,
+        )
+    } else {
+        errors::GROUP_AUTHORIZATION_FAILED
+    };
     let engine = &server.engine;
     // Per partition: an error decided up front, or None to commit.
     let mut decided: Vec<(usize, i32, Option<i16>)> = Vec::new();
@@ -26,6 +35,8 @@ pub(crate) async fn handle(server: &KafkaServer, req: OffsetCommitRequest) -> Of
             let partition = u32::try_from(p.partition_index).unwrap_or(u32::MAX);
             let err = if check != errors::NONE {
                 Some(check)
+            } else if !conn.may_topic(Action::Subscribe, topic.name.0.as_str()) {
+                Some(errors::TOPIC_AUTHORIZATION_FAILED)
             } else if let Err(e) = engine.offsets(topic.name.0.as_str(), partition) {
                 Some(errors::code(&e))
             } else {

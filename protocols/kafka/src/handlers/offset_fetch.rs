@@ -4,12 +4,27 @@ use kafka_protocol::messages::offset_fetch_response::{
 use kafka_protocol::messages::{OffsetFetchRequest, OffsetFetchResponse, TopicName};
 
 use super::s;
-use crate::server::KafkaServer;
+use crate::errors;
+use crate::server::{Conn, KafkaServer};
+use sluice_core::auth::Action;
 
-/// Committed offsets of one group (v1–7); -1 where nothing is committed.
-pub(crate) fn handle(server: &KafkaServer, req: OffsetFetchRequest) -> OffsetFetchResponse {
+/// Committed offsets of one group (v1–7); -1 where nothing is committed. A group the client
+/// may not use is GROUP_AUTHORIZATION_FAILED (the response's error from v2, each partition's
+/// before), a topic it may not read TOPIC_AUTHORIZATION_FAILED.
+pub(crate) fn handle(
+    server: &KafkaServer,
+    conn: &Conn,
+    req: OffsetFetchRequest,
+    version: i16,
+) -> OffsetFetchResponse {
     let group = req.group_id.0.as_str();
     let engine = &server.engine;
+    let group_denied = !conn.may_group(group);
+    if group_denied && version >= 2 {
+        let mut resp = OffsetFetchResponse::default();
+        resp.error_code = errors::GROUP_AUTHORIZATION_FAILED;
+        return resp;
+    }
     let wanted: Vec<(String, Vec<i32>)> = match req.topics {
         Some(topics) => topics
             .into_iter()
@@ -35,6 +50,17 @@ pub(crate) fn handle(server: &KafkaServer, req: OffsetFetchRequest) -> OffsetFet
             let mut p = OffsetFetchResponsePartition::default();
             p.partition_index = index;
             p.committed_leader_epoch = -1;
+            if group_denied || !conn.may_topic(Action::Subscribe, &topic) {
+                p.committed_offset = -1;
+                p.metadata = Some(s(""));
+                p.error_code = if group_denied {
+                    errors::GROUP_AUTHORIZATION_FAILED
+                } else {
+                    errors::TOPIC_AUTHORIZATION_FAILED
+                };
+                t.partitions.push(p);
+                continue;
+            }
             let committed = u32::try_from(index)
                 .ok()
                 .and_then(|partition| engine.committed_offset(group, &topic, partition));

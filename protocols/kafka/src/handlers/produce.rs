@@ -6,7 +6,8 @@ use tokio::task::JoinSet;
 
 use crate::errors;
 use crate::producers::Verdict;
-use crate::server::KafkaServer;
+use crate::server::{Conn, KafkaServer};
+use sluice_core::auth::Action;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -15,6 +16,7 @@ use std::sync::atomic::Ordering;
 /// and answers once they are durable per the topic's policy. `acks = 0` gets no response.
 pub(crate) async fn handle(
     server: &Arc<KafkaServer>,
+    conn: &Conn,
     req: ProduceRequest,
     version: i16,
 ) -> Option<ProduceResponse> {
@@ -41,11 +43,16 @@ pub(crate) async fn handle(
         let (slot, known) = match topics.get(name) {
             Some(&(slot, known)) => (slot, known),
             None => {
-                let known = server
-                    .engine
-                    .ensure_topic(name)
-                    .await
-                    .map_err(|e| errors::code(&e));
+                let known = if conn.may_topic(Action::Publish, name) {
+                    server
+                        .engine
+                        .ensure_topic(name)
+                        .await
+                        .map_err(|e| errors::code(&e))
+                } else {
+                    server.metrics.authz_denied.fetch_add(1, Ordering::Relaxed);
+                    Err(errors::TOPIC_AUTHORIZATION_FAILED)
+                };
                 let mut t = TopicProduceResponse::default();
                 t.name = topic.name.clone();
                 resp.responses.push(t);

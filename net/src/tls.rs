@@ -1,0 +1,150 @@
+//! TLS for every listener (rustls on aws-lc-rs): one server configuration from PEM files,
+//! shared by the MQTT, Kafka and HTTPS listeners, replaced whole by [`Tls::reload`] (SIGHUP)
+//! without touching connections already open (each keeps the session it negotiated).
+
+use std::io;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use rustls::RootCertStore;
+use rustls::server::{ServerConfig, WebPkiClientVerifier};
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio_rustls::server::TlsStream;
+
+/// Whether clients must show a certificate signed by the client CA.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClientCerts {
+    /// No client CA: clients are not asked for certificates.
+    None,
+    /// A certificate is verified when given; clients without one still connect (and sign in
+    /// with credentials instead).
+    Optional,
+    /// Every client must show a valid certificate.
+    Required,
+}
+
+/// Where the certificate, key and client CA are read from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsFiles {
+    pub cert_file: PathBuf,
+    pub key_file: PathBuf,
+    /// Client CA bundle; `None`: no mutual TLS.
+    pub client_ca_file: Option<PathBuf>,
+    /// Only with a client CA.
+    pub client_certs: ClientCerts,
+}
+
+/// The server side of TLS: the configuration in force and its counts.
+#[derive(Debug)]
+pub struct Tls {
+    files: TlsFiles,
+    config: ArcSwap<ServerConfig>,
+    /// Handshakes that failed (bad certificates, untrusted CAs, plain text on a TLS port).
+    pub handshake_failures: AtomicU64,
+    /// Successful reloads since start.
+    pub reloads: AtomicU64,
+}
+
+impl Tls {
+    /// Reads the files and builds the configuration; an error names the file and the problem.
+    pub fn load(files: TlsFiles) -> Result<Arc<Self>, String> {
+        let config = build(&files)?;
+        Ok(Arc::new(Self {
+            files,
+            config: ArcSwap::from_pointee(config),
+            handshake_failures: AtomicU64::new(0),
+            reloads: AtomicU64::new(0),
+        }))
+    }
+
+    /// Reads the files again and puts the new configuration in force for new connections;
+    /// on any error the old one stays, and the error is returned.
+    pub fn reload(&self) -> Result<(), String> {
+        let config = build(&self.files)?;
+        self.config.store(Arc::new(config));
+        self.reloads.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Runs the server handshake on `stream` within `limit`.
+    pub async fn accept<S>(&self, stream: S, limit: Duration) -> io::Result<TlsStream<S>>
+    where
+        S: AsyncRead + AsyncWrite + Unpin,
+    {
+        let acceptor = tokio_rustls::TlsAcceptor::from(self.config.load_full());
+        match crate::within(limit, "the TLS handshake", acceptor.accept(stream)).await {
+            Ok(s) => Ok(s),
+            Err(e) => {
+                self.handshake_failures.fetch_add(1, Ordering::Relaxed);
+                Err(e)
+            }
+        }
+    }
+
+    /// The configuration in force (for an HTTP server that runs its own handshakes).
+    pub fn config(&self) -> Arc<ServerConfig> {
+        self.config.load_full()
+    }
+}
+
+/// The common name of the subject of the certificate a client showed, if it showed one.
+pub fn peer_common_name<S>(stream: &TlsStream<S>) -> Option<String> {
+    let (_, conn) = stream.get_ref();
+    let der = conn.peer_certificates()?.first()?;
+    let (_, cert) = x509_parser::parse_x509_certificate(der.as_ref()).ok()?;
+    let cn = cert.subject().iter_common_name().next()?.as_str().ok()?;
+    Some(cn.to_owned())
+}
+
+fn build(files: &TlsFiles) -> Result<ServerConfig, String> {
+    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(&files.cert_file)
+        .and_then(|it| it.collect::<Result<_, _>>())
+        .map_err(|e| format!("tls.cert_file {}: {e}", files.cert_file.display()))?;
+    if certs.is_empty() {
+        return Err(format!(
+            "tls.cert_file {}: no certificate in it",
+            files.cert_file.display()
+        ));
+    }
+    let key = PrivateKeyDer::from_pem_file(&files.key_file)
+        .map_err(|e| format!("tls.key_file {}: {e}", files.key_file.display()))?;
+    let builder = ServerConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| format!("tls: {e}"))?;
+    let builder = match (&files.client_ca_file, files.client_certs) {
+        (Some(ca), mode) if mode != ClientCerts::None => {
+            let mut roots = RootCertStore::empty();
+            let cas = CertificateDer::pem_file_iter(ca)
+                .and_then(|it| it.collect::<Result<Vec<_>, _>>())
+                .map_err(|e| format!("tls.client_ca_file {}: {e}", ca.display()))?;
+            let (added, _) = roots.add_parsable_certificates(cas);
+            if added == 0 {
+                return Err(format!(
+                    "tls.client_ca_file {}: no usable CA certificate in it",
+                    ca.display()
+                ));
+            }
+            let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider);
+            let verifier = if mode == ClientCerts::Optional {
+                verifier.allow_unauthenticated()
+            } else {
+                verifier
+            };
+            builder.with_client_cert_verifier(
+                verifier
+                    .build()
+                    .map_err(|e| format!("tls.client_ca_file {}: {e}", ca.display()))?,
+            )
+        }
+        _ => builder.with_no_client_auth(),
+    };
+    builder
+        .with_single_cert(certs, key)
+        .map_err(|e| format!("tls.cert_file and tls.key_file do not make a certificate: {e}"))
+}
