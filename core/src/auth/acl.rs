@@ -134,11 +134,29 @@ impl Authorizer {
         self.default == Effect::Allow
     }
 
-    /// Whether any rule could let `principal` do `action` on some resource of this kind: used
-    /// to list only what a principal may see (Kafka Metadata of all topics).
-    pub fn default_effect(&self) -> Effect {
-        self.default
+    /// Whether the answer for `principal` subscribing with MQTT `filter` may differ between
+    /// the topic names the filter covers: some rule that applies partly overlaps the filter
+    /// (a deny of `secret/#` under a subscription to `#`). Otherwise the answer for the filter
+    /// is the answer for every name under it, and deliveries need no check of their own.
+    pub fn varies_under(&self, principal: &Principal, client_id: &str, filter: &str) -> bool {
+        self.rules.iter().any(|rule| {
+            rule_applies_to(rule, principal, Action::Subscribe)
+                && rule.mqtt_topics.iter().any(|f| {
+                    expand(f, principal.user(), client_id)
+                        .is_some_and(|f| filters_overlap(&f, filter) && !filter_covers(&f, filter))
+                })
+        })
     }
+}
+
+/// Whether `rule` is about `principal` and `action` (whatever the resource).
+fn rule_applies_to(rule: &AclRule, principal: &Principal, action: Action) -> bool {
+    let who = match rule.principal.as_str() {
+        "*" => true,
+        "anonymous" => principal.is_anonymous(),
+        name => principal.user() == Some(name),
+    };
+    who && rule.actions.iter().any(|a| a.covers(action))
 }
 
 fn rule_applies(
@@ -147,12 +165,7 @@ fn rule_applies(
     action: Action,
     resource: Resource<'_>,
 ) -> bool {
-    let who = match rule.principal.as_str() {
-        "*" => true,
-        "anonymous" => principal.is_anonymous(),
-        name => principal.user() == Some(name),
-    };
-    if !who || !rule.actions.iter().any(|a| a.covers(action)) {
+    if !rule_applies_to(rule, principal, action) {
         return false;
     }
     if rule.mqtt_topics.is_empty() && rule.topics.is_empty() && rule.groups.is_empty() {
@@ -216,6 +229,28 @@ pub fn filter_covers(rule: &str, requested: &str) -> bool {
             (Some("+"), Some(_)) => {}
             (Some(_), Some("+")) => return false,
             (Some(a), Some(b)) if a == b => {}
+            _ => return false,
+        }
+    }
+}
+
+/// Whether some topic name matches both MQTT filters.
+pub fn filters_overlap(a: &str, b: &str) -> bool {
+    // Wildcards at the first level match no `$` name, so a `$` level meets only itself.
+    let dollar_vs_wild =
+        |x: &str, y: &str| x.starts_with('$') && (y.starts_with('+') || y.starts_with('#'));
+    if dollar_vs_wild(a, b) || dollar_vs_wild(b, a) {
+        return false;
+    }
+    let mut x = a.split('/');
+    let mut y = b.split('/');
+    loop {
+        match (x.next(), y.next()) {
+            (Some("#"), _) | (_, Some("#")) => return true,
+            (None, None) => return true,
+            (None, Some(_)) | (Some(_), None) => return false,
+            (Some("+"), Some(_)) | (Some(_), Some("+")) => {}
+            (Some(p), Some(q)) if p == q => {}
             _ => return false,
         }
     }
@@ -444,6 +479,13 @@ mod tests {
                 .iter()
                 .all(|n| !reference_match(&q, n) || reference_match(&r, n));
             prop_assert_eq!(filter_covers(&r, &q), expected, "rule {} requested {}", r, q);
+        }
+
+        #[test]
+        fn overlap_means_some_name_matches_both(a in filter_strategy(), b in filter_strategy()) {
+            let names = universe(&["a", "b"], 5);
+            let expected = names.iter().any(|n| reference_match(&a, n) && reference_match(&b, n));
+            prop_assert_eq!(filters_overlap(&a, &b), expected, "{} and {}", a, b);
         }
 
         #[test]

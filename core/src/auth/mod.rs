@@ -13,8 +13,8 @@ use std::sync::Arc;
 use arc_swap::ArcSwap;
 
 pub use acl::{
-    AclRule, Action, ActionSpec, Authorizer, Effect, Resource, filter_covers, glob_matches,
-    valid_filter,
+    AclRule, Action, ActionSpec, Authorizer, Effect, Resource, filter_covers, filters_overlap,
+    glob_matches, valid_filter,
 };
 pub use identity::{
     AuthError, Identities, Throttle, UserSpec, hash_new_password, new_token, secrets_equal,

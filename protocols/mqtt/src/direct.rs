@@ -36,7 +36,6 @@ use crate::acks;
 use crate::codec::{self, Props, Version};
 use crate::server::LARGE_PAYLOAD;
 use crate::session::Feed;
-use crate::topic;
 
 /// A connection's stream, which may lend its write half to a [`DirectWriter`].
 pub(crate) trait Conn: AsyncRead + AsyncWrite + Unpin + Send {
@@ -240,7 +239,7 @@ impl DirectSink for DirectWriter {
         let metrics = &self.feed.server.metrics;
         for (i, r) in records.iter().enumerate() {
             let share = self.feed.share(batch, &records, i, r);
-            if !topic::matches(&self.feed.filter, &share.name) {
+            if !self.feed.wants(&share.name) {
                 continue;
             }
             let offset = r.offset as u64;

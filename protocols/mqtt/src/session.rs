@@ -1588,6 +1588,23 @@ impl<S: Conn> Session<'_, S> {
 
     /// A publish that cannot be stored: MQTT 5 answers with a reason code; MQTT 3.1.1 has none
     /// for QoS 1/2, so the connection closes and the client will resend.
+    /// The per-delivery check a subscription to `filter` needs, if the rules treat names
+    /// under it differently.
+    fn delivery_check(&self, filter: &str) -> Option<Arc<DeliveryCheck>> {
+        let varies = !self.security.is_open()
+            && self
+                .security
+                .acl
+                .varies_under(&self.principal, &self.client_id, filter);
+        varies.then(|| {
+            Arc::new(DeliveryCheck {
+                security: self.security.clone(),
+                principal: self.principal.clone(),
+                client_id: self.client_id.clone(),
+            })
+        })
+    }
+
     /// Whether the access rules let this client do `action` on the MQTT name or filter
     /// `topic`.
     fn may(&self, action: Action, topic: &str) -> bool {
@@ -1748,7 +1765,11 @@ impl<S: Conn> Session<'_, S> {
             self.server.retained.settled().await;
         }
         for (filter, qos) in retained_for {
+            let check = self.delivery_check(&filter);
             for (name, msg) in self.server.retained.matching(&filter) {
+                if check.as_ref().is_some_and(|c| !c.allows(&name)) {
+                    continue;
+                }
                 let origin = Origin {
                     client: None,
                     qos: Some(msg.qos),
@@ -1798,6 +1819,7 @@ impl<S: Conn> Session<'_, S> {
                 ledger_topic: ledger_topic.clone(),
                 filter: target.filter.clone(),
                 sub: sub.clone(),
+                check: self.delivery_check(&target.filter),
             };
             match &durable {
                 Some((kind, name)) => {
@@ -2200,9 +2222,40 @@ pub(crate) struct Feed {
     ledger_topic: String,
     pub(crate) filter: String,
     pub(crate) sub: SavedSub,
+    /// Set when the access rules answer differently for names under the filter (a denied
+    /// `secret/#` under `#`): each delivery's name is then checked. `None` (the rule): the
+    /// subscription's own check covers every name.
+    pub(crate) check: Option<Arc<DeliveryCheck>>,
+}
+
+/// Who a subscription delivers to, for the access rules' check of each name.
+#[derive(Debug)]
+pub(crate) struct DeliveryCheck {
+    security: Arc<Security>,
+    principal: Principal,
+    client_id: String,
+}
+
+impl DeliveryCheck {
+    fn allows(&self, name: &str) -> bool {
+        self.security.allows(
+            &self.principal,
+            Action::Subscribe,
+            Resource::Mqtt {
+                topic: name,
+                client_id: &self.client_id,
+            },
+        )
+    }
 }
 
 impl Feed {
+    /// Whether a record published under `name` goes to this subscription: it matches the
+    /// filter and, where names under it are treated differently, the rules allow it.
+    pub(crate) fn wants(&self, name: &str) -> bool {
+        topic::matches(&self.filter, name) && self.check.as_ref().is_none_or(|c| c.allows(name))
+    }
+
     fn delivery(&self, source: Source, record: SharedRecord, ack: Option<Acker>) -> Delivery {
         Delivery {
             source,
@@ -2226,7 +2279,7 @@ impl Feed {
         let queued = out.len();
         for (i, r) in records.iter().enumerate() {
             let share = self.share(batch, &records, i, r);
-            if topic::matches(&self.filter, &share.name) {
+            if self.wants(&share.name) {
                 out.push_back(self.delivery(
                     Source::Shared(share.clone()),
                     SharedRecord::Live(records.clone(), i),
@@ -2293,7 +2346,7 @@ impl Feed {
                     id: m.id,
                     _credit: permit.take(),
                 };
-                if !topic::matches(&self.filter, &name) {
+                if !self.wants(&name) {
                     acker.ack();
                     continue;
                 }

@@ -1038,6 +1038,18 @@ async fn access_rules_refuse_subscriptions_and_publishes_in_mqtt_terms() {
         assert_eq!(c.next_publish().await, "test/other");
     }
     assert_eq!(gw.server.metrics.authz_denied.load(Ordering::Relaxed), 8);
+    // A wildcard that covers a denied topic in part is granted, and delivers only what the
+    // rules allow under it (as a per-message check does in Mosquitto).
+    for v5 in [false, true] {
+        let id = if v5 { "alice-wild-v5" } else { "alice-wild-v4" };
+        let (mut c, _) = Raw::connect(gw.port, v5, id, Some(("alice", "wonderland"))).await;
+        assert_eq!(c.subscribe(&["+/+"]).await, [1]);
+        assert_eq!(c.publish_qos1("test/nosubscribe", "hidden").await, 0);
+        assert_eq!(c.publish_qos1("open/x", "x").await, 0);
+        assert_eq!(c.publish_qos1("test/other", "shown").await, 0);
+        assert_eq!(c.next_publish().await, "open/x");
+        assert_eq!(c.next_publish().await, "test/other");
+    }
     gw.stop().await;
 }
 
