@@ -382,6 +382,12 @@ pub(crate) fn render_kafka(body: &mut String, k: &sluice_kafka::KafkaMetrics) {
         k.authz_denied.load(Relaxed),
     );
     o.single(
+        "sluice_kafka_produce_throttled_total",
+        "counter",
+        "Kafka produce requests that took their connection past kafka.max_produce_bytes_rate (answered with throttle_time_ms, that much later).",
+        k.produce_throttled.load(Relaxed),
+    );
+    o.single(
         "sluice_kafka_writes_refused_total",
         "counter",
         "Produce requests refused by a relay's read-only Kafka listener (POLICY_VIOLATION).",
@@ -571,8 +577,14 @@ pub(crate) fn render_mqtt(body: &mut String, server: &sluice_mqtt::MqttServer) {
     o.single(
         "sluice_mqtt_authz_denied_total",
         "counter",
-        "MQTT requests the access rules refused: CONNECTs (client id or will topic), subscriptions and publishes.",
+        "MQTT requests the access rules refused: CONNECTs (client id or will topic, or a user past auth.max_connections_per_user), subscriptions and publishes.",
         m.authz_denied.load(Relaxed),
+    );
+    o.single(
+        "sluice_mqtt_publishes_throttled_total",
+        "counter",
+        "MQTT publishes that took their connection past mqtt.max_publish_rate or max_publish_bytes_rate (the connection then waited).",
+        m.publishes_throttled.load(Relaxed),
     );
     o.single(
         "sluice_mqtt_sessions_expired_total",

@@ -72,6 +72,7 @@ pub(crate) struct AuthSection {
     pub(crate) owned_client_ids: Switch,
     pub(crate) client_id_patterns: Vec<String>,
     pub(crate) metrics_require_auth: bool,
+    pub(crate) max_connections_per_user: usize,
 }
 
 /// How clients' certificates are treated when `client_ca_file` is set.
@@ -144,7 +145,9 @@ pub(crate) fn build(config: &Config) -> Result<Security, String> {
     } else {
         Vec::new()
     };
-    Ok(Security::new(identities, acl, client_ids).with_cert_principals(config.tls.cert_principal))
+    Ok(Security::new(identities, acl, client_ids)
+        .with_cert_principals(config.tls.cert_principal)
+        .with_max_connections_per_user(auth.max_connections_per_user))
 }
 
 /// Checks `[[users]]`, `[[acl]]`, `[auth]` and `[tls]` (not the files: they are read at start).

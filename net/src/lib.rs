@@ -15,6 +15,7 @@
 mod admission;
 mod deadline;
 mod listener;
+mod rate;
 mod tls;
 
 pub use admission::{Admission, ConnectionLimits, Refused, Slot};
@@ -23,5 +24,6 @@ pub use listener::{
     Admitted, BindOptions, Deadlines, LISTEN_BACKLOG, ListenerStats, Listening, Tracked, bind,
     serve,
 };
+pub use rate::{RateLimit, Rates};
 pub use tls::{ClientCerts, Tls, TlsFiles, peer_common_name};
 pub use tokio_rustls::server::TlsStream;

@@ -8,9 +8,11 @@ mod acl;
 mod identity;
 mod scram;
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
+use parking_lot::Mutex;
 
 pub use acl::{
     AclRule, Action, ActionSpec, Authorizer, Effect, Resource, filter_covers, filters_overlap,
@@ -104,6 +106,8 @@ pub struct Security {
     client_ids: Vec<String>,
     /// Whether a verified client certificate's subject common name is the principal.
     cert_principals: bool,
+    /// Most connections (MQTT and Kafka together) one user may hold; 0: no cap.
+    pub max_connections_per_user: usize,
 }
 
 impl Security {
@@ -113,7 +117,14 @@ impl Security {
             acl,
             client_ids,
             cert_principals: false,
+            max_connections_per_user: 0,
         }
+    }
+
+    /// Caps the connections one user may hold at once (0: no cap).
+    pub fn with_max_connections_per_user(mut self, max: usize) -> Self {
+        self.max_connections_per_user = max;
+        self
     }
 
     /// Makes a verified client certificate's subject common name the connection's principal.
@@ -171,23 +182,77 @@ impl Default for Security {
 }
 
 /// The security in force, replaced whole by a reload (SIGHUP); readers take a snapshot per
-/// connection or request.
+/// connection or request. It also counts each user's connections, across reloads.
 #[derive(Debug, Clone)]
-pub struct SecurityHandle(Arc<ArcSwap<Security>>);
+pub struct SecurityHandle {
+    current: Arc<ArcSwap<Security>>,
+    connections: Arc<Mutex<HashMap<Arc<str>, usize>>>,
+}
+
+/// Why a user may not open another connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TooManyConnections {
+    pub max: usize,
+}
+
+/// A user's place under its connection cap, given back when dropped.
+#[derive(Debug)]
+pub struct UserSlot {
+    connections: Arc<Mutex<HashMap<Arc<str>, usize>>>,
+    user: Arc<str>,
+}
+
+impl Drop for UserSlot {
+    fn drop(&mut self) {
+        let mut map = self.connections.lock();
+        if let Some(n) = map.get_mut(&self.user) {
+            *n -= 1;
+            if *n == 0 {
+                map.remove(&self.user);
+            }
+        }
+    }
+}
 
 impl SecurityHandle {
     pub fn new(security: Security) -> Self {
-        Self(Arc::new(ArcSwap::from_pointee(security)))
+        Self {
+            current: Arc::new(ArcSwap::from_pointee(security)),
+            connections: Arc::default(),
+        }
     }
 
     /// The security in force now.
     pub fn current(&self) -> Arc<Security> {
-        self.0.load_full()
+        self.current.load_full()
     }
 
     /// Puts `security` in force for connections and requests from now on.
     pub fn replace(&self, security: Security) {
-        self.0.store(Arc::new(security));
+        self.current.store(Arc::new(security));
+    }
+
+    /// Counts a connection of `principal` against `max_connections_per_user`: a slot to hold
+    /// while the connection lives (none for anonymous clients, or with no cap), or the cap
+    /// it would pass.
+    pub fn admit(&self, principal: &Principal) -> Result<Option<UserSlot>, TooManyConnections> {
+        let max = self.current.load().max_connections_per_user;
+        let Principal::User(user) = principal else {
+            return Ok(None);
+        };
+        if max == 0 {
+            return Ok(None);
+        }
+        let mut map = self.connections.lock();
+        let n = map.entry(user.clone()).or_insert(0);
+        if *n >= max {
+            return Err(TooManyConnections { max });
+        }
+        *n += 1;
+        Ok(Some(UserSlot {
+            connections: self.connections.clone(),
+            user: user.clone(),
+        }))
     }
 }
 
@@ -222,6 +287,33 @@ mod tests {
         log.quiet_until_ms
             .store(0, std::sync::atomic::Ordering::Relaxed);
         assert_eq!(log.admit(), Some(2));
+    }
+
+    #[test]
+    fn users_are_held_to_their_connection_cap() {
+        let ids = Identities::new(&[], Some(true)).unwrap();
+        let handle = SecurityHandle::new(
+            Security::new(ids, Authorizer::default(), vec![]).with_max_connections_per_user(2),
+        );
+        let alice = Principal::User("alice".into());
+        let a = handle.admit(&alice).unwrap();
+        let b = handle.admit(&alice).unwrap();
+        assert_eq!(
+            handle.admit(&alice).unwrap_err(),
+            TooManyConnections { max: 2 }
+        );
+        assert!(handle.admit(&Principal::User("bob".into())).is_ok());
+        assert!(handle.admit(&Principal::Anonymous).unwrap().is_none());
+        drop(a);
+        let _c = handle.admit(&alice).unwrap();
+        drop(b);
+        assert!(
+            handle
+                .connections
+                .lock()
+                .get("alice")
+                .is_some_and(|n| *n == 1)
+        );
     }
 
     #[test]

@@ -73,6 +73,9 @@ pub struct KafkaSettings {
     /// A producer that has appended nothing for this long is forgotten (Kafka's
     /// `producer.id.expiration.ms`).
     pub producer_id_expiration_ms: u64,
+    /// Most record bytes per second one connection may produce; past it, Produce responses
+    /// carry Kafka's `throttle_time_ms` and are sent that much later (0: no limit).
+    pub max_produce_bytes_rate: u64,
     /// The Kafka-over-TLS listener (Kafka's `SSL` and `SASL_SSL` in one), HOST:PORT, served
     /// when the gateway has a certificate; empty: none.
     pub tls_addr: String,

@@ -38,6 +38,8 @@ pub struct KafkaMetrics {
     pub auth_failures: AtomicU64,
     /// Requests (or parts of them) the access rules refused.
     pub authz_denied: AtomicU64,
+    /// Produce requests that took their connection past `kafka.max_produce_bytes_rate`.
+    pub produce_throttled: AtomicU64,
     /// Produce requests a relay's read-only listener refused.
     pub writes_refused: AtomicU64,
     /// Connections closed because a request did not come, or did not come whole, within its
@@ -91,6 +93,12 @@ pub(crate) struct Conn {
     pub(crate) security: Arc<Security>,
     /// The address of the listener this connection came through, as clients are told it.
     pub(crate) advertised: (String, i32),
+    /// The signed-in user's place under `auth.max_connections_per_user`, and where it comes
+    /// from.
+    pub(crate) user_slot: Option<sluice_core::auth::UserSlot>,
+    pub(crate) security_handle: sluice_core::auth::SecurityHandle,
+    /// The connection's produce rate (`kafka.max_produce_bytes_rate`).
+    pub(crate) rate: Option<sluice_net::RateLimit>,
 }
 
 /// The SASL mechanism a connection's handshake agreed on.
@@ -278,6 +286,12 @@ impl KafkaServer {
                         principal: Principal::Anonymous,
                         security,
                         advertised,
+                        user_slot: None,
+                        security_handle: server.settings.security.clone(),
+                        rate: sluice_net::RateLimit::new(sluice_net::Rates {
+                            messages_per_second: 0,
+                            bytes_per_second: server.settings.max_produce_bytes_rate,
+                        }),
                     };
                     let ended = match tls {
                         None => {
@@ -289,6 +303,13 @@ impl KafkaServer {
                             Ok(stream) => {
                                 let cn = sluice_net::peer_common_name(&stream);
                                 if let Some(p) = conn.security.certified(cn) {
+                                    match server.settings.security.admit(&p) {
+                                        Ok(slot) => conn.user_slot = slot,
+                                        Err(too_many) => {
+                                            warn!(%peer, user = p.name(), max = too_many.max, "kafka connection refused: the user holds its most connections (auth.max_connections_per_user)");
+                                            return;
+                                        }
+                                    }
                                     conn.principal = p;
                                     conn.authenticated = true;
                                 }
@@ -412,10 +433,35 @@ impl KafkaServer {
             RequestKind::Metadata(r) => {
                 ResponseKind::Metadata(handlers::metadata::handle(self, conn, r, v).await)
             }
-            RequestKind::Produce(r) => match handlers::produce::handle(self, conn, r, v).await {
-                Some(resp) => ResponseKind::Produce(resp),
-                None => return Handled::NoResponse,
-            },
+            RequestKind::Produce(r) => {
+                // Kafka's quota protocol: over its rate, the response says how long the client
+                // is throttled, and comes that much later.
+                let bytes: usize = r
+                    .topic_data
+                    .iter()
+                    .flat_map(|t| &t.partition_data)
+                    .map(|p| p.records.as_ref().map_or(0, Bytes::len))
+                    .sum();
+                let throttle = conn
+                    .rate
+                    .as_mut()
+                    .map_or(Duration::ZERO, |rate| rate.take(bytes));
+                let resp = handlers::produce::handle(self, conn, r, v).await;
+                if !throttle.is_zero() {
+                    self.metrics
+                        .produce_throttled
+                        .fetch_add(1, Ordering::Relaxed);
+                    tokio::time::sleep(throttle).await;
+                }
+                match resp {
+                    Some(mut resp) => {
+                        resp.throttle_time_ms =
+                            i32::try_from(throttle.as_millis()).unwrap_or(i32::MAX);
+                        ResponseKind::Produce(resp)
+                    }
+                    None => return Handled::NoResponse,
+                }
+            }
             RequestKind::Fetch(r) => {
                 ResponseKind::Fetch(handlers::fetch::handle(self, conn, r, v).await)
             }

@@ -54,6 +54,7 @@ async fn start_with(
         group_max_size: 1000,
         max_producer_ids: 100_000,
         producer_id_expiration_ms: 86_400_000,
+        max_produce_bytes_rate: 0,
         tls_addr: String::new(),
         tls_advertised_host: String::new(),
         tls_advertised_port: 0,

@@ -67,6 +67,10 @@ pub struct MqttSettings {
     pub max_sessions: usize,
     /// Most subscriptions one connection (its session) holds.
     pub max_subscriptions_per_connection: usize,
+    /// Most PUBLISHes per second one connection may send, and most payload bytes per second;
+    /// past them the connection's reads wait (0: no limit).
+    pub max_publish_rate: u32,
+    pub max_publish_bytes_rate: u64,
 }
 
 /// Entry point for fuzzing the packet decoder: a CONNECT (to pick the version) followed by any

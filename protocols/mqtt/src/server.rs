@@ -59,9 +59,12 @@ pub struct MqttMetrics {
     /// CONNECTs refused for a wrong or missing user name or password (or, with anonymous
     /// clients refused, none).
     pub auth_failures: AtomicU64,
-    /// Requests the access rules refused: CONNECTs (client id or will topic), subscriptions
-    /// and publishes.
+    /// Requests the access rules refused: CONNECTs (client id or will topic, or a user past
+    /// its connection cap), subscriptions and publishes.
     pub authz_denied: AtomicU64,
+    /// Publishes that took their connection past `mqtt.max_publish_rate` or
+    /// `max_publish_bytes_rate`, each followed by a wait.
+    pub publishes_throttled: AtomicU64,
     /// Persistent sessions removed by the sweep because their expiry had passed.
     pub sessions_expired: AtomicU64,
     /// Records of `__mqtt_retained` and `__mqtt_sessions` read at start (from their newest

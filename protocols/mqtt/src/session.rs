@@ -325,6 +325,8 @@ struct Session<'a, S> {
     /// Who the client signed in as, and the access rules in force when it did.
     principal: Principal,
     security: Arc<Security>,
+    /// The connection's publish rates (`mqtt.max_publish_rate`, `max_publish_bytes_rate`).
+    rate: Option<sluice_net::RateLimit>,
     version: Version,
     client_id: String,
     keep_alive: Duration,
@@ -560,6 +562,34 @@ pub(crate) async fn run<S: Conn>(
             return write_within(&mut stream, deadlines.write, &server.metrics, &out, &[]).await;
         }
     };
+    // A user's connections are capped (MQTT and Kafka together); the place is held for as
+    // long as this connection lives, spliced or not.
+    let _user_slot = match server.settings.security.admit(&principal) {
+        Ok(slot) => slot,
+        Err(too_many) => {
+            server.metrics.authz_denied.fetch_add(1, Ordering::Relaxed);
+            if let Some(unlogged) = server.refusals.admit() {
+                warn!(
+                    peer,
+                    user = principal.name(),
+                    max = too_many.max,
+                    unlogged,
+                    "mqtt connection refused: the user holds its most connections (auth.max_connections_per_user)"
+                );
+            }
+            let mut out = BytesMut::new();
+            codec::connack(
+                version,
+                false,
+                reason::QUOTA_EXCEEDED,
+                max as u32,
+                None,
+                &mut out,
+            );
+            server.metrics.packets_out.add(0x20);
+            return write_within(&mut stream, deadlines.write, &server.metrics, &out, &[]).await;
+        }
+    };
     if let (Some(upstream), Some(head)) = (&server.upstream, head)
         && wants_persistent_session(&connect)
     {
@@ -589,6 +619,10 @@ pub(crate) async fn run<S: Conn>(
         peer,
         principal,
         security,
+        rate: sluice_net::RateLimit::new(sluice_net::Rates {
+            messages_per_second: server.settings.max_publish_rate,
+            bytes_per_second: server.settings.max_publish_bytes_rate,
+        }),
         version,
         client_id: String::new(),
         keep_alive: Duration::from_secs(u64::from(connect.keep_alive)),
@@ -1403,6 +1437,7 @@ impl<S: Conn> Session<'_, S> {
         if !self.may(Action::Publish, &p.topic) {
             return self.unauthorized(&p).await.map(|()| None);
         }
+        self.within_rate(p.payload.len()).await;
         if p.qos == 2 && self.qos2_in.lock().contains(&p.pkid) {
             // The client resent a QoS 2 publish we already stored: only the PUBREC again.
             codec::ack(
@@ -1535,8 +1570,25 @@ impl<S: Conn> Session<'_, S> {
         })
     }
 
+    /// Waits, when this publish of `bytes` takes the connection past its rates, until it is
+    /// within them again: the socket goes unread meanwhile, so TCP slows the client down.
+    async fn within_rate(&mut self, bytes: usize) {
+        let Some(rate) = self.rate.as_mut() else {
+            return;
+        };
+        let wait = rate.take(bytes);
+        if !wait.is_zero() {
+            self.server
+                .metrics
+                .publishes_throttled
+                .fetch_add(1, Ordering::Relaxed);
+            tokio::time::sleep(wait).await;
+        }
+    }
+
     /// Queues a landed publish, as [`Self::publish`] queues the others.
     async fn publish_landed(&mut self, l: Landing) {
+        self.within_rate(l.payload_len).await;
         let metrics = &self.server.metrics;
         metrics.packets_in.add(l.first);
         metrics.publishes_in.fetch_add(1, Ordering::Relaxed);

@@ -50,6 +50,7 @@ async fn start_engine(
         security,
         storage,
         sluice_net::Listening::unbounded(),
+        0,
     )
     .await
 }
@@ -59,6 +60,7 @@ async fn start_listening(
     security: Security,
     storage: Arc<dyn Storage>,
     listening: sluice_net::Listening,
+    max_publish_rate: u32,
 ) -> Gateway {
     let engine = Engine::open(config, storage, Arc::new(SystemClock))
         .await
@@ -81,6 +83,8 @@ async fn start_listening(
         max_will_bytes: 64 << 10,
         max_sessions: 100_000,
         max_subscriptions_per_connection: 100,
+        max_publish_rate,
+        max_publish_bytes_rate: 0,
     };
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
@@ -931,6 +935,7 @@ fn connack_v5(code: rumqttc::v5::mqttbytes::v5::ConnectReturnCode) -> u8 {
         C::Success => 0,
         C::BadUserNamePassword => 0x86,
         C::NotAuthorized => 0x87,
+        C::QuotaExceeded => 0x97,
         other => panic!("unexpected CONNACK {other:?}"),
     }
 }
@@ -985,6 +990,74 @@ async fn a_user_cannot_take_over_another_users_client_id() {
     assert_eq!(connack_code(gw.port, true, "alice", None).await, 0x87);
     assert_eq!(connack_code(gw.port, true, "sensor-7", None).await, 0);
     assert_eq!(gw.server.metrics.authz_denied.load(Ordering::Relaxed), 3);
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn a_user_past_its_connection_cap_is_refused_until_one_closes() {
+    let dir = tempfile::tempdir().unwrap();
+    let gw = start_with(
+        dir.path(),
+        secured(vec![], None).with_max_connections_per_user(2),
+    )
+    .await;
+    let alice = Some(("alice", "wonderland"));
+    let (first, code) = Raw::connect(gw.port, true, "alice-1", alice).await;
+    assert_eq!(code, 0);
+    let (_second, code) = Raw::connect(gw.port, false, "alice-2", alice).await;
+    assert_eq!(code, 0);
+    // MQTT 5: 0x97 quota exceeded; 3.1.1: 3, server unavailable.
+    assert_eq!(connack_code(gw.port, true, "alice-3", alice).await, 0x97);
+    assert_eq!(connack_code(gw.port, false, "alice-3", alice).await, 3);
+    // Another user is not held to alice's count.
+    assert_eq!(
+        connack_code(gw.port, true, "bob", Some(("bob", "builder"))).await,
+        0
+    );
+    drop(first);
+    // Once the server has seen the close, the place is free again.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let code = connack_code(gw.port, true, "alice-3", alice).await;
+        if code == 0 {
+            break;
+        }
+        assert_eq!(code, 0x97);
+        assert!(Instant::now() < deadline, "the place never came back");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn a_publisher_past_its_rate_is_slowed_and_loses_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let gw = start_listening(
+        EngineConfig::new(dir.path()),
+        Security::open(),
+        Arc::new(FsStorage),
+        sluice_net::Listening::unbounded(),
+        50,
+    )
+    .await;
+    let (mut sub, _) = Raw::connect(gw.port, true, "watcher", None).await;
+    assert_eq!(sub.subscribe(&["rated/#"]).await, [1]);
+    let (mut c, _) = Raw::connect(gw.port, true, "fast", None).await;
+    // Twice the burst (one second's worth): the second half waits its turn, acknowledged all
+    // the same.
+    for i in 0..100 {
+        assert_eq!(c.publish_qos1(&format!("rated/{i}"), "x").await, 0);
+    }
+    for i in 0..100 {
+        assert_eq!(sub.next_publish().await, format!("rated/{i}"));
+    }
+    assert!(
+        gw.server
+            .metrics
+            .publishes_throttled
+            .load(Ordering::Relaxed)
+            > 0
+    );
     gw.stop().await;
 }
 
@@ -2130,6 +2203,7 @@ async fn a_subscriber_that_stops_reading_and_a_packet_left_half_way_are_closed()
         Default::default(),
         Arc::new(FsStorage),
         listening,
+        0,
     )
     .await;
     let timeouts = &gw.server.metrics.timeouts;

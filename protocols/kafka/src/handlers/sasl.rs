@@ -100,6 +100,15 @@ pub(crate) async fn authenticate(
         },
     };
     let source = conn.peer.ip();
+    // A user at its connection cap is refused as a failed sign-in, with the reason.
+    let outcome = outcome.and_then(|last| {
+        let slot = conn
+            .security_handle
+            .admit(&conn.principal)
+            .map_err(|e| format!("the user holds its most connections ({})", e.max))?;
+        conn.user_slot = slot;
+        Ok(last)
+    });
     match outcome {
         Ok(last) => {
             ids.throttle().succeeded(source);
