@@ -164,12 +164,30 @@ pub(crate) struct RelaySection {
     /// none.
     pub(crate) username: String,
     pub(crate) password: String,
+    /// TLS to the upstream (its MQTT and Kafka TLS listeners), trusting `upstream_ca_file`,
+    /// and presenting the relay's own certificate when `cert_file`/`key_file` are set.
+    pub(crate) upstream_tls: bool,
+    pub(crate) upstream_ca_file: String,
+    pub(crate) cert_file: String,
+    pub(crate) key_file: String,
     pub(crate) fetch_max_wait_ms: u32,
     pub(crate) fetch_partition_max_bytes: u32,
     pub(crate) local_retention_bytes: u64,
 }
 
 impl RelaySection {
+    /// The TLS client for the links to the upstream, when `upstream_tls` is on.
+    pub(crate) fn tls(&self) -> Result<Option<sluice_net::TlsClient>, String> {
+        if !self.upstream_tls {
+            return Ok(None);
+        }
+        let identity = (!self.cert_file.is_empty())
+            .then(|| (Path::new(&self.cert_file), Path::new(&self.key_file)));
+        sluice_net::TlsClient::load(Path::new(&self.upstream_ca_file), identity)
+            .map(Some)
+            .map_err(|e| format!("relay.upstream_ca_file / relay.cert_file: {e}"))
+    }
+
     /// The relay's user name and password on the upstream, when it has one.
     pub(crate) fn credentials(&self) -> Option<(String, String)> {
         (!self.username.is_empty()).then(|| (self.username.clone(), self.password.clone()))
@@ -549,10 +567,22 @@ impl Config {
             ("relay.downstream_addr", &relay.downstream_addr),
             ("relay.username", &relay.username),
             ("relay.password", &relay.password),
+            ("relay.upstream_ca_file", &relay.upstream_ca_file),
         ] {
             if relay.upstream.is_empty() && !value.is_empty() {
                 return invalid(format!("{key} is set but relay.upstream is not"));
             }
+        }
+        if relay.upstream_tls && relay.upstream_ca_file.is_empty() {
+            return invalid("relay.upstream_tls needs relay.upstream_ca_file".into());
+        }
+        if relay.cert_file.is_empty() != relay.key_file.is_empty()
+            || (!relay.cert_file.is_empty() && !relay.upstream_tls)
+        {
+            return invalid(
+                "relay.cert_file and relay.key_file are set together, and only with relay.upstream_tls"
+                    .into(),
+            );
         }
         if relay.username.is_empty() != relay.password.is_empty() {
             return invalid(

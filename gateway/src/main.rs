@@ -346,6 +346,7 @@ async fn serve(mut config: Config, reload: security::LoadConfig) -> anyhow::Resu
         } else {
             config.relay.name.clone()
         };
+        let upstream_tls = config.relay.tls().map_err(anyhow::Error::msg)?;
         // The id the relay's links use upstream: one its user owns there, where it has one
         // (an upstream with access control lets a user use only ids its patterns give it).
         let link_id = match &config.relay.credentials() {
@@ -362,6 +363,7 @@ async fn serve(mut config: Config, reload: security::LoadConfig) -> anyhow::Resu
                 partition_max_bytes: config.relay.fetch_partition_max_bytes as i32,
                 local_policy: config.relay_topic_policy(),
                 credentials: config.relay.credentials(),
+                tls: upstream_tls.clone(),
             },
             stop_rx.clone(),
         );
@@ -370,6 +372,7 @@ async fn serve(mut config: Config, reload: security::LoadConfig) -> anyhow::Resu
             config.relay.upstream_mqtt(),
             link_id,
             config.relay.credentials(),
+            upstream_tls,
             stop_rx.clone(),
         )
         .await

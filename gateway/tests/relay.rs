@@ -908,3 +908,130 @@ async fn a_relay_started_before_its_main_node_waits_for_it_and_is_not_ready_mean
         "relay subscriber",
     );
 }
+
+/// A CA and a certificate it signs for `localhost` and 127.0.0.1, written as PEM files into
+/// `dir`: (CA file, certificate file, key file).
+fn pki(dir: &std::path::Path, tag: &str) -> (String, String, String) {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
+    let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca.distinguished_name
+        .push(DnType::CommonName, format!("{tag} CA"));
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca_key = KeyPair::generate().unwrap();
+    let ca_pem = ca.self_signed(&ca_key).unwrap().pem();
+    let leaf =
+        CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()]).unwrap();
+    let key = KeyPair::generate().unwrap();
+    let cert = leaf
+        .signed_by(&key, &Issuer::from_params(&ca, &ca_key))
+        .unwrap();
+    let write = |name: &str, text: &str| {
+        let p = dir.join(format!("{tag}-{name}"));
+        std::fs::write(&p, text).unwrap();
+        p.display().to_string()
+    };
+    (
+        write("ca.pem", &ca_pem),
+        write("cert.pem", &cert.pem()),
+        write("key.pem", &key.serialize_pem()),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_reaches_a_tls_upstream_with_its_own_user_and_refuses_an_untrusted_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let users = [("relay-1", "relay secret"), ("device", "device secret")];
+    let config = users_file(dir.path(), "main.toml", &users);
+    let (ca, cert, key) = pki(dir.path(), "main");
+    let tls_env = [
+        ("SLUICE_TLS__CERT_FILE", cert.as_str()),
+        ("SLUICE_TLS__KEY_FILE", key.as_str()),
+        ("SLUICE_MQTT__TLS_ADDR", "127.0.0.1:0"),
+        ("SLUICE_KAFKA__TLS_ADDR", "127.0.0.1:0"),
+        ("SLUICE_HTTP__TLS_ADDR", "127.0.0.1:0"),
+    ];
+    let data = dir.path().join("main").display().to_string();
+    let main = Gateway::spawn_with_env(
+        &[
+            "--config",
+            &config,
+            "--data-dir",
+            &data,
+            "--http-addr",
+            "127.0.0.1:0",
+            "--kafka-addr",
+            "127.0.0.1:0",
+            "--mqtt-addr",
+            "127.0.0.1:0",
+        ],
+        &tls_env,
+    );
+    assert!(!main.mqtt_tls.is_empty() && !main.kafka_tls.is_empty());
+    let relay_config = users_file(dir.path(), "relay.toml", &users[1..]);
+    // The upstream's TLS listeners, by the name its certificate carries.
+    let port = |addr: &str| addr.rsplit_once(':').unwrap().1.to_owned();
+    let kafka_tls = format!("localhost:{}", port(&main.kafka_tls));
+    let mqtt_tls = format!("localhost:{}", port(&main.mqtt_tls));
+    let args = [
+        "relay",
+        "--upstream",
+        &kafka_tls,
+        "--upstream-mqtt",
+        &mqtt_tls,
+        "--http-addr",
+        "127.0.0.1:0",
+        "--mqtt-addr",
+        "127.0.0.1:0",
+        "--config",
+        &relay_config,
+    ];
+    let signed_in = |ca: &str| {
+        vec![
+            ("SLUICE_RELAY__USERNAME", "relay-1".to_owned()),
+            ("SLUICE_RELAY__PASSWORD", "relay secret".to_owned()),
+            ("SLUICE_RELAY__UPSTREAM_TLS", "true".to_owned()),
+            ("SLUICE_RELAY__UPSTREAM_CA_FILE", ca.to_owned()),
+        ]
+    };
+    // A CA that did not sign the upstream's certificate: the relay does not start.
+    let (other_ca, _, _) = pki(dir.path(), "other");
+    let env = signed_in(&other_ca);
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let (code, out) = start_failure(&args, &env);
+    assert_ne!(code, Some(0), "{out}");
+    assert!(out.to_lowercase().contains("certificate"), "{out}");
+
+    // The right CA: the relay follows and forwards over TLS, as its own user.
+    let env = signed_in(&ca);
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let relay = Gateway::spawn_with_env(&args, &env);
+    let (tx, mut notes) = mpsc::unbounded_channel();
+    let mut o = options(&relay.mqtt, "device-viewer", true);
+    o.set_credentials("device", "device secret");
+    let view = subscriber_with(o, Some("tls/#"), 1, tx);
+    wait_for_suback(&mut notes, 1).await;
+    let relay_mqtt = relay.mqtt.clone();
+    let ack = tokio::task::spawn_blocking(move || {
+        publish_v5(&relay_mqtt, "device", "device secret", "tls/1")
+    })
+    .await
+    .unwrap();
+    assert_eq!(ack, (0, Some(0)), "durable on the main node, through TLS");
+    assert_eq!(
+        view.await.unwrap(),
+        [("tls/1".to_owned(), Bytes::from("hello"))]
+    );
+    let (_, metrics) = get(&format!("{}/metrics", main.http)).await;
+    assert!(
+        metric(
+            &metrics,
+            "sluice_listener_connections_open{protocol=\"mqtt-tls\"}"
+        ) >= 1
+    );
+    assert!(
+        metric(
+            &metrics,
+            "sluice_listener_connections_open{protocol=\"kafka-tls\"}"
+        ) >= 1
+    );
+}

@@ -25,5 +25,5 @@ pub use listener::{
     serve,
 };
 pub use rate::{RateLimit, Rates};
-pub use tls::{ClientCerts, Tls, TlsFiles, peer_common_name};
+pub use tls::{ClientCerts, ClientStream, Tls, TlsClient, TlsFiles, peer_common_name};
 pub use tokio_rustls::server::TlsStream;

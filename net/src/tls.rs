@@ -148,3 +148,141 @@ fn build(files: &TlsFiles) -> Result<ServerConfig, String> {
         .with_single_cert(certs, key)
         .map_err(|e| format!("tls.cert_file and tls.key_file do not make a certificate: {e}"))
 }
+
+/// The client side of TLS, for a relay's links to its upstream: the CAs it trusts and,
+/// optionally, its own certificate (for an upstream that asks for one).
+#[derive(Debug, Clone)]
+pub struct TlsClient {
+    config: Arc<rustls::ClientConfig>,
+}
+
+impl TlsClient {
+    /// Trusts the CAs in `ca_file`; presents `identity` (certificate and key files) when given.
+    pub fn load(
+        ca_file: &std::path::Path,
+        identity: Option<(&std::path::Path, &std::path::Path)>,
+    ) -> Result<Self, String> {
+        let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+        let mut roots = RootCertStore::empty();
+        let cas = CertificateDer::pem_file_iter(ca_file)
+            .and_then(|it| it.collect::<Result<Vec<_>, _>>())
+            .map_err(|e| format!("{}: {e}", ca_file.display()))?;
+        let (added, _) = roots.add_parsable_certificates(cas);
+        if added == 0 {
+            return Err(format!(
+                "{}: no usable CA certificate in it",
+                ca_file.display()
+            ));
+        }
+        let builder = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map_err(|e| format!("tls: {e}"))?
+            .with_root_certificates(roots);
+        let config = match identity {
+            None => builder.with_no_client_auth(),
+            Some((cert, key)) => {
+                let certs = CertificateDer::pem_file_iter(cert)
+                    .and_then(|it| it.collect::<Result<Vec<_>, _>>())
+                    .map_err(|e| format!("{}: {e}", cert.display()))?;
+                let key = PrivateKeyDer::from_pem_file(key)
+                    .map_err(|e| format!("{}: {e}", key.display()))?;
+                builder
+                    .with_client_auth_cert(certs, key)
+                    .map_err(|e| format!("the relay's certificate and key: {e}"))?
+            }
+        };
+        Ok(Self {
+            config: Arc::new(config),
+        })
+    }
+
+    /// Runs the client handshake on `stream` to `addr` (HOST:PORT; the host is the name the
+    /// server's certificate must carry).
+    pub async fn connect<S>(
+        &self,
+        addr: &str,
+        stream: S,
+    ) -> io::Result<tokio_rustls::client::TlsStream<S>>
+    where
+        S: AsyncRead + AsyncWrite + Unpin,
+    {
+        let host = addr
+            .rsplit_once(':')
+            .map_or(addr, |(h, _)| h)
+            .trim_start_matches('[')
+            .trim_end_matches(']');
+        let name = rustls_pki_types::ServerName::try_from(host.to_owned())
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, format!("{host}: {e}")))?;
+        tokio_rustls::TlsConnector::from(self.config.clone())
+            .connect(name, stream)
+            .await
+    }
+}
+
+/// A client connection: plain TCP, or TLS over it.
+#[derive(Debug)]
+pub enum ClientStream {
+    Plain(tokio::net::TcpStream),
+    Tls(Box<tokio_rustls::client::TlsStream<tokio::net::TcpStream>>),
+}
+
+impl ClientStream {
+    /// Connects to `addr` within `limit`, with TLS when `tls` is given.
+    pub async fn connect(addr: &str, tls: Option<&TlsClient>, limit: Duration) -> io::Result<Self> {
+        let tcp = crate::within(limit, "connecting", tokio::net::TcpStream::connect(addr)).await?;
+        tcp.set_nodelay(true)?;
+        match tls {
+            None => Ok(Self::Plain(tcp)),
+            Some(tls) => {
+                let s = crate::within(limit, "the TLS handshake", tls.connect(addr, tcp)).await?;
+                Ok(Self::Tls(Box::new(s)))
+            }
+        }
+    }
+}
+
+impl AsyncRead for ClientStream {
+    fn poll_read(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<io::Result<()>> {
+        match self.get_mut() {
+            Self::Plain(s) => std::pin::Pin::new(s).poll_read(cx, buf),
+            Self::Tls(s) => std::pin::Pin::new(s).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for ClientStream {
+    fn poll_write(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Self::Plain(s) => std::pin::Pin::new(s).poll_write(cx, buf),
+            Self::Tls(s) => std::pin::Pin::new(s).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_flush(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<io::Result<()>> {
+        match self.get_mut() {
+            Self::Plain(s) => std::pin::Pin::new(s).poll_flush(cx),
+            Self::Tls(s) => std::pin::Pin::new(s).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<io::Result<()>> {
+        match self.get_mut() {
+            Self::Plain(s) => std::pin::Pin::new(s).poll_shutdown(cx),
+            Self::Tls(s) => std::pin::Pin::new(s).poll_shutdown(cx),
+        }
+    }
+}

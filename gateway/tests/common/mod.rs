@@ -21,6 +21,9 @@ pub(crate) struct Gateway {
     /// HOST:PORT of the Kafka listener (on a relay, its read-only one for relays below it;
     /// empty when it has none).
     pub(crate) kafka: String,
+    /// HOST:PORT of the MQTT and Kafka TLS listeners (empty without `[tls]`).
+    pub(crate) mqtt_tls: String,
+    pub(crate) kafka_tls: String,
 }
 
 impl Gateway {
@@ -146,6 +149,8 @@ impl Gateway {
             http: String::new(),
             mqtt: String::new(),
             kafka: String::new(),
+            mqtt_tls: String::new(),
+            kafka_tls: String::new(),
         }
     }
 
@@ -166,6 +171,10 @@ impl Gateway {
                     self.mqtt = addr;
                 } else if is("kafka") {
                     self.kafka = addr;
+                } else if is("mqtt-tls") {
+                    self.mqtt_tls = addr;
+                } else if is("kafka-tls") {
+                    self.kafka_tls = addr;
                 }
             }
             if stop(&line) {

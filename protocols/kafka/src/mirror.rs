@@ -33,8 +33,8 @@ use kafka_protocol::messages::{
 use kafka_protocol::protocol::{Decodable, Encodable, StrBytes};
 use parking_lot::Mutex;
 use sluice_core::{BatchHeader, CoreError, Engine, PartitionChoice, TopicPolicy, TopicSource};
+use sluice_net::{ClientStream, TlsClient};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
 use tokio::sync::watch;
 use tracing::{info, warn};
 
@@ -66,6 +66,8 @@ pub struct MirrorSettings {
     pub local_policy: TopicPolicy,
     /// The relay's SASL/PLAIN user name and password on the upstream, if it has one.
     pub credentials: Option<(String, String)>,
+    /// TLS to the upstream (its Kafka TLS listener), when set.
+    pub tls: Option<TlsClient>,
 }
 
 /// Counters of a mirror, rendered as `sluice_relay_*` metrics.
@@ -340,7 +342,7 @@ fn upstream_error(e: std::io::Error) -> CoreError {
 /// One connection to the upstream's Kafka listener, used by one task at a time.
 #[derive(Debug)]
 struct Conn {
-    stream: TcpStream,
+    stream: ClientStream,
     client_id: StrBytes,
     correlation: i32,
     inbuf: BytesMut,
@@ -348,12 +350,9 @@ struct Conn {
 
 impl Conn {
     async fn open(settings: &MirrorSettings) -> std::io::Result<Self> {
-        let stream = tokio::time::timeout(REQUEST_TIMEOUT, TcpStream::connect(&settings.upstream))
-            .await
-            .map_err(|_| {
-                std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out")
-            })??;
-        stream.set_nodelay(true)?;
+        let stream =
+            ClientStream::connect(&settings.upstream, settings.tls.as_ref(), REQUEST_TIMEOUT)
+                .await?;
         let mut conn = Self {
             stream,
             client_id: StrBytes::from_string(settings.client_id.clone()),

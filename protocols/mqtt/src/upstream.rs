@@ -18,8 +18,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
+use sluice_net::{ClientStream, TlsClient};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot, watch};
 use tracing::{info, warn};
 
@@ -57,6 +57,8 @@ pub struct Upstream {
     addr: String,
     tx: mpsc::Sender<Forward>,
     pub metrics: Arc<UpstreamMetrics>,
+    /// TLS for the links to the upstream, spliced sessions included.
+    tls: Option<TlsClient>,
 }
 
 #[derive(Debug)]
@@ -76,16 +78,27 @@ impl Upstream {
         addr: String,
         client_id: String,
         credentials: Option<(String, String)>,
+        tls: Option<TlsClient>,
         stop: watch::Receiver<bool>,
     ) -> std::io::Result<Arc<Self>> {
         let link = Link {
             addr: addr.clone(),
             client_id,
             credentials,
+            tls: tls.clone(),
         };
         let first = match link.connect().await {
             Ok(conn) => Some(conn),
-            Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => return Err(e),
+            // A refused user, or an upstream whose TLS certificate the relay does not trust
+            // (InvalidData, from rustls): trying again cannot help.
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::PermissionDenied | std::io::ErrorKind::InvalidData
+                ) =>
+            {
+                return Err(e);
+            }
             Err(e) => {
                 warn!(upstream = addr, error = %e, "relay: upstream MQTT unreachable");
                 None
@@ -94,7 +107,12 @@ impl Upstream {
         let (tx, rx) = mpsc::channel(QUEUE);
         let metrics = Arc::new(UpstreamMetrics::default());
         tokio::spawn(forward_loop(link, first, rx, metrics.clone(), stop));
-        Ok(Arc::new(Self { addr, tx, metrics }))
+        Ok(Arc::new(Self {
+            addr,
+            tx,
+            metrics,
+            tls,
+        }))
     }
 
     /// The upstream's MQTT address.
@@ -127,13 +145,9 @@ impl Upstream {
 
     /// Connects to the upstream for a client's persistent session and sends it `head` (the
     /// client's CONNECT and whatever followed it).
-    pub(crate) async fn open_splice(&self, head: &[u8]) -> std::io::Result<TcpStream> {
-        let mut up = tokio::time::timeout(Duration::from_secs(10), TcpStream::connect(&self.addr))
-            .await
-            .map_err(|_| {
-                std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out")
-            })??;
-        up.set_nodelay(true)?;
+    pub(crate) async fn open_splice(&self, head: &[u8]) -> std::io::Result<ClientStream> {
+        let mut up =
+            ClientStream::connect(&self.addr, self.tls.as_ref(), Duration::from_secs(10)).await?;
         up.write_all(head).await?;
         Ok(up)
     }
@@ -143,7 +157,7 @@ impl Upstream {
     pub(crate) async fn splice<S>(
         &self,
         client: &mut S,
-        up: TcpStream,
+        up: ClientStream,
         write_deadline: std::time::Duration,
         shutdown: &mut watch::Receiver<bool>,
     ) -> std::io::Result<()>
@@ -170,6 +184,8 @@ struct Link {
     addr: String,
     client_id: String,
     credentials: Option<(String, String)>,
+    /// TLS to the upstream (`relay.upstream_tls`).
+    tls: Option<TlsClient>,
 }
 
 /// Keeps one MQTT 5 connection to the upstream and sends it every queued publish at QoS 1.
@@ -253,7 +269,7 @@ fn refuse_waiting(
 }
 
 struct Conn {
-    stream: TcpStream,
+    stream: ClientStream,
     inbuf: BytesMut,
 }
 
@@ -261,12 +277,8 @@ impl Link {
     /// Opens the connection and signs in. A refusal for the user name or password (or for
     /// lacking them) is an error of kind `PermissionDenied`.
     async fn connect(&self) -> std::io::Result<Conn> {
-        let stream = tokio::time::timeout(Duration::from_secs(10), TcpStream::connect(&self.addr))
-            .await
-            .map_err(|_| {
-                std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out")
-            })??;
-        stream.set_nodelay(true)?;
+        let stream =
+            ClientStream::connect(&self.addr, self.tls.as_ref(), Duration::from_secs(10)).await?;
         let mut conn = Conn {
             stream,
             inbuf: BytesMut::with_capacity(4096),
