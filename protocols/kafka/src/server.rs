@@ -85,6 +85,9 @@ pub(crate) struct Conn {
     pub(crate) client_id: String,
     /// The SASL mechanism agreed by the handshake, and the exchange in progress.
     pub(crate) sasl: Option<Sasl>,
+    /// A SASL exchange succeeded (there is one per connection; a client certificate's
+    /// principal is replaced by it).
+    pub(crate) sasl_done: bool,
     /// Signed in (or needing no sign-in): requests past the SASL ones are served.
     pub(crate) authenticated: bool,
     /// Who the connection acts as (anonymous until SASL or a client certificate says).
@@ -282,6 +285,7 @@ impl KafkaServer {
                         peer,
                         client_id: String::new(),
                         sasl: None,
+                        sasl_done: false,
                         authenticated: security.is_open() || security.identities.allow_anonymous(),
                         principal: Principal::Anonymous,
                         security,

@@ -26,7 +26,7 @@ pub(crate) fn handshake(conn: &mut Conn, req: SaslHandshakeRequest) -> SaslHands
         return r;
     }
     r.mechanisms = MECHANISMS.iter().map(|m| s(*m)).collect();
-    if conn.sasl.is_some() || conn.principal.user().is_some() {
+    if conn.sasl.is_some() || conn.sasl_done {
         r.error_code = errors::ILLEGAL_SASL_STATE;
         return r;
     }
@@ -114,6 +114,7 @@ pub(crate) async fn authenticate(
             ids.throttle().succeeded(source);
             conn.authenticated = true;
             conn.sasl = None;
+            conn.sasl_done = true;
             if let Some(last) = last {
                 r.auth_bytes = Bytes::from(last.into_bytes());
             }
