@@ -15,9 +15,11 @@
 #     from crates.io by `cargo install s3s-fs --version 0.14.1 --features binary --locked
 #     --root target/tools` into target/tools/bin/s3s-fs, only when that file is missing or is
 #     another version (a few minutes of compiling, once per machine);
+#   - for the access-control and TLS suite (tests/security): openssl (makes the test PKI) and
+#     curl, each only if it is missing (kcat and mosquitto-clients as above);
 #   - a Python virtual environment at target/pyenv with tests/kafka, tests/mqtt, tests/rest,
-#     tests/abuse, tests/rtsp, tests/deploy and tests/offload requirements.txt, reinstalled only
-#     when any of them changes (stamp file target/pyenv/.installed-<sha256 of all>).
+#     tests/abuse, tests/rtsp, tests/deploy, tests/offload and tests/security requirements.txt,
+#     reinstalled only when any of them changes (stamp file target/pyenv/.installed-<sha256 of all>).
 # Usage: ./scripts/install-test-deps.sh
 #   then: target/pyenv/bin/python -m pytest -q tests/kafka
 #         target/pyenv/bin/python -m pytest -q tests/mqtt
@@ -26,6 +28,7 @@
 #         target/pyenv/bin/python -m pytest -q tests/rtsp
 #         target/pyenv/bin/python -m pytest -q tests/deploy
 #         target/pyenv/bin/python -m pytest -q tests/offload
+#         target/pyenv/bin/python -m pytest -q tests/security
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -51,6 +54,7 @@ apt_install() {
 
 apt_install kcat mosquitto-clients mosquitto
 apt_install prometheus docker-compose
+apt_install openssl curl
 apt_install ffmpeg libjpeg-turbo-progs python3-gi gir1.2-gst-rtsp-server-1.0 gstreamer1.0-plugins-base \
   gstreamer1.0-plugins-good gstreamer1.0-plugins-bad gstreamer1.0-plugins-ugly gstreamer1.0-libav
 
@@ -64,7 +68,7 @@ fi
 
 PYENV=target/pyenv
 REQUIREMENTS=(tests/kafka/requirements.txt tests/mqtt/requirements.txt tests/rest/requirements.txt tests/abuse/requirements.txt
-  tests/rtsp/requirements.txt tests/deploy/requirements.txt tests/offload/requirements.txt)
+  tests/rtsp/requirements.txt tests/deploy/requirements.txt tests/offload/requirements.txt tests/security/requirements.txt)
 
 if [ ! -x "$PYENV/bin/python" ]; then
   echo "==> creating Python virtual environment $PYENV"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs every check CI runs: formatting, clippy with warnings as errors, all Rust tests, the
-# Kafka, MQTT, REST, hostile-input, RTSP, deployment and tiered-storage (offload) end-to-end suites
-# with stock clients, and a short smoke run of the benchmark binary.
+# Kafka, MQTT, REST, hostile-input, RTSP, deployment, tiered-storage (offload) and access-control/TLS
+# (security) end-to-end suites with stock clients, and a short smoke run of the benchmark binary.
 # Installs what the tests need first, idempotently (with sudo when not root).
 # Usage: ./scripts/test.sh
 set -euo pipefail
@@ -62,6 +62,11 @@ target/pyenv/bin/python -m pytest -q -p no:cacheprovider tests/offload 2>&1 | te
 py_passed=$(grep -Eo '[0-9]+ passed' "$log" | tail -1 | grep -Eo '[0-9]+' || echo 0)
 passed=$((passed + py_passed))
 
+echo "==> access control and TLS end to end (users, ACLs, TLS listeners, client certificates, SIGHUP reloads; mosquitto, paho, librdkafka, kcat, curl)"
+target/pyenv/bin/python -m pytest -q -p no:cacheprovider tests/security 2>&1 | tee "$log"
+py_passed=$(grep -Eo '[0-9]+ passed' "$log" | tail -1 | grep -Eo '[0-9]+' || echo 0)
+passed=$((passed + py_passed))
+
 echo "==> benchmark smoke run (tiny sizes; real figures come from docs/BENCHMARKS.md's commands)"
 cargo run --quiet --locked -p sluice-bench -- ledger \
   --dir target/bench-smoke --bytes-per-case 8388608 --max-small-records 2000 --producers 16 >/dev/null
@@ -77,6 +82,9 @@ cargo run --quiet --locked -p sluice-bench -- broadcast \
 cargo run --quiet --locked -p sluice-bench -- broadcast \
   --dir target/bench-smoke --subscribers 100 --messages 3 --rate 20 --drain-s 5 --qos 1 \
   --brokers sluice-relays --relays 2 --middle-relays 1 >/dev/null
+cargo run --quiet --locked -p sluice-bench -- tls --sluice target/debug/sluice \
+  --dir target/bench-smoke-tls --small-messages 200 --large-messages 2 --kafka-megabytes 2 \
+  --subscribers 50 --fanout-messages 3 --fanout-rate 20 >/dev/null
 
 echo "==> all checks passed"
 echo "tests: ${passed} passed, ${failed} failed"

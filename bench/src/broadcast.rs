@@ -29,7 +29,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpSocket, TcpStream};
 
 use crate::ledger::RawWrite;
-use crate::stats::cpu_time;
+use crate::stats::{cpu_time, proc_stats};
 
 const TOPIC: &str = "cars/broadcast";
 
@@ -907,35 +907,6 @@ fn peer_stats(engine: Option<&sluice_core::Engine>) -> Value {
         "live_catchup_reads": sum(|p| p.live_catchup_reads),
         "live_catchup_reads_ahead": sum(|p| p.live_catchup_reads_ahead),
     })
-}
-
-/// CPU time (user + system) and resident memory of another process, from /proc.
-fn proc_stats(pid: u32) -> (Duration, u64) {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    // Fields after the command name (which may hold spaces) start after the last ')'.
-    let fields: Vec<&str> = stat
-        .rsplit_once(')')
-        .map(|(_, rest)| rest.split_whitespace().collect())
-        .unwrap_or_default();
-    // SAFETY: sysconf has no preconditions.
-    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
-    let field = |i: usize| {
-        fields
-            .get(i)
-            .and_then(|v| v.parse::<u64>().ok())
-            .unwrap_or(0)
-    };
-    // utime and stime are fields 14 and 15 of the whole line: 11 and 12 after the name.
-    let cpu = Duration::from_millis((field(11) + field(12)) * 1000 / ticks);
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    let rss = status
-        .lines()
-        .find(|l| l.starts_with("VmRSS:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse::<u64>().ok())
-        .unwrap_or(0)
-        * 1024;
-    (cpu, rss)
 }
 
 /// A broker process for one case (with its relays, for `sluice-relays`).

@@ -10,6 +10,7 @@ mod http;
 mod ledger;
 mod mqtt;
 mod stats;
+mod tls;
 mod validate;
 
 use clap::{Parser, Subcommand};
@@ -39,6 +40,9 @@ enum Command {
     /// processes, through Sluice, Mosquitto and rumqttd each in its own process; connect time,
     /// latency, time until the last subscriber has each message, loss, CPU per delivery, memory.
     Broadcast(broadcast::BroadcastArgs),
+    /// What TLS costs beside plain TCP on the gateway binary, in the same run: MQTT QoS 1
+    /// (1 KB, 2 MB), Kafka produce, and the fan-out's CPU per delivery to N subscribers.
+    Tls(tls::TlsArgs),
     /// What whole-batch validation (every record walked, compressed batches decompressed) adds
     /// to a produce, per record, beside the header and CRC check alone.
     Validate(validate::ValidateArgs),
@@ -68,6 +72,7 @@ fn main() -> anyhow::Result<()> {
         Command::FanoutCore(args) => runtime.block_on(fanout::run(args)),
         Command::Mqtt(args) => runtime.block_on(mqtt::run(args)),
         Command::Http(args) => runtime.block_on(http::run(args)),
+        Command::Tls(args) => runtime.block_on(tls::run(args)),
         Command::Broadcast(_)
         | Command::BroadcastWorker(_)
         | Command::BroadcastPeer(_)

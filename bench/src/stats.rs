@@ -41,16 +41,43 @@ pub(crate) fn cpu_time() -> Duration {
 /// Current and peak resident memory of this process, in bytes.
 pub(crate) fn memory() -> (u64, u64) {
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    let field = |name: &str| {
-        status
-            .lines()
-            .find(|l| l.starts_with(name))
-            .and_then(|l| l.split_whitespace().nth(1))
+    (
+        status_bytes(&status, "VmRSS:"),
+        status_bytes(&status, "VmHWM:"),
+    )
+}
+
+/// A `/proc/*/status` memory line (kB) in bytes; 0 when missing.
+fn status_bytes(status: &str, name: &str) -> u64 {
+    status
+        .lines()
+        .find(|l| l.starts_with(name))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse::<u64>().ok())
+        .unwrap_or(0)
+        * 1024
+}
+
+/// CPU time (user + system) and resident memory of another process, from /proc.
+pub(crate) fn proc_stats(pid: u32) -> (Duration, u64) {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // Fields after the command name (which may hold spaces) start after the last ')'.
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .map(|(_, rest)| rest.split_whitespace().collect())
+        .unwrap_or_default();
+    // SAFETY: sysconf has no preconditions.
+    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    let field = |i: usize| {
+        fields
+            .get(i)
             .and_then(|v| v.parse::<u64>().ok())
             .unwrap_or(0)
-            * 1024
     };
-    (field("VmRSS:"), field("VmHWM:"))
+    // utime and stime are fields 14 and 15 of the whole line: 11 and 12 after the name.
+    let cpu = Duration::from_millis((field(11) + field(12)) * 1000 / ticks);
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    (cpu, status_bytes(&status, "VmRSS:"))
 }
 
 /// Resets the peak resident memory (VmHWM) to the current figure, so the next phase's peak is its

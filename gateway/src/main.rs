@@ -437,6 +437,7 @@ async fn serve(mut config: Config, reload: security::LoadConfig) -> anyhow::Resu
         tls: tls.clone(),
     });
     let camera_topics = cameras.clone();
+    let known_topics = engine.clone();
     let app = app.layer(axum::middleware::from_fn_with_state(
         sluice_rest::access::Access {
             security: security.clone(),
@@ -447,6 +448,7 @@ async fn serve(mut config: Config, reload: security::LoadConfig) -> anyhow::Resu
                     .and_then(|c| c.get(name))
                     .map(|c| c.topic)
             }),
+            topic_exists: Arc::new(move |t: &str| known_topics.partition_count(t).is_ok()),
             metrics: access_metrics,
         },
         sluice_rest::access::guard,

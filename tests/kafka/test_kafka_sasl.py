@@ -1,36 +1,48 @@
-"""SASL/PLAIN on the Kafka listener: configured users get in with their password, nobody else
-does, and without authentication nothing but ApiVersions and the SASL handshake is served."""
+"""SASL on the plain Kafka listener: configured users ([[users]], made by `sluice passwd`) get
+in with their password (PLAIN, SCRAM-SHA-256, SCRAM-SHA-512), nobody else does, and without
+authentication nothing but ApiVersions and the SASL handshake is served. TLS listeners and
+access rules: tests/security."""
 
 from __future__ import annotations
 
-import hashlib
+import os
+import subprocess
 import uuid
 
 from confluent_kafka import KafkaError, KafkaException
 import pytest
 
-
-def sha256(password: str) -> str:
-    return "sha256:" + hashlib.sha256(password.encode()).hexdigest()
+import harness
 
 
-def sasl(user: str, password: str) -> dict:
+def user_entry(name: str, password: str) -> str:
+    """A [[users]] entry as `sluice passwd NAME` prints it (the password read from stdin)."""
+    binary = os.environ.get("SLUICE_BIN") or str(harness.REPO_ROOT / "target" / "debug" / "sluice")
+    r = subprocess.run([binary, "passwd", name], input=password + "\n", capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0 and "[[users]]" in r.stdout, f"sluice passwd {name} exited {r.returncode}: {r.stdout}{r.stderr}"
+    return r.stdout
+
+
+def sasl(user: str, password: str, mechanism: str = "PLAIN") -> dict:
     return {
         "security.protocol": "SASL_PLAINTEXT",
-        "sasl.mechanism": "PLAIN",
+        "sasl.mechanism": mechanism,
         "sasl.username": user,
         "sasl.password": password,
     }
 
 
 @pytest.fixture
-def secured(gateway_factory):
-    return gateway_factory(env={"SLUICE_KAFKA__SASL_PLAIN_USERS__ALICE": sha256("wonderland")})
+def secured(gateway_factory, tmp_path):
+    config = tmp_path / "users.toml"
+    config.write_text(user_entry("alice", "wonderland"))
+    return gateway_factory(args=("--config", str(config)))
 
 
-def test_a_configured_user_produces_and_consumes(secured):
+@pytest.mark.parametrize("mechanism", ["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"])
+def test_a_configured_user_produces_and_consumes(secured, mechanism):
     topic = f"sasl-{uuid.uuid4().hex[:12]}"
-    creds = sasl("alice", "wonderland")
+    creds = sasl("alice", "wonderland", mechanism)
     assert secured.produce(topic, [{"key": b"k", "value": b"authenticated"}], **creds) == [(0, 0)]
     assert [m.value() for m in secured.consume(topic, 1, **creds)] == [b"authenticated"]
 

@@ -8,15 +8,18 @@ Run from the repository root, after ./scripts/install-test-deps.sh:
 The gateway process (with its Kafka client helpers), the `gateway_factory` / `gateway` / `uniq`
 fixtures and the hooks live in tests/harness.py, shared with the Kafka suite; its docstring
 lists the environment variables read. Here: `gw.mqtt(...)` making a paho client that is closed
-at teardown, and `wire` (raw MQTT packet helpers).
+at teardown, `wire` (raw MQTT packet helpers) and `users_args` (a configuration file of
+[[users]] made by `sluice passwd`).
 """
 
 from __future__ import annotations
 
-import hashlib
+import json
+import os
 import queue
 import socket
 import struct
+import subprocess
 import sys
 import threading
 import time
@@ -41,9 +44,34 @@ from harness import (  # noqa: E402,F401  (fixtures and hooks are found by name 
 )
 
 
-def sha256_password(password: str) -> str:
-    """The form [mqtt.users] takes: "sha256:<64 hex digits>"."""
-    return "sha256:" + hashlib.sha256(password.encode()).hexdigest()
+def user_entry(name: str, password: str) -> str:
+    """A [[users]] entry as `sluice passwd NAME` prints it (the password read from stdin)."""
+    binary = os.environ.get("SLUICE_BIN") or str(harness.REPO_ROOT / "target" / "debug" / "sluice")
+    r = subprocess.run([binary, "passwd", name], input=password + "\n", capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0 and "[[users]]" in r.stdout, f"sluice passwd {name} exited {r.returncode}: {r.stdout}{r.stderr}"
+    return r.stdout
+
+
+@pytest.fixture
+def users_args(tmp_path):
+    """users_args({name: password}, **auth) -> the gateway arguments (--config FILE) of a
+    configuration file with those [[users]] (made by `sluice passwd`) and [auth] keys
+    (allow_anonymous=True, ...). With users, anonymous clients are refused (CONNACK 5 / 0x87)
+    and each user owns the client ids "<user>" and "<user>-*" only, unless [auth] says otherwise."""
+    made = [0]
+
+    def make(users: dict, **auth) -> tuple[str, str]:
+        text = "".join(user_entry(name, pw) + "\n" for name, pw in users.items())
+        if auth:
+            text += "[auth]\n" + "".join(
+                f"{k} = {str(v).lower() if isinstance(v, bool) else json.dumps(v)}\n" for k, v in auth.items()
+            )
+        path = tmp_path / f"users-{made[0]}.toml"
+        made[0] += 1
+        path.write_text(text)
+        return ("--config", str(path))
+
+    return make
 
 
 class Gateway(harness.Gateway):
@@ -429,7 +457,6 @@ def wire():
         raw_connect=raw_connect,
         wait_closed=wait_closed,
         unique=unique,
-        sha256_password=sha256_password,
     )
 
 

@@ -4,6 +4,7 @@ publish and receive, retained messages, MQTT 5 user properties, and interplay wi
 from __future__ import annotations
 
 import queue
+import re
 import shutil
 import subprocess
 import threading
@@ -212,12 +213,13 @@ def test_paho_to_mosquitto_and_back(gateway, uniq, subs):
     assert [(m.payload, m.qos) for m in paho_sub.wait_messages(2)] == [(b"from-paho", 2), (b"from-mosquitto", 2)]
 
 
-def test_authentication(gateway_factory, uniq):
-    gw = gateway_factory(env={"SLUICE_MQTT__USERS__ALICE": "sha256:" + __import__("hashlib").sha256(b"open sesame").hexdigest()})
+def test_authentication(gateway_factory, users_args, uniq):
+    gw = gateway_factory(args=users_args({"alice": "open sesame"}))
     topic = uniq("mosq-auth") + "/t"
     for version in ("mqttv311", "mqttv5"):
+        # -i: a client id alice owns (users own "<user>" and "<user>-*" only).
         r = subprocess.run(
-            ["mosquitto_pub", *conn_args(gw), "-V", version, "-t", topic, "-m", "x", "-u", "alice", "-P", "wrong"],
+            ["mosquitto_pub", *conn_args(gw), "-V", version, "-i", uniq("alice"), "-t", topic, "-m", "x", "-u", "alice", "-P", "wrong"],
             capture_output=True, text=True, timeout=15,
         )
         assert r.returncode != 0, f"{version}: a wrong password was accepted"
@@ -227,4 +229,5 @@ def test_authentication(gateway_factory, uniq):
             capture_output=True, text=True, timeout=15,
         )
         assert r.returncode != 0, f"{version}: no credentials accepted"
-        mosquitto_pub(gw, "-V", version, "-t", topic, "-m", "ok", "-q", "1", "-u", "alice", "-P", "open sesame")
+        assert re.search(r"not authori[sz]ed", r.stdout + r.stderr, re.I), r.stdout + r.stderr  # CONNACK 5 / 0x87
+        mosquitto_pub(gw, "-V", version, "-i", uniq("alice"), "-t", topic, "-m", "ok", "-q", "1", "-u", "alice", "-P", "open sesame")

@@ -129,27 +129,29 @@ def test_half_sent_packet_then_close(gateway, wire, uniq):
 
 
 @pytest.mark.parametrize("version", [4, 5], ids=["v311", "v5"])
-def test_authentication_raw(gateway_factory, wire, uniq, version):
-    gw = gateway_factory(env={"SLUICE_MQTT__USERS__ALICE": wire.sha256_password("s3cret pass")})
-    refused = 0x04 if version == 4 else 0x86  # bad user name or password
+def test_authentication_raw(gateway_factory, users_args, wire, uniq, version):
+    gw = gateway_factory(args=users_args({"alice": "s3cret pass"}))
+    bad = 0x04 if version == 4 else 0x86  # bad user name or password
+    refused = 0x05 if version == 4 else 0x87  # not authorized: anonymous clients are refused
     cases = [
-        ("no credentials", None, None),
-        ("wrong password", "alice", "wrong"),
-        ("unknown user", "bob", "s3cret pass"),
-        ("user without password", "alice", None),
+        ("no credentials", None, None, refused),
+        ("wrong password", "alice", "wrong", bad),
+        ("unknown user", "bob", "s3cret pass", bad),
+        ("user without password", "alice", None, bad),
     ]
-    for what, user, password in cases:
+    for what, user, password, expected in cases:
         sock = wire.raw_connect(gw)
         try:
-            sock.sendall(wire.connect(uniq("auth"), version, username=user, password=password))
+            # A client id alice owns ("alice-*"), so that only the credentials are wrong.
+            sock.sendall(wire.connect(uniq("alice"), version, username=user, password=password))
             present, rc = connack(sock, wire)
-            assert (present, rc) == (0, refused), f"{what}: CONNACK flags {present} code {rc:#x}, expected {refused:#x}"
+            assert (present, rc) == (0, expected), f"{what}: CONNACK flags {present} code {rc:#x}, expected {expected:#x}"
             wire.wait_closed(sock)
         finally:
             sock.close()
     sock = wire.raw_connect(gw)
     try:
-        sock.sendall(wire.connect(uniq("auth"), version, username="alice", password="s3cret pass"))
+        sock.sendall(wire.connect(uniq("alice"), version, username="alice", password="s3cret pass"))
         assert connack(sock, wire)[1] == 0, "right user name and password refused"
         # The accepted connection works: subscribe and get a SUBACK.
         sock.sendall(wire.subscribe(uniq("auth") + "/t", 1, 7, version))
@@ -161,19 +163,37 @@ def test_authentication_raw(gateway_factory, wire, uniq, version):
 
 
 @pytest.mark.parametrize("version", [4, 5], ids=["v311", "v5"])
-def test_authentication_paho(gateway_factory, uniq, version):
-    gw = gateway_factory(env={"SLUICE_MQTT__USERS__ALICE": "sha256:" + __import__("hashlib").sha256(b"pw").hexdigest()})
-    bad = gw.mqtt(version, connect=False, username="alice", password="nope")
+def test_authentication_paho(gateway_factory, users_args, uniq, version):
+    gw = gateway_factory(args=users_args({"alice": "pw"}))
+    bad = gw.mqtt(version, connect=False, client_id=uniq("alice"), username="alice", password="nope")
     rc, _, _ = bad.connect(expect_success=False)
     assert rc.is_failure and rc.getName() == "Bad user name or password", f"{rc} ({rc.value})"
     anon = gw.mqtt(version, connect=False)
     rc, _, _ = anon.connect(expect_success=False)
-    assert rc.getName() == "Bad user name or password", f"{rc} ({rc.value})"
-    good = gw.mqtt(version, username="alice", password="pw")
+    assert rc.is_failure and rc.getName() == "Not authorized", f"{rc} ({rc.value})"
+    good = gw.mqtt(version, client_id=uniq("alice"), username="alice", password="pw")
     topic = uniq("auth") + "/t"
     good.subscribe(topic, qos=1)
-    gw.mqtt(version, username="alice", password="pw").publish(topic, b"authed", qos=1)
+    gw.mqtt(version, client_id=uniq("alice"), username="alice", password="pw").publish(topic, b"authed", qos=1)
     assert good.wait_messages(1)[0].payload == b"authed"
+
+
+@pytest.mark.parametrize("version", [4, 5], ids=["v311", "v5"])
+def test_anonymous_allowed_beside_users(gateway_factory, users_args, wire, uniq, version):
+    """[auth] allow_anonymous = true: users sign in, clients without credentials get in too
+    (with a client id no user owns), wrong passwords are still refused."""
+    gw = gateway_factory(args=users_args({"alice": "pw"}, allow_anonymous=True))
+    for what, cid, user, password, expected in (
+        ("anonymous", uniq("anon"), None, None, 0),
+        ("alice", uniq("alice"), "alice", "pw", 0),
+        ("wrong password", uniq("alice"), "alice", "nope", 0x04 if version == 4 else 0x86),
+    ):
+        sock = wire.raw_connect(gw)
+        try:
+            sock.sendall(wire.connect(cid, version, username=user, password=password))
+            assert connack(sock, wire)[1] == expected, what
+        finally:
+            sock.close()
 
 
 def test_authentication_off_accepts_anyone(gateway, wire, uniq):
@@ -182,7 +202,7 @@ def test_authentication_off_accepts_anyone(gateway, wire, uniq):
             sock = wire.raw_connect(gateway)
             try:
                 sock.sendall(wire.connect(uniq("open"), version, username=user, password=password))
-                assert connack(sock, wire)[1] == 0, f"v{version} user={user}: refused without [mqtt.users]"
+                assert connack(sock, wire)[1] == 0, f"v{version} user={user}: refused without [[users]]"
             finally:
                 sock.close()
 

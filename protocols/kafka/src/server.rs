@@ -36,7 +36,7 @@ pub struct KafkaMetrics {
     pub bytes_in: AtomicU64,
     pub bytes_out: AtomicU64,
     pub auth_failures: AtomicU64,
-    /// Requests (or parts of them) the access rules refused.
+    /// Requests, or parts of them (a topic, a group, a resource), the access rules refused.
     pub authz_denied: AtomicU64,
     /// Produce requests that took their connection past `kafka.max_produce_bytes_rate`.
     pub produce_throttled: AtomicU64,
@@ -102,6 +102,8 @@ pub(crate) struct Conn {
     pub(crate) security_handle: sluice_core::auth::SecurityHandle,
     /// The connection's produce rate (`kafka.max_produce_bytes_rate`).
     pub(crate) rate: Option<sluice_net::RateLimit>,
+    /// Refusals by the rules during the request being handled, added to the metrics after it.
+    pub(crate) denied: AtomicU64,
 }
 
 /// The SASL mechanism a connection's handshake agreed on.
@@ -113,7 +115,17 @@ pub(crate) enum Sasl {
 
 impl Conn {
     /// Whether the access rules let this connection do `action` on `resource`.
+    /// Whether the rules allow it; a refusal is counted (`sluice_kafka_authz_denied_total`).
     pub(crate) fn may(&self, action: Action, resource: Resource<'_>) -> bool {
+        let allowed = self.allowed(action, resource);
+        if !allowed {
+            self.denied.fetch_add(1, Ordering::Relaxed);
+        }
+        allowed
+    }
+
+    /// Whether the rules allow it, without counting: for what a listing leaves out.
+    fn allowed(&self, action: Action, resource: Resource<'_>) -> bool {
         self.security.is_open() || self.security.allows(&self.principal, action, resource)
     }
 
@@ -123,14 +135,28 @@ impl Conn {
 
     /// Kafka's DESCRIBE of a topic: allowed to anyone who may publish, read or administer it.
     pub(crate) fn may_describe(&self, topic: &str) -> bool {
+        let allowed = self.sees(topic);
+        if !allowed {
+            self.denied.fetch_add(1, Ordering::Relaxed);
+        }
+        allowed
+    }
+
+    /// [`Self::may_describe`] without counting (a listing of every topic leaves it out).
+    pub(crate) fn sees(&self, topic: &str) -> bool {
         [Action::Subscribe, Action::Publish, Action::Admin]
             .into_iter()
-            .any(|a| self.may_topic(a, topic))
+            .any(|a| self.allowed(a, Resource::Topic(topic)))
     }
 
     /// Joining, committing for or describing a consumer group.
     pub(crate) fn may_group(&self, group: &str) -> bool {
         self.may(Action::Subscribe, Resource::Group(group))
+    }
+
+    /// [`Self::may_group`] without counting (for ListGroups).
+    pub(crate) fn sees_group(&self, group: &str) -> bool {
+        self.allowed(Action::Subscribe, Resource::Group(group))
     }
 }
 
@@ -291,6 +317,7 @@ impl KafkaServer {
                         security,
                         advertised,
                         user_slot: None,
+                        denied: AtomicU64::new(0),
                         security_handle: server.settings.security.clone(),
                         rate: sluice_net::RateLimit::new(sluice_net::Rates {
                             messages_per_second: 0,
@@ -377,7 +404,14 @@ impl KafkaServer {
                 Ok(req) => {
                     self.metrics.requests.fetch_add(1, Ordering::Relaxed);
                     conn.client_id.clone_from(&req.client_id);
-                    match self.handle(conn, req).await {
+                    let handled = self.handle(conn, req).await;
+                    let denied = conn.denied.swap(0, Ordering::Relaxed);
+                    if denied > 0 {
+                        self.metrics
+                            .authz_denied
+                            .fetch_add(denied, Ordering::Relaxed);
+                    }
+                    match handled {
                         Handled::Respond(bytes) => Some(bytes),
                         Handled::NoResponse => None,
                         Handled::RespondThenClose(bytes) => {

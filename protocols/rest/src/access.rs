@@ -37,6 +37,10 @@ pub enum Need {
 /// Finds a camera's ledger topic by the camera's name.
 pub type CameraTopic = Arc<dyn Fn(&str) -> Option<String> + Send + Sync>;
 
+/// Whether a ledger topic exists (producing to one that does not creates it, which is the
+/// admin action).
+pub type TopicExists = Arc<dyn Fn(&str) -> bool + Send + Sync>;
+
 /// How the gateway's routes are guarded.
 #[derive(Clone)]
 pub struct Access {
@@ -45,6 +49,7 @@ pub struct Access {
     pub metrics_signed: bool,
     /// A camera's ledger topic, for camera routes (None where there are no cameras).
     pub camera_topic: CameraTopic,
+    pub topic_exists: TopicExists,
     pub metrics: Arc<AccessMetrics>,
 }
 
@@ -187,7 +192,12 @@ pub async fn guard(State(access): State<Access>, mut req: Request, next: Next) -
     };
     let allowed = match &need {
         Need::Open | Need::Signed => true,
-        Need::Topic(action, t) => security.allows(&principal, *action, Resource::Topic(t)),
+        Need::Topic(action, t) => {
+            security.allows(&principal, *action, Resource::Topic(t))
+                && (*action != Action::Publish
+                    || (access.topic_exists)(t)
+                    || security.allows(&principal, Action::Admin, Resource::Topic(t)))
+        }
         Need::GroupTopic(g, t) => {
             security.allows(&principal, Action::Subscribe, Resource::Group(g))
                 && t.as_deref().is_none_or(|t| {

@@ -31,12 +31,20 @@ pub(crate) async fn handle(
 ) -> FetchResponse {
     let deadline = Instant::now() + Duration::from_millis(req.max_wait_ms.max(0) as u64);
     let limits = Limits::new(server, &req);
+    // Decided (and counted) once, not at every pass of the long poll.
+    let denied: std::collections::HashSet<String> = req
+        .topics
+        .iter()
+        .map(|t| t.topic.0.as_str())
+        .filter(|t| !conn.may_topic(Action::Subscribe, t))
+        .map(str::to_owned)
+        .collect();
     server
         .follow_upstream(req.topics.iter().map(|t| t.topic.0.as_str()))
         .await;
     let mut new_data = true;
     loop {
-        let read = read_once(server, conn, &req, &limits, version).await;
+        let read = read_once(server, &denied, &req, &limits, version).await;
         if read.total >= limits.min_bytes
             || read.waits.is_empty()
             || !new_data
@@ -98,7 +106,7 @@ struct Read {
 
 async fn read_once(
     server: &KafkaServer,
-    conn: &Conn,
+    denied: &std::collections::HashSet<String>,
     req: &FetchRequest,
     limits: &Limits,
     version: i16,
@@ -115,7 +123,7 @@ async fn read_once(
         let name = topic.topic.0.as_str();
         let mut t = FetchableTopicResponse::default();
         t.topic = topic.topic.clone();
-        let denied = !conn.may_topic(Action::Subscribe, name);
+        let denied = denied.contains(name);
         for p in &topic.partitions {
             let mut pd = PartitionData::default();
             pd.partition_index = p.partition;

@@ -21,7 +21,7 @@ pub(crate) fn handle(server: &KafkaServer, conn: &Conn, version: i16) -> ListGro
     let mut r = ListGroupsResponse::default();
     r.groups = groups
         .into_iter()
-        .filter(|(id, _)| conn.may_group(id))
+        .filter(|(id, _)| conn.sees_group(id))
         .map(|(id, (protocol_type, state))| {
             let mut g = ListedGroup::default();
             g.group_id = GroupId(s(id));

@@ -39,7 +39,7 @@ pub(crate) async fn handle(
         None => engine
             .list_topics()
             .into_iter()
-            .filter(|t| conn.may_describe(t))
+            .filter(|t| conn.sees(t))
             .collect(),
         Some(names) => names.clone(),
     };
@@ -52,10 +52,19 @@ pub(crate) async fn handle(
             topics.push(t);
             continue;
         }
-        let count = if auto_create && conn.may_topic(Action::Admin, &name) {
-            engine.ensure_topic(&name).await
-        } else {
-            engine.partition_count(&name)
+        let count = match engine.partition_count(&name) {
+            Err(sluice_core::CoreError::UnknownTopic { .. }) if auto_create => {
+                // Creating it is Kafka's CREATE: without the admin action the client is told
+                // it may not, as Kafka does, rather than that it does not exist (on which a
+                // producer would wait out its message timeout).
+                if !conn.may_topic(Action::Admin, &name) {
+                    t.error_code = errors::TOPIC_AUTHORIZATION_FAILED;
+                    topics.push(t);
+                    continue;
+                }
+                engine.ensure_topic(&name).await
+            }
+            other => other,
         };
         match count {
             Ok(n) => {
