@@ -186,6 +186,22 @@ fn main() -> ExitCode {
         if !shown.offload.secret_access_key.is_empty() {
             shown.offload.secret_access_key = "<hidden>".into();
         }
+        // Hashes and SCRAM keys are not passwords, but a ServerKey lets its holder pose as
+        // this server to SCRAM clients: shown only as set.
+        for user in &mut shown.users {
+            for secret in [
+                &mut user.password_hash,
+                &mut user.scram_sha_256,
+                &mut user.scram_sha_512,
+            ] {
+                if !secret.is_empty() {
+                    *secret = "<hidden>".into();
+                }
+            }
+            for token in &mut user.tokens {
+                *token = "<hidden>".into();
+            }
+        }
         for camera in &mut shown.cameras {
             camera.url = camera.public_url();
             if !camera.password.is_empty() {

@@ -383,6 +383,29 @@ fn default_and_effective_configuration_can_be_printed() {
         effective["topics"]["default_partitions"].as_integer(),
         Some(6)
     );
+    // A user's hashes and SCRAM keys are shown only as set.
+    let (phc, s256, _) = sluice_core::auth::hash_new_password(b"pw").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("users.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[[users]]\nname = \"alice\"\npassword_hash = \"{phc}\"\nscram_sha_256 = \"{s256}\"\n"
+        ),
+    )
+    .unwrap();
+    let out = Command::new(BIN)
+        .args(["print-config", "--config", config.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(!text.contains(&phc) && !text.contains(&s256), "{text}");
+    let effective: toml::Table = toml::from_str(&text).unwrap();
+    let user = &effective["users"].as_array().unwrap()[0];
+    assert_eq!(user["name"].as_str(), Some("alice"));
+    assert_eq!(user["password_hash"].as_str(), Some("<hidden>"));
+    assert_eq!(user["scram_sha_512"].as_str(), Some(""));
 }
 
 /// Creates a topic over REST and returns the status and body of the answer.
