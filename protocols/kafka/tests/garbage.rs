@@ -2,7 +2,6 @@
 //! connections carry on, and every closing is counted.
 #![allow(clippy::unwrap_used)]
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
