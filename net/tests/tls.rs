@@ -1,6 +1,7 @@
 //! TLS on the listener runtime, with certificates made here: handshakes against a trusted CA,
 //! client certificates and their subject, refusals of untrusted peers, and a reload that new
 //! connections see while open ones carry on.
+#![allow(clippy::unwrap_used)]
 
 use std::path::Path;
 use std::sync::Arc;
