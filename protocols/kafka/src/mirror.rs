@@ -626,6 +626,7 @@ mod tests {
             partition_max_bytes: 1 << 20,
             local_policy: TopicPolicy::default(),
             credentials: None,
+            tls: None,
         };
         let next = [10, 11, 12];
         let order = |first| -> Vec<(i32, i64)> {
