@@ -51,6 +51,9 @@ pub(crate) struct TlsArgs {
     /// Megabytes produced over Kafka (per transport).
     #[arg(long, default_value_t = 512)]
     kafka_megabytes: usize,
+    /// Kafka producer connections (one partition: their batches share the group commits).
+    #[arg(long, default_value_t = 4)]
+    kafka_connections: usize,
     /// Subscribers of the fan-out case.
     #[arg(long, default_value_t = 10_000)]
     subscribers: usize,
@@ -456,13 +459,56 @@ async fn kafka_case(
         })
         .collect();
     let batch = sluice_storage::encode_batch(&records, sluice_storage::ProducerInfo::NONE).freeze();
-    let requests = (args.kafka_megabytes << 20) / (RECORDS * SIZE);
-    let s = ClientStream::connect(addr, tls, Duration::from_secs(30)).await?;
-    let (mut r, mut w) = tokio::io::split(s);
-    let room = Arc::new(Semaphore::new(args.window.min(16)));
-    let (sent_tx, mut sent_rx) = mpsc::unbounded_channel::<Instant>();
+    let connections = args.kafka_connections.max(1);
+    let requests = (args.kafka_megabytes << 20) / (RECORDS * SIZE) / connections;
+    let mut streams = Vec::with_capacity(connections);
+    for _ in 0..connections {
+        streams.push(ClientStream::connect(addr, tls, Duration::from_secs(30)).await?);
+    }
     let (cpu0, _) = gw.usage();
     let started = Instant::now();
+    let producers: Vec<_> = streams
+        .into_iter()
+        .map(|s| {
+            tokio::spawn(produce(
+                s,
+                topic.clone(),
+                batch.clone(),
+                requests,
+                args.window.min(16),
+            ))
+        })
+        .collect();
+    let mut samples = Vec::with_capacity(requests * connections);
+    for p in producers {
+        samples.extend(p.await??);
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let (cpu1, rss) = gw.usage();
+    Ok(Row {
+        case: format!("Kafka produce, acks=all, 64 × 1 KB per request, {connections} connections"),
+        transport,
+        messages: (samples.len() * RECORDS) as u64,
+        bytes: (samples.len() * RECORDS * SIZE) as u64,
+        seconds,
+        latencies: Latencies::new(samples),
+        gateway_cpu: cpu1.saturating_sub(cpu0),
+        gateway_rss: rss,
+    })
+}
+
+/// `requests` Produce requests of `batch` on one connection, at most `window` unanswered (the
+/// gateway answers a connection's requests in order, as Kafka does); each one's latency.
+async fn produce(
+    s: ClientStream,
+    topic: String,
+    batch: Bytes,
+    requests: usize,
+    window: usize,
+) -> anyhow::Result<Vec<Duration>> {
+    let (mut r, mut w) = tokio::io::split(s);
+    let room = Arc::new(Semaphore::new(window));
+    let (sent_tx, mut sent_rx) = mpsc::unbounded_channel::<Instant>();
     let writer = {
         let room = room.clone();
         tokio::spawn(async move {
@@ -492,7 +538,7 @@ async fn kafka_case(
         let len = r.read_i32().await? as usize;
         let mut frame = vec![0u8; len];
         r.read_exact(&mut frame).await?;
-        // correlation id, throttle-free v7 body: topics array → partitions → error code.
+        // correlation id, then the v7 body: topics array → partitions → error code.
         let mut b = &frame[4..];
         let topics = b.get_i32();
         if topics > 0 {
@@ -510,22 +556,11 @@ async fn kafka_case(
         samples.push(at.elapsed());
         room.add_permits(1);
     }
-    let seconds = started.elapsed().as_secs_f64();
     writer.await??;
     if errors > 0 {
         bail!("{errors} produce requests failed");
     }
-    let (cpu1, rss) = gw.usage();
-    Ok(Row {
-        case: "Kafka produce, acks=all, 64 × 1 KB per request".to_owned(),
-        transport,
-        messages: (samples.len() * RECORDS) as u64,
-        bytes: (samples.len() * RECORDS * SIZE) as u64,
-        seconds,
-        latencies: Latencies::new(samples),
-        gateway_cpu: cpu1.saturating_sub(cpu0),
-        gateway_rss: rss,
-    })
+    Ok(samples)
 }
 
 fn now_ns() -> u64 {

@@ -2303,7 +2303,9 @@ impl DeliveryCheck {
 
 impl Feed {
     /// Whether a record published under `name` goes to this subscription: it matches the
-    /// filter and, where names under it are treated differently, the rules allow it.
+    /// filter and, where names under it are treated differently, the rules allow it. Inlined
+    /// into the fan-out's loop over its sinks, as the bare filter match it replaced was.
+    #[inline]
     pub(crate) fn wants(&self, name: &str) -> bool {
         topic::matches(&self.filter, name) && self.check.as_ref().is_none_or(|c| c.allows(name))
     }
