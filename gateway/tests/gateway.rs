@@ -113,6 +113,28 @@ async fn the_rest_api_is_served_on_the_http_port() {
 }
 
 #[tokio::test]
+async fn a_plain_listener_with_an_empty_address_is_switched_off() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().display().to_string();
+    let g = Gateway::spawn(&[
+        "--data-dir",
+        &data,
+        "--http-addr",
+        "127.0.0.1:0",
+        "--kafka-addr",
+        "",
+        "--mqtt-addr",
+        "127.0.0.1:0",
+    ]);
+    assert!(g.kafka.is_empty(), "no Kafka listener: {:#?}", g.seen);
+    assert!(!g.mqtt.is_empty() && !g.http.is_empty());
+    let (status, _) = get(&format!("{}/healthz", g.http)).await;
+    assert_eq!(status, 200);
+    let (status, lines) = g.stop_with(libc::SIGTERM);
+    assert!(status.success(), "{lines:#?}");
+}
+
+#[tokio::test]
 async fn sigint_also_stops_with_exit_code_zero() {
     let dir = tempfile::tempdir().unwrap();
     let g = Gateway::start(dir.path(), &[]);
