@@ -752,7 +752,12 @@ async fn authenticate(
         (None, None, None) => ids.anonymous(),
         _ => Err(AuthError::BadCredentials),
     };
-    let source = peer.parse::<std::net::SocketAddr>().ok().map(|a| a.ip());
+    // MQTT over WebSocket names its peer "ws://ADDR": its failures count for ADDR too.
+    let source = peer
+        .trim_start_matches("ws://")
+        .parse::<std::net::SocketAddr>()
+        .ok()
+        .map(|a| a.ip());
     let principal = match signed_in {
         Ok(p) => {
             if let Some(ip) = source {
