@@ -506,6 +506,12 @@ impl Config {
                     .into(),
             );
         }
+        if self.mqtt.receive_maximum == 0 {
+            return invalid(
+                "mqtt.receive_maximum must be between 1 and 65535 (MQTT 5: 0 is a protocol error)"
+                    .into(),
+            );
+        }
         let k = &self.kafka;
         if k.max_request_bytes < 1024 {
             return invalid("kafka.max_request_bytes must be at least 1024".into());

@@ -632,7 +632,7 @@ pub(crate) fn render_mqtt(body: &mut String, server: &sluice_mqtt::MqttServer) {
     o.header(
         "sluice_mqtt_refusals_total",
         "counter",
-        "MQTT requests refused by a cap: retained_messages, retained_bytes (retained publishes), will_bytes, sessions (CONNECTs), subscriptions (SUBSCRIBE filters).",
+        "MQTT requests refused by a cap: retained_messages, retained_bytes (retained publishes), will_bytes, sessions (CONNECTs), subscriptions (SUBSCRIBE filters), receive_maximum (connections that sent more unacknowledged QoS 1/2 publishes than mqtt.receive_maximum).",
     );
     for (cap, n) in [
         ("retained_messages", &r.retained_messages),
@@ -640,6 +640,7 @@ pub(crate) fn render_mqtt(body: &mut String, server: &sluice_mqtt::MqttServer) {
         ("will_bytes", &r.will_bytes),
         ("sessions", &r.sessions),
         ("subscriptions", &r.subscriptions),
+        ("receive_maximum", &r.receive_maximum),
     ] {
         o.sample(
             "sluice_mqtt_refusals_total",

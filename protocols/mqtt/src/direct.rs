@@ -33,7 +33,8 @@ use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 
 use crate::acks;
-use crate::codec::{self, Props, Version};
+use crate::alias::{Naming, OutAliases};
+use crate::codec::{self, Props, PublishHead, Version};
 use crate::server::LARGE_PAYLOAD;
 use crate::session::Feed;
 
@@ -190,6 +191,8 @@ pub(crate) struct DirectWriter {
     head: BytesMut,
     /// The socket's receive mark while a QoS 1 feed's writer is parked.
     pub(crate) hold: Option<acks::Hold>,
+    /// The connection's outgoing topic aliases, lent while parked.
+    pub(crate) aliases: OutAliases,
     /// The lent write half, while parked.
     pub(crate) writer: Option<OwnedWriteHalf>,
     /// What a write left of its PUBLISH (header rest, payload rest): the connection writes it
@@ -206,6 +209,7 @@ impl DirectWriter {
             pkids: VecDeque::new(),
             head: BytesMut::new(),
             hold: None,
+            aliases: OutAliases::default(),
             writer: None,
             rest: None,
         }
@@ -246,47 +250,78 @@ impl DirectSink for DirectWriter {
             // The minimum of the published QoS and the granted QoS, as the connection does.
             let qos = self.feed.sub.qos.min(share.origin.qos.unwrap_or(2));
             let plain = &share.plain[usize::from(self.version == Version::V5)];
-            let (pkid, head) = match (qos, plain) {
-                (0, Some(head)) => (None, &head[..]),
-                // An expiry is counted down per delivery (no plain header either).
-                (1, Some(_)) if self.hold.is_some() => {
-                    let Some(pkid) = self.pkids.pop_front() else {
-                        return stop(offset);
-                    };
+            // An expiry is counted down per delivery (no plain header then): the connection
+            // writes those.
+            if plain.is_none() || qos > 1 || (qos == 1 && self.hold.is_none()) {
+                return stop(offset);
+            }
+            let body = r.record.value.as_ref().map_or(&[][..], |v| &v[..]);
+            if (self.feed.sub.retain_as_published && share.origin.retain)
+                || body.len() >= LARGE_PAYLOAD
+            {
+                return stop(offset);
+            }
+            let pkid = if qos == 1 {
+                let Some(pkid) = self.pkids.pop_front() else {
+                    return stop(offset);
+                };
+                Some(pkid)
+            } else {
+                None
+            };
+            let aliased = self.version == Version::V5 && self.aliases.on();
+            let naming = if aliased {
+                self.aliases.naming(&share.name)
+            } else {
+                Naming::Full
+            };
+            let head: &[u8] = match (naming, pkid, plain) {
+                // The same header bytes every plain QoS 0 subscriber of the record gets.
+                (Naming::Full, None, Some(head)) => head,
+                (Naming::Full, _, _) => {
                     let props = match self.version {
                         Version::V4 => &Props::default(),
                         Version::V5 => &share.props,
                     };
                     self.head.clear();
                     let len = r.record.value.as_ref().map_or(0, Bytes::len);
-                    codec::publish_header(
-                        self.version,
-                        &share.name,
-                        1,
-                        false,
-                        pkid,
-                        props,
-                        None,
-                        len,
+                    let h = PublishHead {
+                        pkid: pkid.unwrap_or(0),
+                        ..PublishHead::new(&share.name, qos, props)
+                    };
+                    codec::publish_header(self.version, &h, len, &mut self.head);
+                    &self.head[..]
+                }
+                (Naming::Set(alias) | Naming::Use(alias), _, _) => {
+                    let topic = if matches!(naming, Naming::Set(_)) {
+                        &share.name[..]
+                    } else {
+                        ""
+                    };
+                    self.head.clear();
+                    codec::aliased_publish_header(
+                        topic,
+                        qos,
+                        pkid.unwrap_or(0),
+                        alias,
+                        &share.v5_props,
+                        body.len(),
                         &mut self.head,
                     );
-                    (Some(pkid), &self.head[..])
+                    &self.head[..]
                 }
-                _ => return stop(offset),
             };
-            // A packet id taken and not used goes back, for the connection to release.
-            let unused = |pkids: &mut VecDeque<u16>| {
+            // A packet id and an alias taken and not used go back: the packet id for the
+            // connection to release, the alias to be set by the next PUBLISH of the name.
+            let unused = |pkids: &mut VecDeque<u16>, aliases: &mut OutAliases| {
                 if let Some(p) = pkid {
                     pkids.push_front(p);
                 }
+                aliases.unset(naming, &share.name);
             };
-            let body = r.record.value.as_ref().map_or(&[][..], |v| &v[..]);
             let size = head.len() + body.len();
-            if (self.feed.sub.retain_as_published && share.origin.retain)
-                || body.len() >= LARGE_PAYLOAD
-                || self.client_max_packet.is_some_and(|max| size > max)
-            {
-                unused(&mut self.pkids);
+            if self.client_max_packet.is_some_and(|max| size > max) {
+                unused(&mut self.pkids, &mut self.aliases);
                 return stop(offset);
             }
             match writer.try_write_vectored(&[IoSlice::new(head), IoSlice::new(body)]) {
@@ -308,7 +343,7 @@ impl DirectSink for DirectWriter {
                 }
                 // A full socket, or an error the connection meets on its next read or write.
                 _ => {
-                    unused(&mut self.pkids);
+                    unused(&mut self.pkids, &mut self.aliases);
                     return stop(offset);
                 }
             }

@@ -8,6 +8,7 @@
 //! `sluice-core`.
 
 mod acks;
+mod alias;
 mod codec;
 mod direct;
 mod message;
@@ -71,6 +72,12 @@ pub struct MqttSettings {
     /// past them the connection's reads wait (0: no limit).
     pub max_publish_rate: u32,
     pub max_publish_bytes_rate: u64,
+    /// Longest keep-alive a client may use (s; 0: no maximum): one asking for more or for
+    /// none gets this one (MQTT 5: CONNACK's Server Keep Alive).
+    pub max_keep_alive_s: u16,
+    /// Most QoS 1/2 publishes a connection may have unacknowledged (MQTT 5 Receive Maximum,
+    /// announced and enforced with 0x93).
+    pub receive_maximum: u16,
 }
 
 /// Entry point for fuzzing the packet decoder: a CONNECT (to pick the version) followed by any

@@ -107,6 +107,9 @@ pub struct Refusals {
     pub sessions: AtomicU64,
     /// Filters of a SUBSCRIBE past `mqtt.max_subscriptions_per_connection`.
     pub subscriptions: AtomicU64,
+    /// Connections ended for more unacknowledged QoS 1/2 publishes than
+    /// `mqtt.receive_maximum`.
+    pub receive_maximum: AtomicU64,
 }
 
 /// Packet counts by MQTT control packet type (the high nibble of the fixed header).
@@ -154,6 +157,9 @@ const PACKET_TYPES: [&str; 16] = [
 pub(crate) struct Registered {
     pub(crate) connection: u64,
     pub(crate) kick: Arc<Notify>,
+    /// Closed once the connection has ended and left its session as it should be (saved,
+    /// or ended with it): a connection taking it over waits for that before it reads it.
+    pub(crate) ended: tokio::sync::watch::Receiver<()>,
 }
 
 /// The MQTT server; shared by its connection tasks.
@@ -210,15 +216,40 @@ fn limit_unsent<S: std::os::fd::AsRawFd>(stream: &S) {
     );
 }
 
-/// Every `every`, for as long as the server lives: removes expired persistent sessions (their
+/// The least time between two sweeps woken by expiries.
+const MIN_SWEEP_GAP: Duration = Duration::from_millis(50);
+
+/// Every `every`, and when a session's expiry comes, for as long as the server lives: removes expired persistent sessions (their
 /// record, then their cursors; without it a client that never returns keeps its session, and
 /// its durable cursors hold the log, forever), and snapshots a state topic that has grown far
 /// past its live entries, so the next start replays little.
-async fn upkeep(server: std::sync::Weak<MqttServer>, every: Duration) {
-    let mut tick = tokio::time::interval(every);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+async fn upkeep(
+    server: std::sync::Weak<MqttServer>,
+    every: Duration,
+    sooner: Arc<tokio::sync::Notify>,
+) {
+    let mut beat = tokio::time::Instant::now() + every;
     loop {
-        tick.tick().await;
+        // Until the next beat, or the next session's expiry if that comes first: a session
+        // expires on time (MQTT 5 §3.1.2.11.2), not up to a beat late.
+        let until_expiry = {
+            let Some(server) = server.upgrade() else {
+                return;
+            };
+            let ms = server
+                .sessions
+                .next_expiry()
+                .saturating_sub(server.engine.now_ms());
+            Duration::from_millis(ms.clamp(0, i64::from(u32::MAX)) as u64)
+        };
+        let wake = beat.min(tokio::time::Instant::now() + until_expiry.max(MIN_SWEEP_GAP));
+        tokio::select! {
+            () = tokio::time::sleep_until(wake) => {}
+            () = sooner.notified() => continue,
+        }
+        if tokio::time::Instant::now() >= beat {
+            beat = tokio::time::Instant::now() + every;
+        }
         let Some(server) = server.upgrade() else {
             return;
         };
@@ -332,7 +363,11 @@ impl MqttServer {
         });
         // A relay keeps no sessions of its own: the upstream's sweep removes them.
         if server.upstream.is_none() {
-            tokio::spawn(upkeep(Arc::downgrade(&server), sweep_every));
+            tokio::spawn(upkeep(
+                Arc::downgrade(&server),
+                sweep_every,
+                server.sessions.expiring_sooner(),
+            ));
         }
         Ok(server)
     }

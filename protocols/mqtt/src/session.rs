@@ -39,8 +39,10 @@ use tokio::time::Instant;
 use tracing::{debug, warn};
 
 use crate::acks::{self, HeldAcks, Waiting};
+use crate::alias::{Naming, OutAliases};
 use crate::codec::{
-    self, Ack, Connect, DecodeError, Head, In, Props, Publish, SubFilter, Version, reason,
+    self, Ack, ConnackProps, Connect, DecodeError, Head, In, Props, Publish, PublishHead,
+    SubFilter, Version, reason,
 };
 use crate::direct::{Conn, DirectWriter};
 use crate::message::{self, Origin};
@@ -50,6 +52,9 @@ use crate::server::{
 };
 use crate::sessions::{AwaitingRelease, SavedSession, SavedSub};
 use crate::topic;
+
+/// How long a connection taking a client id over waits for the old connection to end.
+const TAKEOVER_WAIT: Duration = Duration::from_secs(5);
 
 /// Records a subscription may have queued toward its connection before its forwarders wait.
 const DELIVERY_QUEUE: usize = 256;
@@ -108,6 +113,8 @@ pub(crate) struct RecordShare {
     /// The plain QoS 0 header for MQTT 3.1.1 and for MQTT 5 (`None` when the record has an
     /// expiry, which each delivery counts down).
     pub(crate) plain: [Option<Bytes>; 2],
+    /// The MQTT 5 properties as a PUBLISH carries them, for headers under a topic alias.
+    pub(crate) v5_props: Bytes,
 }
 
 impl RecordShare {
@@ -117,9 +124,11 @@ impl RecordShare {
         count_dropped_properties(metrics, dropped);
         let header = |version, props: &Props| {
             let mut out = BytesMut::with_capacity(64 + name.len());
-            codec::publish_header(version, &name, 0, false, 0, props, None, len, &mut out);
+            codec::publish_header(version, &PublishHead::new(&name, 0, props), len, &mut out);
             out.freeze()
         };
+        let mut v5_props = BytesMut::new();
+        codec::put_props(&props, &mut v5_props);
         let plain = if props.message_expiry.is_none() {
             [
                 Some(header(Version::V4, &Props::default())),
@@ -133,6 +142,7 @@ impl RecordShare {
             props,
             origin,
             plain,
+            v5_props: v5_props.freeze(),
         }
     }
 }
@@ -164,6 +174,9 @@ enum Source {
 struct Delivery {
     source: Source,
     record: SharedRecord,
+    /// The filter of the subscription it is for, as subscribed (`$share/...` included);
+    /// `None` for a retained message sent on subscribe, which goes per subscription.
+    from: Option<Arc<str>>,
     /// The subscription's granted QoS.
     qos: u8,
     subscription_id: Option<usize>,
@@ -274,7 +287,7 @@ impl Drop for Subscription {
 /// Why the connection ends.
 #[derive(Debug)]
 enum End {
-    /// DISCONNECT from the client: no will.
+    /// DISCONNECT from the client (without reason 0x04): no will.
     Graceful,
     /// Anything else: the will (if any) is published.
     Abrupt(String),
@@ -331,8 +344,18 @@ struct Session<'a, S> {
     client_id: String,
     keep_alive: Duration,
     will: Option<codec::Will>,
+    /// The session has state beyond this connection: durable cursors for its QoS 1/2
+    /// subscriptions, and a record in the sessions store. A session resumed with a Session
+    /// Expiry of 0 is one until this connection ends (its offline messages come from its
+    /// cursors), and then it ends too.
     persistent: bool,
+    /// The session's expiry at the next disconnect (MQTT 5 §3.1.2.11.2): CONNECT's, or a
+    /// DISCONNECT's that changed it; `u32::MAX` for a 3.1.1 session without clean session.
     expiry_secs: u32,
+    /// The Session Expiry Interval CONNECT gave (a DISCONNECT may not raise 0).
+    connect_expiry: u32,
+    /// The keep-alive CONNACK tells the client to use instead of its own (`max_keep_alive_s`).
+    server_keep_alive: Option<u16>,
     max_packet: usize,
     client_max_packet: Option<usize>,
     receive_max: usize,
@@ -358,6 +381,11 @@ struct Session<'a, S> {
     /// takes this one over and saved with the session record.
     qos2_in: AwaitingRelease,
     aliases: HashMap<u16, String>,
+    /// Topic aliases on the PUBLISHes this connection sends; lent to a parked writer.
+    out_aliases: OutAliases,
+    /// QoS 1 publishes received and not acknowledged yet: with `qos2_in`, what counts
+    /// against `mqtt.receive_maximum`.
+    qos1_in: usize,
     /// Publishes queued for the ledger, in arrival order, awaiting durability.
     pending: VecDeque<PendingPublish>,
     /// Payload bytes of `pending`.
@@ -550,6 +578,18 @@ pub(crate) async fn run<S: Conn>(
             .fetch_add(read as u64, Ordering::Relaxed);
     };
     server.metrics.packets_in.add(0x10);
+    // MQTT 5 enhanced authentication (AUTH exchanges) is not offered: a client asking for a
+    // method is refused with the reason made for it (§4.12), not let in unauthenticated.
+    if connect.auth_method.is_some() {
+        return reject(
+            server,
+            &mut stream,
+            deadlines,
+            version,
+            reason::BAD_AUTHENTICATION_METHOD,
+        )
+        .await;
+    }
     // Who the client is, and whether it may use its client id and will, before anything
     // else: a relay passes nothing upstream for a client it would refuse.
     let security = server.settings.security.current();
@@ -557,7 +597,7 @@ pub(crate) async fn run<S: Conn>(
         Ok(p) => p,
         Err(code) => {
             let mut out = BytesMut::new();
-            codec::connack(version, false, code, max as u32, None, &mut out);
+            codec::connack(version, false, code, max_packet_only(max), &mut out);
             server.metrics.packets_out.add(0x20);
             return write_within(&mut stream, deadlines.write, &server.metrics, &out, &[]).await;
         }
@@ -582,8 +622,7 @@ pub(crate) async fn run<S: Conn>(
                 version,
                 false,
                 reason::QUOTA_EXCEEDED,
-                max as u32,
-                None,
+                max_packet_only(max),
                 &mut out,
             );
             server.metrics.packets_out.add(0x20);
@@ -613,6 +652,19 @@ pub(crate) async fn run<S: Conn>(
             }
         };
     }
+    // A client asking for a longer keep-alive than the server's maximum, or for none, is held
+    // to the maximum: told so in CONNACK (MQTT 5), or not (3.1.1, which cannot say it).
+    let max_keep_alive = server.settings.max_keep_alive_s;
+    let (keep_alive, server_keep_alive) =
+        if max_keep_alive > 0 && (connect.keep_alive == 0 || connect.keep_alive > max_keep_alive) {
+            (
+                max_keep_alive,
+                (version == Version::V5).then_some(max_keep_alive),
+            )
+        } else {
+            (connect.keep_alive, None)
+        };
+    let keep_alive = Duration::from_secs(u64::from(keep_alive));
     let mut s = Session {
         server,
         stream,
@@ -625,10 +677,12 @@ pub(crate) async fn run<S: Conn>(
         }),
         version,
         client_id: String::new(),
-        keep_alive: Duration::from_secs(u64::from(connect.keep_alive)),
+        keep_alive,
         will: None,
         persistent: false,
         expiry_secs: 0,
+        connect_expiry: connect.session_expiry,
+        server_keep_alive,
         max_packet: max,
         client_max_packet: connect.max_packet_size.map(|m| m as usize),
         receive_max: usize::from(connect.receive_max.max(1)),
@@ -637,10 +691,12 @@ pub(crate) async fn run<S: Conn>(
         forwarded: None,
         inflight: HashMap::new(),
         qos2_out: 0,
-        held: fd.map(|fd| HeldAcks::new(fd, Duration::from_secs(u64::from(connect.keep_alive)))),
+        held: fd.map(|fd| HeldAcks::new(fd, keep_alive)),
         next_pkid: 0,
         qos2_in: AwaitingRelease::default(),
         aliases: HashMap::new(),
+        out_aliases: OutAliases::new(connect.topic_alias_max),
+        qos1_in: 0,
         pending: VecDeque::new(),
         pending_bytes: 0,
         paused: false,
@@ -652,37 +708,49 @@ pub(crate) async fn run<S: Conn>(
     // Boxed, like the other rare or publisher-only steps below: a future holds room for its
     // largest step for as long as it lives, and an idle subscriber's connection should not
     // carry those steps' kilobytes.
-    let Some(kick) = Box::pin(s.accept(connect)).await? else {
-        return Ok(());
-    };
     let connection = server.connection_id();
-    if let Some(old) = server.clients.insert(
-        s.client_id.clone(),
-        Registered {
-            connection,
-            kick: kick.clone(),
-        },
-    ) {
-        // Session takeover: the older connection with this client id goes.
-        server.metrics.takeovers.fetch_add(1, Ordering::Relaxed);
-        old.kick.notify_one();
+    let kick = Arc::new(Notify::new());
+    // Dropped when this function returns, after the session is saved or ended and the will
+    // handled: a connection taking this one over waits for that.
+    let (_ended, ended) = watch::channel(());
+    let me = Registered {
+        connection,
+        kick: kick.clone(),
+        ended,
+    };
+    let accepted = Box::pin(s.accept(connect, me)).await;
+    if !matches!(accepted, Ok(true)) {
+        // Refused (or failed) after it may have registered: the client id is free again.
+        server
+            .clients
+            .remove_if(&s.client_id, |_, r| r.connection == connection);
+        return accepted.map(|_| ());
     }
     let end = s.serve(inbuf, &kick, &mut shutdown).await;
     let taken_over = server
         .clients
         .remove_if(&s.client_id, |_, r| r.connection == connection)
         .is_none();
-    // After a takeover the session belongs to the newer connection, which may have cleared it.
-    if s.persistent && !taken_over {
+    // The expiry in force now governs the session (MQTT 5 §3.1.2.11.2): kept, or ended with
+    // the connection. Also after a takeover: the new connection waits for this before it
+    // reads the session.
+    if s.persistent && s.expiry_secs > 0 {
         s.save_session(Some(server.engine.now_ms())).await;
-    } else if !taken_over {
-        // The session ends with its connection.
-        server.sessions.forget_awaiting_release(&s.client_id);
+        // Dropping the subscriptions stops their feeds; durable ones keep their cursors.
+        s.subs.clear();
+    } else if s.persistent {
+        let ended = s.saved_now(None);
+        s.detach_all().await;
+        s.discard_session(&ended).await;
+    } else {
+        s.subs.clear();
+        // A new connection holds the set now.
+        if !taken_over {
+            server.sessions.forget_awaiting_release(&s.client_id);
+        }
     }
-    // Dropping the subscriptions stops their feeds; durable ones keep their cursors.
-    s.subs.clear();
     match end {
-        Ok(End::Graceful) | Ok(End::Shutdown) => {}
+        Ok(End::Graceful | End::Shutdown) => {}
         Ok(End::Abrupt(why)) => {
             debug!(
                 peer = s.peer,
@@ -709,6 +777,14 @@ fn wants_persistent_session(c: &Connect) -> bool {
     }
 }
 
+/// A refusing CONNACK's properties: the maximum packet size alone.
+fn max_packet_only(max: usize) -> ConnackProps {
+    ConnackProps {
+        max_packet: max as u32,
+        ..ConnackProps::default()
+    }
+}
+
 /// Refuses a connection with a CONNACK carrying `code`, then closes it.
 async fn reject<S: AsyncWrite + Unpin>(
     server: &MqttServer,
@@ -723,8 +799,7 @@ async fn reject<S: AsyncWrite + Unpin>(
         version,
         false,
         code,
-        server.settings.max_packet_bytes as u32,
-        None,
+        max_packet_only(server.settings.max_packet_bytes),
         &mut out,
     );
     server.metrics.packets_out.add(0x20);
@@ -809,13 +884,13 @@ async fn authenticate(
 impl<S: Conn> Session<'_, S> {
     /// Validates CONNECT, restores or clears a persistent session, and answers CONNACK;
     /// `None` when the connection was refused.
-    async fn accept(&mut self, c: Connect) -> std::io::Result<Option<Arc<Notify>>> {
+    async fn accept(&mut self, c: Connect, me: Registered) -> std::io::Result<bool> {
         let mut assigned = None;
         if c.client_id.is_empty() {
             if !c.clean_start && self.version == Version::V4 {
                 self.write_connack(false, reason::CLIENT_ID_INVALID, None)
                     .await?;
-                return Ok(None);
+                return Ok(false);
             }
             // A user's assigned id is one it owns, so its session is its own too.
             let id = match self.principal.user() {
@@ -834,7 +909,7 @@ impl<S: Conn> Session<'_, S> {
         {
             self.write_connack(false, reason::TOPIC_NAME_INVALID, None)
                 .await?;
-            return Ok(None);
+            return Ok(false);
         }
         let settings = &self.server.settings;
         let refusals = &self.server.metrics.refusals;
@@ -845,17 +920,19 @@ impl<S: Conn> Session<'_, S> {
             refusals.will_bytes.fetch_add(1, Ordering::Relaxed);
             self.write_connack(false, reason::PACKET_TOO_LARGE, None)
                 .await?;
-            return Ok(None);
+            return Ok(false);
         }
-        (self.persistent, self.expiry_secs) = match self.version {
-            Version::V4 => (!c.clean_start, u32::MAX),
-            Version::V5 => (c.session_expiry > 0, c.session_expiry),
+        self.take_over(me).await;
+        self.expiry_secs = match self.version {
+            Version::V4 if c.clean_start => 0,
+            Version::V4 => u32::MAX,
+            Version::V5 => c.session_expiry,
         };
         let server = self.server;
         let saved = server.sessions.get(&self.client_id);
         // A client that holds a session (to resume or to start over) never adds one. A new
         // one keeps its place under the cap until it is saved, below.
-        let _starting = if self.persistent && saved.is_none() {
+        let _starting = if self.expiry_secs > 0 && saved.is_none() {
             match server
                 .sessions
                 .admit_new(&self.client_id, settings.max_sessions)
@@ -865,7 +942,7 @@ impl<S: Conn> Session<'_, S> {
                     refusals.sessions.fetch_add(1, Ordering::Relaxed);
                     self.write_connack(false, reason::QUOTA_EXCEEDED, None)
                         .await?;
-                    return Ok(None);
+                    return Ok(false);
                 }
             }
         } else {
@@ -875,13 +952,7 @@ impl<S: Conn> Session<'_, S> {
         if let Some((_, pending)) = self.server.pending_wills.remove(&self.client_id) {
             pending.abort();
         }
-        self.will = c.will.map(|mut w| {
-            // Published when the session ends if that comes first (MQTT 5 §3.1.3.2.2), so a
-            // delayed will never outlives its session, and delayed wills are no more than
-            // the persistent sessions (a session that ends with its connection has none).
-            w.delay_secs = w.delay_secs.min(self.expiry_secs);
-            w
-        });
+        self.will = c.will;
         let now = self.server.engine.now_ms();
         let resumed = match saved {
             Some(s) if !c.clean_start && !s.expired(now) => Some(s),
@@ -891,6 +962,10 @@ impl<S: Conn> Session<'_, S> {
             }
             None => None,
         };
+        // A resumed session keeps its cursors while this connection lives, whatever expiry it
+        // is given now: the messages queued while the client was away are delivered from
+        // them, and the new expiry applies when this connection ends.
+        self.persistent = resumed.is_some() || self.expiry_secs > 0;
         // A resumed session keeps the QoS 2 publishes it had not seen released, so a resend
         // with DUP is answered without storing the message twice (MQTT 5 §4.3.3).
         self.qos2_in = self.server.sessions.awaiting_release(
@@ -934,7 +1009,29 @@ impl<S: Conn> Session<'_, S> {
         if self.persistent && restored {
             self.save_session(None).await;
         }
-        Ok(Some(Arc::new(Notify::new())))
+        Ok(true)
+    }
+
+    /// Registers this connection as the one of its client id, before anything of the session
+    /// is read; ends the connection that held the id, if any (MQTT 5 §3.1.4: 0x8E), and waits
+    /// (a few seconds at most) until it has left the session as it should: saved with what it
+    /// subscribed to, or ended by a DISCONNECT it sent just before this connection came (a
+    /// client that disconnects and reconnects at once must find what the DISCONNECT said, not a
+    /// session the old connection had not let go of yet).
+    async fn take_over(&mut self, me: Registered) {
+        let Some(old) = self.server.clients.insert(self.client_id.clone(), me) else {
+            return;
+        };
+        old.kick.notify_one();
+        let mut ended = old.ended;
+        self.server
+            .metrics
+            .takeovers
+            .fetch_add(1, Ordering::Relaxed);
+        let _ = tokio::time::timeout(TAKEOVER_WAIT, async {
+            while ended.changed().await.is_ok() {}
+        })
+        .await;
     }
 
     /// The named subscription behind a durable feed, if this subscription uses one.
@@ -966,13 +1063,33 @@ impl<S: Conn> Session<'_, S> {
         }
     }
 
-    async fn save_session(&mut self, disconnected_at_ms: Option<i64>) {
-        let session = SavedSession {
+    /// The session as it stands, to save.
+    fn saved_now(&self, disconnected_at_ms: Option<i64>) -> SavedSession {
+        SavedSession {
             subs: self.subs.values().map(|s| s.saved.clone()).collect(),
             expiry_secs: self.expiry_secs,
             disconnected_at_ms,
             awaiting_release: self.qos2_in.lock().iter().copied().collect(),
-        };
+        }
+    }
+
+    /// Stops every feed and lets go of every durable delivery (their consumers with them), so
+    /// that the session's cursors can be deleted.
+    async fn detach_all(&mut self) {
+        self.inflight.clear();
+        self.qos2_out = 0;
+        self.live_queue.clear();
+        self.forwarded = None;
+        for (_, mut sub) in self.subs.drain() {
+            for f in std::mem::take(&mut sub.forwarders) {
+                f.abort();
+                let _ = f.await;
+            }
+        }
+    }
+
+    async fn save_session(&mut self, disconnected_at_ms: Option<i64>) {
+        let session = self.saved_now(disconnected_at_ms);
         if let Err(e) = self
             .server
             .sessions
@@ -990,14 +1107,20 @@ impl<S: Conn> Session<'_, S> {
         assigned: Option<String>,
     ) -> std::io::Result<()> {
         self.out.clear();
-        codec::connack(
-            self.version,
-            present,
-            code,
-            self.max_packet as u32,
-            assigned,
-            &mut self.out,
-        );
+        let props = if code == reason::SUCCESS {
+            ConnackProps {
+                max_packet: self.max_packet as u32,
+                receive_max: Some(self.server.settings.receive_maximum),
+                server_keep_alive: self.server_keep_alive,
+                assigned_client_id: assigned,
+            }
+        } else {
+            ConnackProps {
+                max_packet: self.max_packet as u32,
+                ..ConnackProps::default()
+            }
+        };
+        codec::connack(self.version, present, code, props, &mut self.out);
         self.flush().await
     }
 
@@ -1080,8 +1203,12 @@ impl<S: Conn> Session<'_, S> {
             let can_deliver = self.inflight.len() < self.receive_max;
             let can_take_live = can_deliver && self.live_queue.is_empty();
             let can_forward = can_deliver && self.forwarded.is_some();
+            // An MQTT 3.1.1 client is not told the receive maximum: its QoS 1 publishes past
+            // it wait in the socket. An MQTT 5 client's are read, to refuse them (0x93).
             let can_read = self.pending.len() < MAX_PENDING_PUBLISHES
-                && self.pending_bytes < MAX_PENDING_BYTES;
+                && self.pending_bytes < MAX_PENDING_BYTES
+                && (self.version == Version::V5
+                    || self.qos1_in < usize::from(self.server.settings.receive_maximum));
             if !can_read && !self.paused {
                 self.server
                     .metrics
@@ -1222,6 +1349,11 @@ impl<S: Conn> Session<'_, S> {
                 }
                 () = &mut kicked => {
                     let _ = self.unpark().await;
+                    // What the client sent before the new connection came is handled first:
+                    // a DISCONNECT (and the session expiry it sets) still counts.
+                    if let Some(end) = self.handle_arrived(&mut inbuf).await? {
+                        return Ok(end);
+                    }
                     codec::disconnect(self.version, reason::SESSION_TAKEN_OVER, &mut self.out);
                     let _ = self.flush().await;
                     return Ok(End::Abrupt("taken over by a new connection".into()));
@@ -1234,6 +1366,32 @@ impl<S: Conn> Session<'_, S> {
                 }
             }
         }
+    }
+
+    /// Handles the whole packets that have arrived, without waiting for more: those in `inbuf`
+    /// and what the socket holds now. `Some` when one ended the connection.
+    async fn handle_arrived(&mut self, inbuf: &mut BytesMut) -> std::io::Result<Option<End>> {
+        if self.landing.is_none() {
+            while inbuf.len() < self.max_packet {
+                inbuf.reserve(INBUF_READ);
+                match self.stream.read_buf(inbuf).now_or_never() {
+                    Some(Ok(n)) if n > 0 => {}
+                    _ => break,
+                }
+            }
+        }
+        while let Some(&first) = inbuf.first() {
+            match codec::read(inbuf, self.version, self.max_packet) {
+                Ok(packet) => {
+                    self.server.metrics.packets_in.add(first);
+                    if let Some(end) = self.handle(packet).await? {
+                        return Ok(Some(end));
+                    }
+                }
+                Err(_) => break,
+            }
+        }
+        Ok(None)
     }
 
     /// Lends the stream's write half to the one live feed's writer, parked in its subscriber's
@@ -1273,6 +1431,7 @@ impl<S: Conn> Session<'_, S> {
             ))
         });
         sink.writer = Some(writer);
+        sink.aliases = std::mem::take(&mut self.out_aliases);
         let qos1 = feed.feed.sub.qos == 1;
         if qos1 {
             let owed = self.inflight.len();
@@ -1291,7 +1450,13 @@ impl<S: Conn> Session<'_, S> {
                 qos1
             }
             Err(sink) => {
-                let home = writer_home(sink, &mut self.stream, &mut self.inflight, &mut self.held);
+                let home = writer_home(
+                    sink,
+                    &mut self.stream,
+                    &mut self.inflight,
+                    &mut self.held,
+                    &mut self.out_aliases,
+                );
                 feed.direct = Some(home);
                 false
             }
@@ -1311,8 +1476,13 @@ impl<S: Conn> Session<'_, S> {
                 continue;
             }
             if let Some(sink) = feed.live.unpark() {
-                let mut home =
-                    writer_home(sink, &mut self.stream, &mut self.inflight, &mut self.held);
+                let mut home = writer_home(
+                    sink,
+                    &mut self.stream,
+                    &mut self.inflight,
+                    &mut self.held,
+                    &mut self.out_aliases,
+                );
                 rest = home.rest.take();
                 feed.direct = Some(home);
             }
@@ -1365,6 +1535,23 @@ impl<S: Conn> Session<'_, S> {
                 id,
                 start_keyframe,
             } => {
+                // MQTT 5 §3.8.2.1.2 and §3.8.3.1: both end the connection, not just the filter.
+                let why = if id == Some(0) {
+                    Some("a subscription identifier of 0")
+                } else if filters
+                    .iter()
+                    .any(|f| f.no_local && f.filter.starts_with("$share/"))
+                {
+                    Some("no local on a shared subscription")
+                } else {
+                    None
+                };
+                if let Some(why) = why {
+                    return self
+                        .protocol_violation(reason::PROTOCOL_ERROR, format!("SUBSCRIBE with {why}"))
+                        .await
+                        .map(Some);
+                }
                 Box::pin(self.subscribe(pkid, filters, id, start_keyframe)).await?;
             }
             In::Unsubscribe { pkid, filters } => {
@@ -1381,7 +1568,27 @@ impl<S: Conn> Session<'_, S> {
                 codec::pingresp(self.version, &mut self.out);
                 self.flush().await?;
             }
-            In::Disconnect => return Ok(Some(End::Graceful)),
+            In::Disconnect(d) => {
+                if let Some(expiry) = d.session_expiry {
+                    // MQTT 5 §3.14.2.2.2: a session that was to end with its connection
+                    // cannot be given a life after it.
+                    if self.connect_expiry == 0 && expiry > 0 {
+                        return self
+                            .protocol_violation(
+                                reason::PROTOCOL_ERROR,
+                                "DISCONNECT set a session expiry after CONNECT set none".into(),
+                            )
+                            .await
+                            .map(Some);
+                    }
+                    self.expiry_secs = expiry;
+                }
+                return Ok(Some(if d.with_will {
+                    End::Abrupt("DISCONNECT with will message (0x04)".into())
+                } else {
+                    End::Graceful
+                }));
+            }
             In::Connect(_) => {
                 return self
                     .protocol_violation(reason::PROTOCOL_ERROR, "second CONNECT".into())
@@ -1442,6 +1649,12 @@ impl<S: Conn> Session<'_, S> {
         if !self.may(Action::Publish, &p.topic) {
             return self.unauthorized(&p).await.map(|()| None);
         }
+        if (p.qos == 2 || (p.qos == 1 && self.version == Version::V5))
+            && self.receive_window_full()
+            && !(p.qos == 2 && self.qos2_in.lock().contains(&p.pkid))
+        {
+            return self.receive_maximum_exceeded(p.qos).await.map(Some);
+        }
         self.within_rate(p.payload.len()).await;
         if p.qos == 2 && self.qos2_in.lock().contains(&p.pkid) {
             // The client resent a QoS 2 publish we already stored: only the PUBREC again.
@@ -1479,10 +1692,49 @@ impl<S: Conn> Session<'_, S> {
         Ok(None)
     }
 
+    /// Whether the client has as many QoS 1/2 publishes unacknowledged as `receive_maximum`
+    /// allows: QoS 1 ones until their PUBACK is written, QoS 2 ones until their PUBREL came
+    /// (MQTT 5 §4.9). Counted as acknowledgements are written, so never more than the client
+    /// itself counts.
+    fn receive_window_full(&self) -> bool {
+        self.qos1_in + self.qos2_in.lock().len()
+            >= usize::from(self.server.settings.receive_maximum)
+    }
+
+    /// A QoS 1/2 publish past the receive maximum. MQTT 5: a protocol violation, DISCONNECT
+    /// 0x93 (§3.3.4). MQTT 3.1.1 has no receive maximum: a QoS 2 publish past it is one more
+    /// the server would hold until its PUBREL, and the connection closes; QoS 1 ones are only
+    /// read more slowly (reads wait while the window is full), so they never come here.
+    async fn receive_maximum_exceeded(&mut self, qos: u8) -> std::io::Result<End> {
+        self.server
+            .metrics
+            .refusals
+            .receive_maximum
+            .fetch_add(1, Ordering::Relaxed);
+        if let Some(unlogged) = self.server.refusals.admit() {
+            warn!(
+                peer = self.peer,
+                client = self.client_id,
+                max = self.server.settings.receive_maximum,
+                qos,
+                unlogged,
+                "mqtt client sent more unacknowledged publishes than the receive maximum (mqtt.receive_maximum)"
+            );
+        }
+        self.protocol_violation(
+            reason::RECEIVE_MAXIMUM_EXCEEDED,
+            "receive maximum exceeded".into(),
+        )
+        .await
+    }
+
     /// Keeps a queued publish until it is stored, to acknowledge it then. QoS 0 too: nothing
     /// is acknowledged, but its bytes count against the connection's budget until stored, and
     /// a failure is counted.
     fn track(&mut self, pkid: u16, qos: u8, bytes: usize, done: PendingStore) {
+        if qos == 1 {
+            self.qos1_in += 1;
+        }
         self.pending_bytes += bytes;
         self.server
             .metrics
@@ -1535,6 +1787,8 @@ impl<S: Conn> Session<'_, S> {
     ) -> Option<Landing> {
         if payload_len < LAND_MIN
             || p.qos > 1
+            // One past the receive maximum is refused once whole, by `publish`.
+            || (p.qos == 1 && self.receive_window_full())
             || p.retain
             || p.topic_alias.is_some()
             || self.server.upstream.is_some()
@@ -1619,6 +1873,9 @@ impl<S: Conn> Session<'_, S> {
     /// Writes the PUBACK / PUBREC of a publish once it is durable, or its refusal, into `out`
     /// (the caller flushes), and gives its bytes back to the connection's budget.
     fn acknowledge(&mut self, done: PendingDone) -> std::io::Result<()> {
+        if done.qos == 1 {
+            self.qos1_in -= 1;
+        }
         self.pending_bytes -= done.bytes;
         self.server
             .metrics
@@ -1844,6 +2101,7 @@ impl<S: Conn> Session<'_, S> {
                 self.deliver(Delivery {
                     source: Source::Named(name.into()),
                     record: SharedRecord::Owned(record),
+                    from: None,
                     qos,
                     subscription_id: id,
                     retain: true,
@@ -1874,6 +2132,7 @@ impl<S: Conn> Session<'_, S> {
             let feed = Feed {
                 server: self.server.clone(),
                 ledger_topic: ledger_topic.clone(),
+                key: sub.filter.as_str().into(),
                 filter: target.filter.clone(),
                 sub: sub.clone(),
                 check: self.delivery_check(&target.filter),
@@ -1980,11 +2239,36 @@ impl<S: Conn> Session<'_, S> {
                 (&**name, &parsed.0, &parsed.1)
             }
         };
-        if d.no_local && origin.client.as_deref() == Some(self.client_id.as_str()) {
+        let from_self = origin.client.as_deref() == Some(self.client_id.as_str());
+        if d.no_local && from_self {
             if let Some(a) = d.ack {
                 a.ack();
             }
             return Ok(());
+        }
+        // Overlapping subscriptions: one copy, at the highest QoS of those that match, with
+        // every matching subscription's identifier (MQTT 5 §3.3.4); the others' feeds skip it.
+        let mut ids: Vec<usize> = Vec::new();
+        let mut granted = d.qos;
+        if let Some(from) = d.from.as_deref()
+            && self.subs.len() > 1
+            && !from.starts_with("$share/")
+        {
+            match overlap(&self.subs, from, name, from_self) {
+                Overlap::Alone => ids.extend(d.subscription_id),
+                Overlap::Another => {
+                    if let Some(a) = d.ack {
+                        a.ack();
+                    }
+                    return Ok(());
+                }
+                Overlap::Owner { qos, ids: all } => {
+                    granted = qos;
+                    ids = all;
+                }
+            }
+        } else {
+            ids.extend(d.subscription_id);
         }
         // MQTT 5 message expiry: drop what expired, send the remaining lifetime.
         let mut remaining = None;
@@ -2000,15 +2284,16 @@ impl<S: Conn> Session<'_, S> {
             remaining = Some(expiry - age as u32);
         }
         // The minimum of the published QoS and the granted QoS.
-        let qos = d.qos.min(origin.qos.unwrap_or(2));
+        let qos = granted.min(origin.qos.unwrap_or(2));
         let retain = d.retain || (d.retain_as_published && origin.retain);
         // Borrowed, not cloned: the payload and a plain header are shared by every subscriber,
         // and a reference count all of them change moves between cores at each delivery.
         let payload: &[u8] = d.record.record.value.as_deref().unwrap_or_default();
         let pkid = if qos > 0 { self.next_pkid() } else { 0 };
         let version_slot = usize::from(self.version == Version::V5);
+        let aliased = self.version == Version::V5 && self.out_aliases.on();
         let plain = match &d.source {
-            Source::Shared(s) if qos == 0 && !retain && d.subscription_id.is_none() => {
+            Source::Shared(s) if qos == 0 && !retain && ids.is_empty() && !aliased => {
                 s.plain[version_slot].as_deref()
             }
             _ => None,
@@ -2026,18 +2311,22 @@ impl<S: Conn> Session<'_, S> {
                         ..props.clone()
                     },
                 };
-                let mut head = BytesMut::with_capacity(64 + name.len());
-                codec::publish_header(
-                    self.version,
-                    name,
+                let (topic, topic_alias) = match aliased.then(|| self.out_aliases.naming(name)) {
+                    Some(Naming::Set(alias)) => (name, Some(alias)),
+                    Some(Naming::Use(alias)) => ("", Some(alias)),
+                    Some(Naming::Full) | None => (name, None),
+                };
+                let mut head = BytesMut::with_capacity(64 + topic.len());
+                let h = PublishHead {
+                    topic,
                     qos,
                     retain,
                     pkid,
                     props,
-                    d.subscription_id,
-                    payload.len(),
-                    &mut head,
-                );
+                    subscription_ids: &ids,
+                    topic_alias,
+                };
+                codec::publish_header(self.version, &h, payload.len(), &mut head);
                 built = head;
                 &built
             }
@@ -2094,7 +2383,11 @@ impl<S: Conn> Session<'_, S> {
         let Some(will) = self.will.take() else { return };
         let server = self.server.clone();
         let client_id = self.client_id.clone();
-        let delay = Duration::from_secs(u64::from(will.delay_secs));
+        // Published when the session ends if that comes first (MQTT 5 §3.1.3.2.2), under the
+        // expiry in force now (a DISCONNECT may have changed it): a delayed will never
+        // outlives its session, and delayed wills are no more than the persistent sessions
+        // (a session that ends with its connection has none).
+        let delay = Duration::from_secs(u64::from(will.delay_secs.min(self.expiry_secs)));
         let task = tokio::spawn(async move {
             if !delay.is_zero() {
                 tokio::time::sleep(delay).await;
@@ -2277,6 +2570,9 @@ fn stored(
 pub(crate) struct Feed {
     pub(crate) server: Arc<MqttServer>,
     ledger_topic: String,
+    /// The subscription's filter as subscribed (`$share/...` included), its key in the
+    /// connection's subscriptions.
+    key: Arc<str>,
     pub(crate) filter: String,
     pub(crate) sub: SavedSub,
     /// Set when the access rules answer differently for names under the filter (a denied
@@ -2319,6 +2615,7 @@ impl Feed {
         Delivery {
             source,
             record,
+            from: Some(self.key.clone()),
             qos: self.sub.qos,
             subscription_id: self.sub.id,
             retain: false,
@@ -2425,6 +2722,54 @@ impl Feed {
     }
 }
 
+/// Which of a connection's overlapping subscriptions delivers a message.
+#[derive(Debug, PartialEq, Eq)]
+enum Overlap {
+    /// No other subscription matches.
+    Alone,
+    /// Another subscription delivers it.
+    Another,
+    /// This one does, at `qos` (the highest of those that match), with every matching
+    /// subscription's identifier.
+    Owner { qos: u8, ids: Vec<usize> },
+}
+
+/// How the connection's subscriptions (shared ones aside, which each get their own copy)
+/// share a message published under `name` that the subscription `from` matched: the one with
+/// the highest QoS delivers it (the first filter in byte order among equals), so that a
+/// lossless feed carries it when any does. A no-local subscription does not count for the
+/// client's own messages.
+fn overlap(
+    subs: &HashMap<String, Subscription>,
+    from: &str,
+    name: &str,
+    from_self: bool,
+) -> Overlap {
+    let mut owner: Option<(&str, u8)> = None;
+    let mut matching = 0;
+    let mut ids = Vec::new();
+    for (key, sub) in subs {
+        let s = &sub.saved;
+        if key.starts_with("$share/") || (s.no_local && from_self) || !topic::matches(key, name) {
+            continue;
+        }
+        matching += 1;
+        ids.extend(s.id);
+        let better = owner.is_none_or(|(k, q)| s.qos > q || (s.qos == q && key.as_str() < k));
+        if better {
+            owner = Some((key, s.qos));
+        }
+    }
+    match owner {
+        _ if matching <= 1 => Overlap::Alone,
+        Some((key, qos)) if key == from => {
+            ids.sort_unstable();
+            Overlap::Owner { qos, ids }
+        }
+        _ => Overlap::Another,
+    }
+}
+
 /// The next delivery from a durable forwarder; pending while none was ever started.
 async fn forwarded(
     channel: &mut Option<(mpsc::Sender<Delivery>, mpsc::Receiver<Delivery>)>,
@@ -2448,12 +2793,14 @@ fn next_free_pkid<V>(last: u16, inflight: &HashMap<u16, V>) -> u16 {
 
 /// The connection's own writer back from its live subscriber (only a [`DirectWriter`] is ever
 /// parked there), with what it held returned: the write half to `stream`, the packet ids it
-/// did not use to the window (`inflight`), and the receive mark's state to `held`.
+/// did not use to the window (`inflight`), the receive mark's state to `held`, and the topic
+/// aliases to `aliases`.
 fn writer_home<S: Conn>(
     sink: Box<dyn sluice_core::DirectSink>,
     stream: &mut S,
     inflight: &mut HashMap<u16, (bool, Option<Acker>)>,
     held: &mut Option<HeldAcks>,
+    aliases: &mut OutAliases,
 ) -> Box<DirectWriter> {
     let mut sink: Box<DirectWriter> = sink
         .into_any()
@@ -2462,6 +2809,7 @@ fn writer_home<S: Conn>(
     if let Some(w) = sink.writer.take() {
         stream.restore(w);
     }
+    *aliases = std::mem::take(&mut sink.aliases);
     for pkid in sink.pkids.drain(..) {
         inflight.remove(&pkid);
     }
@@ -2578,7 +2926,7 @@ mod tests {
             (1, Version::V5, props.clone()),
         ] {
             let mut want = BytesMut::new();
-            codec::publish_header(version, "cars/1", 0, false, 0, &p, None, 7, &mut want);
+            codec::publish_header(version, &PublishHead::new("cars/1", 0, &p), 7, &mut want);
             assert_eq!(share.plain[slot].as_deref(), Some(&want[..]), "{version:?}");
         }
         assert_eq!(share.origin, origin);

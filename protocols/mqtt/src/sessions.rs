@@ -6,7 +6,7 @@
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 
 use bytes::Bytes;
 use dashmap::DashMap;
@@ -54,10 +54,17 @@ pub(crate) type AwaitingRelease = Arc<Mutex<HashSet<u16>>>;
 
 impl SavedSession {
     pub(crate) fn expired(&self, now_ms: i64) -> bool {
-        self.expiry_secs != u32::MAX
-            && self
-                .disconnected_at_ms
-                .is_some_and(|at| now_ms - at >= i64::from(self.expiry_secs) * 1000)
+        self.expires_at().is_some_and(|at| now_ms >= at)
+    }
+
+    /// When the session expires (ms since the epoch): `None` while connected or for a session
+    /// that never expires.
+    pub(crate) fn expires_at(&self) -> Option<i64> {
+        if self.expiry_secs == u32::MAX {
+            return None;
+        }
+        self.disconnected_at_ms
+            .map(|at| at.saturating_add(i64::from(self.expiry_secs) * 1000))
     }
 }
 
@@ -74,6 +81,11 @@ pub(crate) struct Sessions {
     sweeping: tokio::sync::RwLock<()>,
     /// Records written since the newest snapshot (see `state`).
     since_snapshot: AtomicU64,
+    /// No session expires before this (ms since the epoch; `i64::MAX`: none will): lowered as
+    /// sessions are saved disconnected, worked out again by each sweep.
+    earliest: AtomicI64,
+    /// Woken when `earliest` moves earlier, so the sweep runs on time for a short expiry.
+    expiring: Arc<tokio::sync::Notify>,
     /// Client ids of new sessions admitted under the cap and not saved yet (see
     /// [`Sessions::admit_new`]). Changed under `map`'s lock as well as its own, so a session
     /// counts here or in the map, never in both or neither.
@@ -104,7 +116,7 @@ impl Sessions {
     pub(crate) async fn load(engine: Engine) -> Result<(Self, state::Replayed), CoreError> {
         // The store is the gateway's own writer of its internal topic.
         let engine = engine.system();
-        let mut map = BTreeMap::new();
+        let mut map: BTreeMap<String, SavedSession> = BTreeMap::new();
         let replayed = state::replay(&engine, SESSIONS_TOPIC, |id, r| {
             match r.record.value.as_deref() {
                 None | Some([]) => {
@@ -120,9 +132,23 @@ impl Sessions {
             true
         })
         .await?;
+        // A session whose connection was open when the gateway stopped (a crash) lost that
+        // connection then: its expiry runs from this start, as it would have from a
+        // disconnect, rather than never.
+        let started = engine.now_ms();
+        for s in map.values_mut() {
+            s.disconnected_at_ms.get_or_insert(started);
+        }
+        let earliest = map
+            .values()
+            .filter_map(SavedSession::expires_at)
+            .min()
+            .unwrap_or(i64::MAX);
         let sessions = Self {
             engine,
             map: RwLock::new(map),
+            earliest: AtomicI64::new(earliest),
+            expiring: Arc::new(tokio::sync::Notify::new()),
             awaiting: DashMap::new(),
             sweeping: tokio::sync::RwLock::new(()),
             since_snapshot: AtomicU64::new(replayed.records),
@@ -159,6 +185,11 @@ impl Sessions {
         let mut map = self.map.write();
         match session {
             Some(s) => {
+                if let Some(at) = s.expires_at()
+                    && self.earliest.fetch_min(at, Ordering::Relaxed) > at
+                {
+                    self.expiring.notify_one();
+                }
                 self.starting.lock().remove(client_id);
                 map.insert(client_id.to_owned(), s)
             }
@@ -211,6 +242,17 @@ impl Sessions {
         }
     }
 
+    /// When the next session expires (ms since the epoch; `i64::MAX`: none will).
+    pub(crate) fn next_expiry(&self) -> i64 {
+        self.earliest.load(Ordering::Relaxed)
+    }
+
+    /// Notified when a session is saved that expires before what [`Self::next_expiry`] said
+    /// (held by the sweeping task, which holds no more of the server while it waits).
+    pub(crate) fn expiring_sooner(&self) -> Arc<tokio::sync::Notify> {
+        self.expiring.clone()
+    }
+
     /// Removes the sessions whose expiry has passed at `now_ms` and that no connection holds
     /// (`connected` says which do): their tombstones are written durably first. Returns them,
     /// so that their cursors can be deleted.
@@ -219,7 +261,21 @@ impl Sessions {
         now_ms: i64,
         connected: impl Fn(&str) -> bool,
     ) -> Result<Vec<(String, SavedSession)>, CoreError> {
-        // Most sweeps find nothing: they need not hold session writes back to learn it.
+        if self.next_expiry() > now_ms {
+            return Ok(Vec::new());
+        }
+        // The next expiry after this sweep, from the sessions that stay. Reset before the scan,
+        // so that a session saved meanwhile lowers it again rather than being overwritten.
+        self.earliest.store(i64::MAX, Ordering::Relaxed);
+        let later = self
+            .map
+            .read()
+            .values()
+            .filter_map(SavedSession::expires_at)
+            .filter(|&at| at > now_ms)
+            .min()
+            .unwrap_or(i64::MAX);
+        self.earliest.fetch_min(later, Ordering::Relaxed);
         if !self.map.read().values().any(|s| s.expired(now_ms)) {
             return Ok(Vec::new());
         }
@@ -241,9 +297,15 @@ impl Sessions {
                     headers: vec![],
                 })
                 .collect();
-            self.engine
+            if let Err(e) = self
+                .engine
                 .produce(SESSIONS_TOPIC, PartitionChoice::Id(0), &tombstones)
-                .await?;
+                .await
+            {
+                // The next sweep tries these again.
+                self.earliest.fetch_min(now_ms, Ordering::Relaxed);
+                return Err(e);
+            }
             self.since_snapshot
                 .fetch_add(tombstones.len() as u64, Ordering::Relaxed);
             let mut map = self.map.write();

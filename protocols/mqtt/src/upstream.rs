@@ -362,17 +362,12 @@ fn packet_header(buf: &[u8]) -> std::io::Result<Option<(u8, usize, usize)>> {
 
 fn encode(pkid: u16, f: &Forward, dup: bool, out: &mut BytesMut) {
     let start = out.len();
-    codec::publish_header(
-        Version::V5,
-        &f.topic,
-        1,
-        f.retain,
+    let head = codec::PublishHead {
+        retain: f.retain,
         pkid,
-        &f.props,
-        None,
-        f.payload.len(),
-        out,
-    );
+        ..codec::PublishHead::new(&f.topic, 1, &f.props)
+    };
+    codec::publish_header(Version::V5, &head, f.payload.len(), out);
     if dup {
         out[start] |= 0x08;
     }

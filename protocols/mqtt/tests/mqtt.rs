@@ -85,6 +85,8 @@ async fn start_listening(
         max_subscriptions_per_connection: 100,
         max_publish_rate,
         max_publish_bytes_rate: 0,
+        max_keep_alive_s: 0,
+        receive_maximum: 1024,
     };
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
@@ -653,6 +655,55 @@ async fn a_clean_session_discards_the_old_one() {
     .await;
     assert!(!ack.session_present);
     assert_eq!(gw.server.session_count(), 0);
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn a_session_whose_connection_a_crash_ended_expires_from_the_restart_on_time() {
+    let dir = tempfile::tempdir().unwrap();
+    // What a crash leaves: a session saved while connected (no disconnect time), expiry 1 s.
+    {
+        let engine = Engine::open(
+            EngineConfig::new(dir.path()),
+            Arc::new(FsStorage),
+            Arc::new(SystemClock),
+        )
+        .await
+        .unwrap();
+        let system = engine.system();
+        system
+            .create_topic(sluice_mqtt::SESSIONS_TOPIC, 1, None)
+            .await
+            .unwrap();
+        let record = Record {
+            timestamp: engine.now_ms(),
+            key: Some(Bytes::from_static(b"meter-9")),
+            value: Some(Bytes::from_static(
+                br#"{"subs":[],"expiry_secs":1,"disconnected_at_ms":null}"#,
+            )),
+            headers: vec![],
+        };
+        system
+            .produce(
+                sluice_mqtt::SESSIONS_TOPIC,
+                PartitionChoice::Id(0),
+                &[record],
+            )
+            .await
+            .unwrap();
+        engine.shutdown().await;
+    }
+    let gw = start(dir.path()).await;
+    assert_eq!(gw.server.session_count(), 1);
+    // The sweep's beat is a minute: only the session's own expiry can wake it this soon.
+    until("the crashed session expired", || {
+        gw.server.session_count() == 0
+    })
+    .await;
+    assert_eq!(
+        gw.server.metrics.sessions_expired.load(Ordering::Relaxed),
+        1
+    );
     gw.stop().await;
 }
 
