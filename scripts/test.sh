@@ -82,6 +82,9 @@ cargo run --quiet --locked -p sluice-bench -- broadcast \
 cargo run --quiet --locked -p sluice-bench -- broadcast \
   --dir target/bench-smoke --subscribers 100 --messages 3 --rate 20 --drain-s 5 --qos 1 \
   --brokers sluice-relays --relays 2 --middle-relays 1 >/dev/null
+cargo run --quiet --locked -p sluice-bench -- broadcast \
+  --dir target/bench-smoke --subscribers 100 --messages 3 --rate 20 --drain-s 5 \
+  --brokers sluice,mosquitto --subscriber-mqtt 5,5-aliases --topic city/zone-1/air/pm25 >/dev/null
 cargo run --quiet --locked -p sluice-bench -- tls --sluice target/debug/sluice \
   --dir target/bench-smoke-tls --small-messages 200 --large-messages 2 --kafka-megabytes 2 \
   --subscribers 50 --fanout-messages 3 --fanout-rate 20 >/dev/null

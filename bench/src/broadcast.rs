@@ -31,6 +31,7 @@ use tokio::net::{TcpSocket, TcpStream};
 use crate::ledger::RawWrite;
 use crate::stats::{cpu_time, proc_stats};
 
+/// The MQTT topic of the case unless `--topic` names another.
 const TOPIC: &str = "cars/broadcast";
 
 #[derive(Debug, clap::Args)]
@@ -55,6 +56,16 @@ pub(crate) struct BroadcastArgs {
     /// Payload bytes per message.
     #[arg(long, default_value_t = 10 * 1024)]
     size: usize,
+    /// The MQTT topic published and subscribed to (floors forward whatever comes).
+    #[arg(long, default_value = TOPIC)]
+    topic: String,
+    /// What the MQTT subscribers speak, comma-separated, each a case of its own: `3.1.1`, `5`
+    /// (MQTT 5 without topic aliases) and `5-aliases` (MQTT 5, CONNECT's Topic Alias Maximum
+    /// 16: a broker that uses them sends the topic name once per subscriber). MQTT 5 cases run
+    /// against Sluice and Mosquitto only (the floor forwards 3.1.1 packets verbatim; rumqttd's
+    /// MQTT 5 listener is another server).
+    #[arg(long, value_delimiter = ',', default_value = "3.1.1")]
+    subscriber_mqtt: Vec<String>,
     /// Messages per second from the publisher.
     #[arg(long, default_value_t = 1.0)]
     rate: f64,
@@ -191,6 +202,21 @@ pub(crate) struct WorkerArgs {
     /// Subscribe over WebSocket at this path instead of MQTT (`broker` is then an HTTP port).
     #[arg(long)]
     ws_path: Option<String>,
+    #[arg(long, default_value = TOPIC)]
+    topic: String,
+    /// Subscribe with MQTT 5, allowing this many topic aliases (0: none); MQTT 3.1.1 without.
+    #[arg(long)]
+    mqtt5_alias_max: Option<u16>,
+}
+
+/// The `--subscriber-mqtt` value as a worker's `--mqtt5-alias-max`.
+fn alias_max_of(speaks: &str) -> anyhow::Result<Option<u16>> {
+    match speaks {
+        "3.1.1" => Ok(None),
+        "5" => Ok(Some(0)),
+        "5-aliases" => Ok(Some(16)),
+        other => bail!("--subscriber-mqtt takes 3.1.1, 5 and 5-aliases, not {other}"),
+    }
 }
 
 /// Clients that connect from one loopback source address.
@@ -234,6 +260,8 @@ struct Seen {
     failed: AtomicUsize,
     /// Connection attempts that had to be repeated (refused, reset or timed out).
     retries: AtomicUsize,
+    /// Bytes read from the broker once subscribed: what the deliveries cost on the wire.
+    wire_bytes: AtomicU64,
 }
 
 impl Seen {
@@ -248,6 +276,7 @@ impl Seen {
             ready: AtomicUsize::new(0),
             failed: AtomicUsize::new(0),
             retries: AtomicUsize::new(0),
+            wire_bytes: AtomicU64::new(0),
         }
     }
 }
@@ -293,9 +322,37 @@ pub(crate) fn connect_packet(client_id: &str) -> Vec<u8> {
     p
 }
 
+/// An MQTT 5 CONNECT (clean start, no session expiry) allowing `alias_max` topic aliases.
+fn connect_packet_v5(client_id: &str, alias_max: u16) -> Vec<u8> {
+    let mut body = Vec::new();
+    put_str(&mut body, "MQTT");
+    body.push(5);
+    body.push(0x02);
+    body.extend_from_slice(&3600u16.to_be_bytes());
+    if alias_max > 0 {
+        body.extend_from_slice(&[3, 0x22]);
+        body.extend_from_slice(&alias_max.to_be_bytes());
+    } else {
+        body.push(0);
+    }
+    put_str(&mut body, client_id);
+    let mut p = vec![0x10];
+    put_len(&mut p, body.len());
+    p.extend_from_slice(&body);
+    p
+}
+
 pub(crate) fn subscribe_packet(qos: u8) -> Vec<u8> {
+    subscribe_packet_to(TOPIC, qos, false)
+}
+
+/// SUBSCRIBE to `topic` (MQTT 5: no properties when `v5`).
+fn subscribe_packet_to(topic: &str, qos: u8, v5: bool) -> Vec<u8> {
     let mut body = vec![0, 1];
-    put_str(&mut body, TOPIC);
+    if v5 {
+        body.push(0);
+    }
+    put_str(&mut body, topic);
     body.push(qos);
     let mut p = vec![0x82];
     put_len(&mut p, body.len());
@@ -305,16 +362,16 @@ pub(crate) fn subscribe_packet(qos: u8) -> Vec<u8> {
 
 #[cfg(test)]
 pub(crate) fn publish_packet(qos: u8, pkid: u16, payload: &[u8]) -> Vec<u8> {
-    let mut p = publish_head(qos, pkid, payload.len());
+    let mut p = publish_head(TOPIC, qos, pkid, payload.len());
     p.extend_from_slice(payload);
     p
 }
 
 /// A PUBLISH up to its payload, which the caller sends after it: the publisher of 2 MB images
 /// writes the two with one vectored write instead of copying each image into a packet.
-fn publish_head(qos: u8, pkid: u16, payload_len: usize) -> Vec<u8> {
-    let mut vh = Vec::with_capacity(TOPIC.len() + 4);
-    put_str(&mut vh, TOPIC);
+fn publish_head(topic: &str, qos: u8, pkid: u16, payload_len: usize) -> Vec<u8> {
+    let mut vh = Vec::with_capacity(topic.len() + 4);
+    put_str(&mut vh, topic);
     if qos > 0 {
         vh.extend_from_slice(&pkid.to_be_bytes());
     }
@@ -396,18 +453,31 @@ async fn connect(
     broker: SocketAddr,
     source: Ipv4Addr,
     id: &str,
+    topic: &str,
     qos: u8,
+    mqtt5_alias_max: Option<u16>,
 ) -> anyhow::Result<TcpStream> {
     let mut s = open(broker, source).await?;
-    s.write_all(&connect_packet(id)).await?;
+    let connect = match mqtt5_alias_max {
+        Some(max) => connect_packet_v5(id, max),
+        None => connect_packet(id),
+    };
+    s.write_all(&connect).await?;
     let mut body = Vec::new();
     let first = read_packet(&mut s, &mut body).await?;
     if first != 0x20 || body.get(1) != Some(&0) {
         bail!("CONNACK refused: {first:#x} {body:?}");
     }
-    s.write_all(&subscribe_packet(qos)).await?;
+    let v5 = mqtt5_alias_max.is_some();
+    s.write_all(&subscribe_packet_to(topic, qos, v5)).await?;
     let first = read_packet(&mut s, &mut body).await?;
-    if first != 0x90 || body.get(2).is_none_or(|&c| c > 2) {
+    // MQTT 5: packet id, properties (none expected but their length), reason codes.
+    let code_at = if v5 {
+        2 + 1 + usize::from(body.get(2).copied().unwrap_or(0))
+    } else {
+        2
+    };
+    if first != 0x90 || body.get(code_at).is_none_or(|&c| c > 2) {
         bail!("SUBACK refused: {first:#x} {body:?}");
     }
     Ok(s)
@@ -471,12 +541,18 @@ fn receive(
                 match sub.stream.read(&mut scratch) {
                     Ok(0) => false,
                     Ok(n) => {
+                        seen.wire_bytes.fetch_add(n as u64, Ordering::Relaxed);
                         let Receiving {
                             framer, have, acks, ..
                         } = sub;
                         framer.feed(&scratch[..n], |first, head| {
                             let counted = match framing {
-                                Framing::Mqtt if first >> 4 == 3 => record(seen, first, head, acks),
+                                Framing::Mqtt if first >> 4 == 3 => {
+                                    record(seen, first, head, false, acks)
+                                }
+                                Framing::Mqtt5 if first >> 4 == 3 => {
+                                    record(seen, first, head, true, acks)
+                                }
                                 // A binary frame: the record's value, as published.
                                 Framing::WebSocket if first & 0x0F == 2 => {
                                     record_payload(seen, head)
@@ -550,8 +626,10 @@ const HEAD_BYTES: usize = 256;
 /// The wire format a subscriber reads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Framing {
-    /// MQTT packets.
+    /// MQTT 3.1.1 packets.
     Mqtt,
+    /// MQTT 5 packets (a PUBLISH has properties before its payload).
+    Mqtt5,
     /// WebSocket frames from the server (never masked).
     WebSocket,
 }
@@ -606,7 +684,7 @@ impl Framer {
             self.head.push(data[0]);
             data = &data[1..];
             self.packet = match self.framing {
-                Framing::Mqtt => fixed_header(&self.head),
+                Framing::Mqtt | Framing::Mqtt5 => fixed_header(&self.head),
                 Framing::WebSocket => ws_header(&self.head),
             };
             if let Some((first, header, 0)) = self.packet {
@@ -650,9 +728,10 @@ pub(crate) fn fixed_header(buf: &[u8]) -> Option<(u8, usize, usize)> {
     None
 }
 
-/// Counts one PUBLISH (and queues its PUBACK); 1 when it carried a payload header. `body` is
-/// the packet's body or at least its first [`HEAD_BYTES`].
-fn record(seen: &Seen, first: u8, body: &[u8], acks: &mut Vec<u8>) -> usize {
+/// Counts one PUBLISH (and queues its PUBACK, the same four bytes in MQTT 5: no reason code is
+/// success); 1 when it carried a payload header. `body` is the packet's body or at least its
+/// first [`HEAD_BYTES`]; `v5`: properties come before the payload.
+fn record(seen: &Seen, first: u8, body: &[u8], v5: bool, acks: &mut Vec<u8>) -> usize {
     let Some(topic_len) = body
         .get(..2)
         .map(|b| u16::from_be_bytes([b[0], b[1]]) as usize)
@@ -666,6 +745,21 @@ fn record(seen: &Seen, first: u8, body: &[u8], acks: &mut Vec<u8>) -> usize {
         };
         acks.extend_from_slice(&[0x40, 2, id[0], id[1]]);
         at += 2;
+    }
+    if v5 {
+        // The properties' length, a variable byte integer, then the properties.
+        let mut len = 0usize;
+        for i in 0..4 {
+            let Some(&b) = body.get(at) else {
+                return 0;
+            };
+            at += 1;
+            len |= usize::from(b & 0x7F) << (7 * i);
+            if b & 0x80 == 0 {
+                break;
+            }
+        }
+        at += len;
     }
     body.get(at..)
         .map_or(0, |payload| record_payload(seen, payload))
@@ -709,13 +803,14 @@ pub(crate) fn worker(args: WorkerArgs) -> anyhow::Result<()> {
             let id = format!("b{}", args.first_id + i);
             let (broker, source, qos) = (args.broker, source_for(args.source, i), args.qos);
             let ws_path = args.ws_path.clone();
+            let (topic, alias_max) = (args.topic.clone(), args.mqtt5_alias_max);
             tasks.spawn(async move {
                 let _permit = gate.acquire().await;
                 let mut attempt = 0;
                 loop {
                     let connected = match &ws_path {
                         Some(path) => connect_ws(broker, source, path).await,
-                        None => connect(broker, source, &id, qos).await,
+                        None => connect(broker, source, &id, &topic, qos, alias_max).await,
                     };
                     match connected {
                         Ok(s) => {
@@ -753,10 +848,10 @@ pub(crate) fn worker(args: WorkerArgs) -> anyhow::Result<()> {
         // Held open and never read: the broker has to cope with them.
         let held: Vec<TcpStream> = streams.drain(..stalled).collect();
         let reading = streams.len();
-        let framing = if args.ws_path.is_some() {
-            Framing::WebSocket
-        } else {
-            Framing::Mqtt
+        let framing = match (&args.ws_path, args.mqtt5_alias_max) {
+            (Some(_), _) => Framing::WebSocket,
+            (None, Some(_)) => Framing::Mqtt5,
+            (None, None) => Framing::Mqtt,
         };
         // Two receiver threads, each with half of the subscribers.
         let stop = Arc::new(AtomicBool::new(false));
@@ -807,6 +902,7 @@ pub(crate) fn worker(args: WorkerArgs) -> anyhow::Result<()> {
             "count": seen.count.iter().map(|c| c.load(Ordering::Relaxed)).collect::<Vec<_>>(),
             "last_us": seen.last_us.iter().map(|c| c.load(Ordering::Relaxed)).collect::<Vec<_>>(),
             "histogram": histogram,
+            "wire_bytes": seen.wire_bytes.load(Ordering::Relaxed),
             "cpu_us": cpu_time().saturating_sub(cpu_before).as_micros() as u64,
         });
         println!("{summary}");
@@ -1275,6 +1371,12 @@ impl Worker {
                     .iter()
                     .flat_map(|p| ["--ws-path".to_owned(), p.clone()]),
             )
+            .args(["--topic", &args.topic])
+            .args(
+                args.mqtt5_alias_max
+                    .iter()
+                    .flat_map(|m| ["--mqtt5-alias-max".to_owned(), m.to_string()]),
+            )
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -1308,6 +1410,8 @@ impl Worker {
 #[derive(Debug)]
 struct CaseResult {
     broker: String,
+    /// What the subscribers spoke (`--subscriber-mqtt`): peers are compared speaking the same.
+    speaks: String,
     qos: u8,
     subscribers: usize,
     connected: u64,
@@ -1321,6 +1425,8 @@ struct CaseResult {
     broker_rss: u64,
     broker_rss_idle: u64,
     worker_cpu_us: u64,
+    /// Bytes the subscribers read once subscribed.
+    wire_bytes: u64,
     size: usize,
     /// From the first publish to the last PUBACK (QoS 1) or write (QoS 0).
     publish_s: f64,
@@ -1389,6 +1495,11 @@ impl CaseResult {
         self.broker_cpu.as_micros() as f64 / self.published.max(1) as f64
     }
 
+    /// Bytes on the wire per delivery: the payload and the PUBLISH around it.
+    fn wire_bytes_per_delivery(&self) -> f64 {
+        self.wire_bytes as f64 / self.received.max(1) as f64
+    }
+
     fn kb_per_connection(&self) -> f64 {
         self.broker_rss.saturating_sub(self.broker_rss_idle) as f64
             / 1024.0
@@ -1397,7 +1508,8 @@ impl CaseResult {
 
     fn json(&self) -> Value {
         json!({
-            "broker": self.broker, "qos": self.qos, "subscribers": self.subscribers,
+            "broker": self.broker, "subscriber_mqtt": self.speaks, "qos": self.qos,
+            "subscribers": self.subscribers,
             "connected": self.connected, "connect_s": self.connect_s,
             "published": self.published, "received": self.received, "lost": self.lost(),
             "p50_ms": self.quantile_ms(0.5), "p99_ms": self.quantile_ms(0.99),
@@ -1408,6 +1520,7 @@ impl CaseResult {
             "broker_rss_bytes": self.broker_rss,
             "broker_kb_per_connection": self.kb_per_connection(),
             "worker_cpu_us_per_delivery": self.worker_cpu_us as f64 / self.received.max(1) as f64,
+            "wire_bytes_per_delivery": self.wire_bytes_per_delivery(),
             "stalled": self.stalled, "broker_stats": self.broker_stats,
             "in_msgs_per_s": self.in_per_s(), "out_mb_per_s": self.out_mb_per_s(),
             "disk_mb_per_s": self.disk_mb_s,
@@ -1422,9 +1535,11 @@ fn run_case(
     args: &BroadcastArgs,
     broker_name: &str,
     publisher: &str,
+    speaks: &str,
     qos: u8,
     n: usize,
 ) -> anyhow::Result<CaseResult> {
+    let mqtt5_alias_max = alias_max_of(speaks)?;
     let case = CASES.fetch_add(1, Ordering::Relaxed);
     let mut broker = Broker::start(broker_name, args, publisher, n + 100)?;
     let pids = broker.pids();
@@ -1463,6 +1578,8 @@ fn run_case(
                 qos,
                 messages: args.messages,
                 connect_concurrency: args.connect_concurrency,
+                topic: args.topic.clone(),
+                mqtt5_alias_max,
             })?);
             first_id += chunk.len();
         }
@@ -1535,7 +1652,12 @@ fn run_case(
                 ("rest", _) => " (REST in)",
                 (_, "ws") => " (WebSocket)",
                 _ => "",
+            } + match mqtt5_alias_max {
+                Some(0) => " (MQTT 5)",
+                Some(_) => " (MQTT 5, topic aliases)",
+                None => "",
             },
+            speaks: speaks.to_owned(),
             qos,
             subscribers: n,
             connected,
@@ -1548,6 +1670,7 @@ fn run_case(
             broker_rss: rss,
             broker_rss_idle: rss_idle,
             worker_cpu_us: 0,
+            wire_bytes: 0,
             size: args.size,
             publish_s: publish_time.as_secs_f64(),
             stalled: 0,
@@ -1560,6 +1683,7 @@ fn run_case(
             r.received += s["received"].as_u64().unwrap_or(0);
             r.stalled += s["stalled"].as_u64().unwrap_or(0);
             r.worker_cpu_us += s["cpu_us"].as_u64().unwrap_or(0);
+            r.wire_bytes += s["wire_bytes"].as_u64().unwrap_or(0);
             for pair in s["histogram"].as_array().into_iter().flatten() {
                 let i = pair[0].as_u64().unwrap_or(0) as usize;
                 r.histogram[i.min(BUCKETS - 1)] += pair[1].as_u64().unwrap_or(0);
@@ -1619,7 +1743,7 @@ fn publish(addr: SocketAddr, qos: u8, args: &BroadcastArgs) -> anyhow::Result<Du
             tick.tick().await;
             payload[..8].copy_from_slice(&now_ns().to_be_bytes());
             payload[8..12].copy_from_slice(&(seq as u32).to_be_bytes());
-            let head = publish_head(qos, (seq % 60_000) as u16 + 1, payload.len());
+            let head = publish_head(&args.topic, qos, (seq % 60_000) as u16 + 1, payload.len());
             wr.write_all_buf(&mut Buf::chain(head.as_slice(), payload.as_slice()))
                 .await?;
         }
@@ -1812,7 +1936,10 @@ fn against_peers(results: &[CaseResult]) -> Vec<(&CaseResult, &CaseResult)> {
         results
             .iter()
             .filter(move |p| {
-                !p.broker.starts_with("sluice") && p.qos == o.qos && p.subscribers == o.subscribers
+                !p.broker.starts_with("sluice")
+                    && p.qos == o.qos
+                    && p.subscribers == o.subscribers
+                    && p.speaks == o.speaks
             })
             .map(move |p| (o, p))
     })
@@ -1856,6 +1983,13 @@ pub(crate) fn run(args: BroadcastArgs) -> anyhow::Result<()> {
     {
         bail!("--publishers takes mqtt and rest, not {p}");
     }
+    for speaks in &args.subscriber_mqtt {
+        alias_max_of(speaks)?;
+    }
+    anyhow::ensure!(
+        args.topic == TOPIC || !args.publishers.iter().any(|p| p == "rest"),
+        "the REST publisher posts under {TOPIC}: --topic cannot change it"
+    );
     // Measured first, on an idle machine, so egress figures have a ceiling to compare with.
     let loopback = loopback_gbps()?;
     let mut results = Vec::new();
@@ -1872,16 +2006,27 @@ pub(crate) fn run(args: BroadcastArgs) -> anyhow::Result<()> {
                     eprintln!("mosquitto skipped: {} is missing", args.mosquitto);
                     continue;
                 }
-                for publisher in &args.publishers {
+                for (publisher, speaks) in args
+                    .publishers
+                    .iter()
+                    .flat_map(|p| args.subscriber_mqtt.iter().map(move |s| (p, s)))
+                {
                     if publisher == "rest" && !broker.starts_with("sluice") {
                         eprintln!("{broker} skipped for the REST publisher: Sluice's REST API");
                         continue;
                     }
-                    eprintln!("{broker}: QoS {qos}, {n} subscribers, {publisher} publisher ...");
+                    let v5_peer = broker.starts_with("sluice") || broker == "mosquitto";
+                    if speaks != "3.1.1" && (!v5_peer || args.transport == "ws") {
+                        eprintln!("{broker} skipped for MQTT {speaks} subscribers");
+                        continue;
+                    }
+                    eprintln!(
+                        "{broker}: QoS {qos}, {n} MQTT {speaks} subscribers, {publisher} publisher ..."
+                    );
                     // This VM's disk changes speed by 2x from minute to minute, so a yardstick
                     // measured once for the whole run says little about a case minutes later.
                     let before = disk_speed(&args)?;
-                    match run_case(&args, broker, publisher, qos, n) {
+                    match run_case(&args, broker, publisher, speaks, qos, n) {
                         Ok(mut r) => {
                             let after = disk_speed(&args)?;
                             r.disk_mb_s = before.zip(after).map(|(b, a)| b.max(a));
@@ -1889,10 +2034,12 @@ pub(crate) fn run(args: BroadcastArgs) -> anyhow::Result<()> {
                         }
                         Err(e) => {
                             eprintln!(
-                                "{broker} QoS {qos} N={n} ({publisher} publisher): did not complete: {e:#}"
+                                "{broker} QoS {qos} N={n} ({publisher} publisher, MQTT {speaks} subscribers): did not complete: {e:#}"
                             );
                             if broker.starts_with("sluice") {
-                                sluice_failed.push(format!("QoS {qos} N={n} ({publisher}): {e:#}"));
+                                sluice_failed.push(format!(
+                                    "QoS {qos} N={n} ({publisher}, {speaks}): {e:#}"
+                                ));
                             }
                         }
                     }
@@ -1901,7 +2048,8 @@ pub(crate) fn run(args: BroadcastArgs) -> anyhow::Result<()> {
         }
     }
     println!(
-        "One publisher, topic `{TOPIC}`, {} B payloads at {}/s, {} messages per case; subscribers are MQTT 3.1.1 clean sessions in worker processes of up to {} clients (read by two threads with one epoll each; one loopback source address per {CLIENTS_PER_ADDRESS} clients). Sluice runs with durability fsync, a live ring of {} MiB per partition and {} MiB for all rings to hold past that for QoS 1 subscribers still behind (storage.live_ring_bytes, storage.live_ring_lag_bytes); Mosquitto in memory (persistence off); rumqttd in memory; the floor is one thread and one epoll writing each PUBLISH verbatim to every subscriber, nothing else (a QoS 1 PUBLISH is acknowledged on arrival; publishers are not read while a subscriber has more than 64 MiB waiting). Latency is publish to receipt over all deliveries (1% buckets); \"last\" is when the last subscriber had a message (median and max over messages). CPU per delivery is the broker process's CPU time during the publishing phase divided by deliveries; CPU per message is the same time divided by the messages published (what the broker spent per message taken, its deliveries included). \"in msg/s\" is what the broker took per second (until the last PUBACK at QoS 1: durable in Sluice); \"out MB/s\" is payload delivered per second until the last subscriber had the slowest message. \"sluice + R relays\": subscribers on R relay processes sharing one MQTT port (SO_REUSEPORT), the publisher on the main node; CPU and memory are all of them together; \"floor + R relays\" is the same tree of floors, each relay one subscription of the main floor. Loopback ceiling measured in this run (2 TCP streams of 2 MB writes): {loopback:.2} GB/s.{}{}{}{}\n",
+        "One publisher, topic `{}`, {} B payloads at {}/s, {} messages per case; subscribers are MQTT 3.1.1 clean sessions (\"(MQTT 5)\": MQTT 5 clean starts; \"topic aliases\": allowing 16 topic aliases) in worker processes of up to {} clients (read by two threads with one epoll each; one loopback source address per {CLIENTS_PER_ADDRESS} clients). Sluice runs with durability fsync, a live ring of {} MiB per partition and {} MiB for all rings to hold past that for QoS 1 subscribers still behind (storage.live_ring_bytes, storage.live_ring_lag_bytes); Mosquitto in memory (persistence off); rumqttd in memory; the floor is one thread and one epoll writing each PUBLISH verbatim to every subscriber, nothing else (a QoS 1 PUBLISH is acknowledged on arrival; publishers are not read while a subscriber has more than 64 MiB waiting). Latency is publish to receipt over all deliveries (1% buckets); \"last\" is when the last subscriber had a message (median and max over messages). CPU per delivery is the broker process's CPU time during the publishing phase divided by deliveries; CPU per message is the same time divided by the messages published (what the broker spent per message taken, its deliveries included). \"in msg/s\" is what the broker took per second (until the last PUBACK at QoS 1: durable in Sluice); \"out MB/s\" is payload delivered per second until the last subscriber had the slowest message. \"sluice + R relays\": subscribers on R relay processes sharing one MQTT port (SO_REUSEPORT), the publisher on the main node; CPU and memory are all of them together; \"floor + R relays\" is the same tree of floors, each relay one subscription of the main floor. Loopback ceiling measured in this run (2 TCP streams of 2 MB writes): {loopback:.2} GB/s.{}{}{}{}\n",
+        args.topic,
         args.size,
         args.rate,
         args.messages,
@@ -1942,10 +2090,10 @@ pub(crate) fn run(args: BroadcastArgs) -> anyhow::Result<()> {
         }
     );
     println!(
-        "| broker | QoS | N | connected | connect s | p50 ms | p99 ms | p999 ms | max ms | last p50 ms | last max ms | lost | broker CPU µs/delivery | broker CPU µs/message | broker RSS MiB | KB/conn | client CPU µs/delivery | in msg/s | disk MB/s | in % of disk | out MB/s | stalled: dropped / disconnected |"
+        "| broker | QoS | N | connected | connect s | p50 ms | p99 ms | p999 ms | max ms | last p50 ms | last max ms | lost | broker CPU µs/delivery | broker CPU µs/message | broker RSS MiB | KB/conn | client CPU µs/delivery | in msg/s | disk MB/s | in % of disk | out MB/s | wire B/delivery | stalled: dropped / disconnected |"
     );
     println!(
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     );
     for r in &results {
         let mut last = r.last_ms.clone();
@@ -1961,7 +2109,7 @@ pub(crate) fn run(args: BroadcastArgs) -> anyhow::Result<()> {
             ),
         };
         println!(
-            "| {} | {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {} | {} | {:.1} | {:.0} | {:.1} | {:.1} | {:.1} | {} | {} | {:.1} | {} |",
+            "| {} | {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {} | {} | {:.1} | {:.0} | {:.1} | {:.1} | {:.1} | {} | {} | {:.1} | {:.0} | {} |",
             r.broker,
             r.qos,
             r.subscribers,
@@ -1988,6 +2136,7 @@ pub(crate) fn run(args: BroadcastArgs) -> anyhow::Result<()> {
                 r.in_per_s() * r.size as f64 / 1e6 / raw * 100.0
             )),
             r.out_mb_per_s(),
+            r.wire_bytes_per_delivery(),
             slow,
         );
     }
@@ -2155,11 +2304,30 @@ mod tests {
         let (first, header, len) = fixed_header(&p).unwrap();
         assert_eq!(header + len, p.len());
         let mut acks = Vec::new();
-        assert_eq!(record(&seen, first, &p[header..], &mut acks), 1);
+        assert_eq!(record(&seen, first, &p[header..], false, &mut acks), 1);
         assert_eq!(acks, [0x40, 2, 1, 44]);
         assert_eq!(seen.count[2].load(Ordering::Relaxed), 1);
         let last = seen.last_us[2].load(Ordering::Relaxed);
         assert!((5_000..60_000_000).contains(&last), "{last}");
+    }
+
+    #[test]
+    fn an_mqtt5_publish_under_a_topic_alias_is_counted_past_its_properties() {
+        let seen = Seen::new(4);
+        let mut payload = vec![0u8; 64];
+        payload[..8].copy_from_slice(&now_ns().to_be_bytes());
+        payload[8..12].copy_from_slice(&3u32.to_be_bytes());
+        // QoS 1, empty topic name, packet id 7, properties: Topic Alias 1.
+        let mut body = vec![0, 0, 0, 7, 3, 0x23, 0, 1];
+        body.extend_from_slice(&payload);
+        let mut acks = Vec::new();
+        assert_eq!(record(&seen, 0x32, &body, true, &mut acks), 1);
+        assert_eq!(acks, [0x40, 2, 0, 7]);
+        assert_eq!(seen.count[3].load(Ordering::Relaxed), 1);
+        // Read as MQTT 3.1.1, the properties would be taken for the payload's time stamp.
+        let other = Seen::new(4);
+        record(&other, 0x32, &body, false, &mut Vec::new());
+        assert_eq!(other.count[3].load(Ordering::Relaxed), 0);
     }
 
     #[test]
@@ -2290,6 +2458,7 @@ mod tests {
     fn case(broker: &str, qos: u8, subscribers: usize) -> CaseResult {
         CaseResult {
             broker: broker.to_owned(),
+            speaks: "3.1.1".to_owned(),
             qos,
             subscribers,
             connected: subscribers as u64,
@@ -2302,6 +2471,7 @@ mod tests {
             broker_rss: 0,
             broker_rss_idle: 0,
             worker_cpu_us: 0,
+            wire_bytes: 0,
             size: 0,
             publish_s: 0.0,
             stalled: 0,

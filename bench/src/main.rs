@@ -39,7 +39,7 @@ enum Command {
     /// The connected-car case: one publisher, one MQTT topic, N subscribers (QoS 0/1) in worker
     /// processes, through Sluice, Mosquitto and rumqttd each in its own process; connect time,
     /// latency, time until the last subscriber has each message, loss, CPU per delivery, memory.
-    Broadcast(broadcast::BroadcastArgs),
+    Broadcast(Box<broadcast::BroadcastArgs>),
     /// What TLS costs beside plain TCP on the gateway binary, in the same run: MQTT QoS 1
     /// (1 KB, 2 MB), Kafka produce, and the fan-out's CPU per delivery to N subscribers.
     Tls(tls::TlsArgs),
@@ -58,7 +58,7 @@ fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     // These run their own runtimes (sized for the processes they are).
     let cli = match cli.command {
-        Command::Broadcast(args) => return broadcast::run(args),
+        Command::Broadcast(args) => return broadcast::run(*args),
         Command::Validate(args) => return validate::run(args),
         Command::BroadcastWorker(args) => return broadcast::worker(args),
         Command::BroadcastPeer(args) => return broadcast::peer(args),

@@ -99,6 +99,8 @@ pub(crate) async fn start_sluice(
         max_subscriptions_per_connection: 100,
         max_publish_rate: 0,
         max_publish_bytes_rate: 0,
+        max_keep_alive_s: 0,
+        receive_maximum: 1024,
     };
     let listener = sluice_net::bind("127.0.0.1:0", Default::default()).await?;
     let port = listener.local_addr()?.port();
