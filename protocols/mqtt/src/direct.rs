@@ -275,10 +275,15 @@ impl DirectSink for DirectWriter {
             } else {
                 Naming::Full
             };
-            let head: &[u8] = match (naming, pkid, plain) {
-                // The same header bytes every plain QoS 0 subscriber of the record gets.
-                (Naming::Full, None, Some(head)) => head,
-                (Naming::Full, _, _) => {
+            let shared_aliased = match (naming, pkid) {
+                (Naming::Use(alias), None) => share.aliased_header(alias, body.len()),
+                _ => None,
+            };
+            let head: &[u8] = match (naming, pkid, plain.as_deref(), shared_aliased) {
+                // The same header bytes every plain QoS 0 subscriber of the record gets (under
+                // the same alias).
+                (_, _, _, Some(head)) | (Naming::Full, None, Some(head), _) => head,
+                (Naming::Full, _, _, _) => {
                     let props = match self.version {
                         Version::V4 => &Props::default(),
                         Version::V5 => &share.props,
@@ -292,7 +297,7 @@ impl DirectSink for DirectWriter {
                     codec::publish_header(self.version, &h, len, &mut self.head);
                     &self.head[..]
                 }
-                (Naming::Set(alias) | Naming::Use(alias), _, _) => {
+                (Naming::Set(alias) | Naming::Use(alias), _, _, _) => {
                     let topic = if matches!(naming, Naming::Set(_)) {
                         &share.name[..]
                     } else {

@@ -115,6 +115,10 @@ pub(crate) struct RecordShare {
     pub(crate) plain: [Option<Bytes>; 2],
     /// The MQTT 5 properties as a PUBLISH carries them, for headers under a topic alias.
     pub(crate) v5_props: Bytes,
+    /// The plain QoS 0 MQTT 5 header under a topic alias the name was sent with before: for
+    /// the alias the first subscriber asking had, shared with every subscriber with the same
+    /// (in the fan-out every subscriber of one topic has alias 1).
+    aliased: std::sync::OnceLock<(u16, Bytes)>,
 }
 
 impl RecordShare {
@@ -143,7 +147,21 @@ impl RecordShare {
             origin,
             plain,
             v5_props: v5_props.freeze(),
+            aliased: std::sync::OnceLock::new(),
         }
+    }
+
+    /// The plain QoS 0 MQTT 5 header of this record under `alias` (the name already sent
+    /// with it), when it is the one shared (see `aliased`); `None` for a record with an
+    /// expiry (no plain header) or another alias.
+    pub(crate) fn aliased_header(&self, alias: u16, payload_len: usize) -> Option<&[u8]> {
+        self.plain[1].as_ref()?;
+        let (shared, head) = self.aliased.get_or_init(|| {
+            let mut out = BytesMut::with_capacity(16 + self.v5_props.len());
+            codec::aliased_publish_header("", 0, 0, alias, &self.v5_props, payload_len, &mut out);
+            (alias, out.freeze())
+        });
+        (*shared == alias).then_some(&head[..])
     }
 }
 
@@ -2291,16 +2309,23 @@ impl<S: Conn> Session<'_, S> {
         let payload: &[u8] = d.record.record.value.as_deref().unwrap_or_default();
         let pkid = if qos > 0 { self.next_pkid() } else { 0 };
         let version_slot = usize::from(self.version == Version::V5);
-        let aliased = self.version == Version::V5 && self.out_aliases.on();
+        let naming = if self.version == Version::V5 && self.out_aliases.on() {
+            self.out_aliases.naming(name)
+        } else {
+            Naming::Full
+        };
         let plain = match &d.source {
-            Source::Shared(s) if qos == 0 && !retain && ids.is_empty() && !aliased => {
-                s.plain[version_slot].as_deref()
-            }
+            Source::Shared(s) if qos == 0 && !retain && ids.is_empty() => match naming {
+                Naming::Full => s.plain[version_slot].as_deref(),
+                Naming::Use(alias) => s.aliased_header(alias, payload.len()),
+                Naming::Set(_) => None,
+            },
             _ => None,
         };
         let built;
         let head: &[u8] = match plain {
-            // The same header bytes every plain QoS 0 subscriber of this record gets.
+            // The same header bytes every plain QoS 0 subscriber of this record gets (under
+            // the same alias).
             Some(h) => h,
             None => {
                 let props = match (self.version, remaining) {
@@ -2311,10 +2336,10 @@ impl<S: Conn> Session<'_, S> {
                         ..props.clone()
                     },
                 };
-                let (topic, topic_alias) = match aliased.then(|| self.out_aliases.naming(name)) {
-                    Some(Naming::Set(alias)) => (name, Some(alias)),
-                    Some(Naming::Use(alias)) => ("", Some(alias)),
-                    Some(Naming::Full) | None => (name, None),
+                let (topic, topic_alias) = match naming {
+                    Naming::Set(alias) => (name, Some(alias)),
+                    Naming::Use(alias) => ("", Some(alias)),
+                    Naming::Full => (name, None),
                 };
                 let mut head = BytesMut::with_capacity(64 + topic.len());
                 let h = PublishHead {
@@ -2333,7 +2358,9 @@ impl<S: Conn> Session<'_, S> {
         };
         let size = head.len() + payload.len();
         if self.client_max_packet.is_some_and(|max| size > max) {
-            // MQTT 5: a server must not send a packet larger than the client's maximum.
+            // MQTT 5: a server must not send a packet larger than the client's maximum. An
+            // alias this one would have set is left for the next PUBLISH of the name.
+            self.out_aliases.unset(naming, name);
             self.server
                 .metrics
                 .deliveries_too_large
@@ -2938,6 +2965,63 @@ mod tests {
         assert_eq!(
             RecordShare::new("cars/1".into(), &record(&expiring), &MqttMetrics::default()).plain,
             [None, None]
+        );
+    }
+
+    #[test]
+    fn the_aliased_qos0_header_is_shared_by_subscribers_with_the_same_alias() {
+        let props = Props {
+            user: vec![("site".into(), "north".into())],
+            ..Props::default()
+        };
+        let origin = message::Origin {
+            client: None,
+            qos: Some(0),
+            retain: false,
+        };
+        let record = |props: &Props| DecodedRecord {
+            offset: 0,
+            record: sluice_core::Record {
+                timestamp: 0,
+                key: Some(Bytes::from_static(b"air/pm25")),
+                value: Some(Bytes::from_static(b"12.5")),
+                headers: message::to_headers(props, &origin),
+            },
+        };
+        let share = RecordShare::new("air/pm25".into(), &record(&props), &MqttMetrics::default());
+        let first = share
+            .aliased_header(1, 4)
+            .expect("made for the first alias asked");
+        let mut want = BytesMut::new();
+        let head = PublishHead {
+            topic_alias: Some(1),
+            ..PublishHead::new("", 0, &props)
+        };
+        codec::publish_header(Version::V5, &head, 4, &mut want);
+        assert_eq!(first, &want[..]);
+        assert_eq!(
+            share.aliased_header(1, 4).map(<[u8]>::as_ptr),
+            Some(first.as_ptr()),
+            "the same bytes, not a copy"
+        );
+        assert_eq!(
+            share.aliased_header(2, 4),
+            None,
+            "another alias encodes its own"
+        );
+        let expiring = Props {
+            message_expiry: Some(60),
+            ..props
+        };
+        let share = RecordShare::new(
+            "air/pm25".into(),
+            &record(&expiring),
+            &MqttMetrics::default(),
+        );
+        assert_eq!(
+            share.aliased_header(1, 4),
+            None,
+            "an expiry is counted down per delivery"
         );
     }
 
