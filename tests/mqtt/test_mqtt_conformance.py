@@ -656,6 +656,25 @@ class TestWillDelay:
         assert watcher.wait_messages(1, timeout=WAIT_S, what="will (session 0, delay 30 s): ")[0].payload == b"will-30"
 
     @on_both()
+    def test_disconnect_with_will_message_publishes_the_will(self, broker, wire, uniq):
+        """§3.14.2.1: DISCONNECT with reason 0x04 (Disconnect with Will Message) ends the
+        connection and the will is published, as if the connection had been lost; a DISCONNECT
+        with reason 0x00 deletes it (§3.1.2.5). The 0x04 is sent without properties (remaining
+        length 1, §3.14.2.2.1)."""
+        b = broker()
+        topic = uniq("will-04") + "/t"
+        watcher = b.mqtt(5)
+        watcher.subscribe(topic, qos=1)
+        quiet, _ = raw_session(b, wire, uniq("will-00"), will=(topic, b"from-0x00", 1, False))
+        quiet.sendall(wire.packet(DISCONNECT, b"\x00"))
+        read_until_closed(quiet, wire)
+        sock, _ = raw_session(b, wire, uniq("will-04"), will=(topic, b"from-0x04", 1, False))
+        sock.sendall(wire.packet(DISCONNECT, b"\x04"))
+        read_until_closed(sock, wire)
+        got = watcher.wait_messages(1, what="will after DISCONNECT 0x04: ") + watcher.drain()
+        assert [m.payload for m in got] == [b"from-0x04"], [m.payload for m in got]
+
+    @on_both()
     def test_reconnect_within_delay_cancels_will(self, broker, uniq):
         """§3.1.3.2.2 [MQTT-3.1.3-9]: a new connection to the session before the delay passed means
         the will is never sent — not even when that session then ends (which would publish a will
@@ -1025,6 +1044,42 @@ MOSQUITTO_SUBSCRIBE_UNCHECKED = ("its acl_file does not check SUBSCRIBE: a filte
                                  "and messages on denied topics are withheld at delivery instead; the spec allows both "
                                  "(§3.9.3: the server MAY refuse a subscription, 0x87)")
 VERSIONS = pytest.mark.parametrize("version", [5, 4], ids=["v5", "v311"])
+
+
+class TestProtocolErrors:
+    @on_both(mosquitto_differs="grants the filter (SUBACK QoS 1) and keeps the connection, where §3.8.2.1.2 makes it a Protocol Error")
+    def test_subscription_identifier_zero_is_a_protocol_error(self, broker, wire, uniq):
+        """§3.8.2.1.2: a Subscription Identifier of 0 is a Protocol Error: DISCONNECT 0x82 and
+        the connection closes (§4.13)."""
+        b = broker()
+        sock, _ = raw_session(b, wire, uniq("subid0"))
+        body = struct.pack(">H", 1) + varint(2) + bytes([SUBSCRIPTION_ID, 0]) + wire.mqtt_str(uniq("s") + "/t") + b"\x01"
+        sock.sendall(wire.packet(0x82, body))
+        assert disconnect_reason(read_until_closed(sock, wire)) == PROTOCOL_ERROR
+
+    @on_both(mosquitto_differs="grants the shared filter (SUBACK QoS 1) and keeps the connection, where [MQTT-3.8.3-4] makes it a Protocol Error")
+    def test_no_local_on_a_shared_subscription_is_a_protocol_error(self, broker, wire, uniq):
+        """§3.8.3.1 [MQTT-3.8.3-4]: No Local set on a shared subscription is a Protocol Error:
+        DISCONNECT 0x82 and the connection closes."""
+        b = broker()
+        sock, _ = raw_session(b, wire, uniq("nolocal"))
+        # Options: QoS 1 and No Local (bit 2).
+        body = struct.pack(">H", 1) + b"\x00" + wire.mqtt_str(f"$share/{uniq('g')}/t") + b"\x05"
+        sock.sendall(wire.packet(0x82, body))
+        assert disconnect_reason(read_until_closed(sock, wire)) == PROTOCOL_ERROR
+
+    @on_both()
+    def test_an_authentication_method_the_server_does_not_offer_is_refused(self, broker, wire, uniq):
+        """§4.12: a CONNECT naming an Authentication Method the server does not support gets
+        CONNACK 0x8C (Bad authentication method) or 0x87 and the connection closes; it is never
+        let in without the exchange it asked for."""
+        b = broker()
+        sock = wire.raw_connect(b)
+        method = bytes([0x15]) + wire.mqtt_str("SCRAM-SHA-1")
+        sock.sendall(wire.connect(uniq("auth"), 5, properties=method))
+        first, body = wire.read_packet(sock)
+        assert first == CONNACK and body[1] in (0x8C, NOT_AUTHORIZED), f"CONNACK {first:#x} {body!r}"
+        read_until_closed(sock, wire)
 
 
 class TestRefusedSubscriptions:
