@@ -698,10 +698,12 @@ class TestWillDelay:
 
 class TestQueuedMessageExpiry:
     @on_both()
-    def test_expired_queued_message_dropped_live_one_counts_down(self, broker, uniq):
+    @pytest.mark.parametrize("resume_expiry", [300, None], ids=["resume-expiry-300", "resume-no-expiry"])
+    def test_expired_queued_message_dropped_live_one_counts_down(self, broker, uniq, resume_expiry):
         """§3.3.2.3.3 [MQTT-3.3.2-5, -6]: a queued message whose Message Expiry Interval passed
         while the subscriber was away is not delivered; one still live is, with the interval
-        reduced by the time it waited (<= 59 of 60, > 0)."""
+        reduced by the time it waited (<= 59 of 60, > 0). The same when the resuming CONNECT has
+        no Session Expiry (§3.1.2.11.2: the expiry in force at the disconnect kept the session)."""
         b = broker()
         cid, topic = uniq("mexp"), uniq("mexp") + "/t"
         s = b.mqtt(5, client_id=cid, session_expiry=300)
@@ -711,7 +713,7 @@ class TestQueuedMessageExpiry:
         pub.publish(topic, b"expires-1s", qos=1, properties=props(PacketTypes.PUBLISH, MessageExpiryInterval=1))
         pub.publish(topic, b"expires-60s", qos=1, properties=props(PacketTypes.PUBLISH, MessageExpiryInterval=60))
         sleep_past(time.monotonic(), 2.5)  # more than the 1 s interval passes
-        s = b.mqtt(5, client_id=cid, clean=False, session_expiry=300, connect=False)
+        s = b.mqtt(5, client_id=cid, clean=False, session_expiry=resume_expiry, connect=False)
         assert s.connect()[1] is True
         got = {m.payload: getattr(m.properties, "MessageExpiryInterval", None) for m in s.wait_messages(1) + s.drain()}
         assert list(got) == [b"expires-60s"], f"delivered on resume: {got}"
