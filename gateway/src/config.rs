@@ -1,13 +1,22 @@
-//! The gateway's configuration: embedded defaults → file → `SLUICE_*` environment → CLI.
+//! The gateway's configuration: embedded defaults → file → `SLUICE_*` environment → CLI,
+//! layered with figment, whose errors name the key and the layer that set it.
 //!
 //! The embedded defaults are `examples/sluice.toml` itself, so the documented example and the
 //! real defaults cannot drift apart: every key must be present there (the structs below have no
-//! serde defaults), and unknown keys anywhere are an error.
+//! serde defaults), and unknown keys in a file are an error. A `SLUICE_*` variable that names no
+//! key is only reported: orchestrators set such variables themselves (Kubernetes gives every pod
+//! `SLUICE_PORT=tcp://...` when a Service is named `sluice`), and a gateway that refused to
+//! start over them could not run there.
 
+use std::collections::HashMap;
 use std::net::ToSocketAddrs;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
+use figment::providers::{Format, Toml};
+use figment::value::{Dict, Map};
+use figment::{Figment, Metadata, Profile, Provider};
 use serde::{Deserialize, Serialize};
 use sluice_core::{EngineConfig, MAX_PARTITIONS, TopicPolicy, WriterSettings};
 use toml::{Table, Value};
@@ -281,12 +290,85 @@ pub(crate) enum ConfigError {
         #[source]
         source: std::io::Error,
     },
-    #[error("{origin}: {message}")]
-    Parse { origin: String, message: String },
-    #[error("environment variable {var}: {message}")]
-    Env { var: String, message: String },
+    /// A layer that does not parse, or a value of the wrong type or an unknown key: figment
+    /// names the key and the layer (file, environment variable, command line).
+    #[error("{0}")]
+    Layers(Box<figment::Error>),
     #[error("invalid configuration: {0}")]
     Invalid(String),
+}
+
+impl From<figment::Error> for ConfigError {
+    fn from(e: figment::Error) -> Self {
+        Self::Layers(Box::new(e))
+    }
+}
+
+/// A `SLUICE_*` environment variable that names no configuration key, left out.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct IgnoredVar(pub(crate) String);
+
+/// A layer as figment sees it, with keys in errors written as in the file
+/// (`topics.defaults.retention_ms`) rather than under figment's profile, and named `name`.
+struct Layer<P> {
+    provider: P,
+    name: String,
+}
+
+impl<P: Provider> Provider for Layer<P> {
+    fn metadata(&self) -> Metadata {
+        let mut md = self.provider.metadata();
+        md.name = self.name.clone().into();
+        md.interpolater(|_: &Profile, keys: &[&str]| keys.join("."))
+    }
+
+    fn data(&self) -> Result<Map<Profile, Dict>, figment::Error> {
+        self.provider.data()
+    }
+}
+
+/// Values set one key at a time (the environment, the command line), each with what set it
+/// (`SLUICE_MQTT__ADDR`, `--mqtt-addr`) for errors.
+struct Overlay {
+    name: &'static str,
+    table: Table,
+    setters: HashMap<String, String>,
+}
+
+impl Overlay {
+    fn new(name: &'static str) -> Self {
+        Self {
+            name,
+            table: Table::new(),
+            setters: HashMap::new(),
+        }
+    }
+
+    fn set(&mut self, path: &[&str], value: Value, setter: String) -> Result<(), String> {
+        set_path(&mut self.table, path, value)?;
+        self.setters.insert(path.join("."), setter);
+        Ok(())
+    }
+}
+
+impl Provider for Overlay {
+    fn metadata(&self) -> Metadata {
+        let setters = Arc::new(self.setters.clone());
+        Metadata::named(self.name).interpolater(move |_: &Profile, keys: &[&str]| {
+            let key = keys.join(".");
+            match setters.get(&key) {
+                Some(setter) => format!("{key}, set by {setter}"),
+                None => key,
+            }
+        })
+    }
+
+    fn data(&self) -> Result<Map<Profile, Dict>, figment::Error> {
+        let dict = figment::value::Value::serialize(&self.table)?
+            .into_dict()
+            .unwrap_or_default();
+        Ok(Profile::Default.collect(dict))
+    }
 }
 
 /// Sets `path` in `table` to `value`, creating intermediate tables.
@@ -302,18 +384,6 @@ fn set_path(table: &mut Table, path: &[&str], value: Value) -> Result<(), String
     }
     t.insert((*last).to_owned(), value);
     Ok(())
-}
-
-/// Deep-merges `overlay` into `base`; tables merge, anything else replaces.
-fn merge(base: &mut Table, overlay: Table) {
-    for (k, v) in overlay {
-        match (base.get_mut(&k), v) {
-            (Some(Value::Table(b)), Value::Table(o)) => merge(b, o),
-            (_, v) => {
-                base.insert(k, v);
-            }
-        }
-    }
 }
 
 /// The value at `path` in `table`, if there is one.
@@ -339,118 +409,165 @@ fn env_value(raw: &str, current: Option<&Value>) -> Value {
         .unwrap_or_else(|| Value::String(raw.to_owned()))
 }
 
-fn parse_table(text: &str, origin: &str) -> Result<Table, ConfigError> {
-    toml::from_str(text).map_err(|e| ConfigError::Parse {
-        origin: origin.to_owned(),
-        message: e.message().to_owned(),
-    })
+/// The `SLUICE_*` variables as a layer: each one that names a key (its path with `__` for
+/// nesting, or a short alias) sets it, typed as the key's default is; the others are returned.
+fn env_layer(
+    defaults: &Table,
+    env: impl IntoIterator<Item = (String, String)>,
+) -> Result<(Overlay, Vec<IgnoredVar>), ConfigError> {
+    let mut vars: Vec<(String, String)> = env
+        .into_iter()
+        .filter(|(k, _)| k.starts_with(ENV_PREFIX) && k != ENV_CONFIG_FILE)
+        .collect();
+    vars.sort();
+    let mut layer = Overlay::new("the environment");
+    let mut ignored = Vec::new();
+    for (var, raw) in vars {
+        let name = &var[ENV_PREFIX.len()..];
+        let path: Vec<String> = match ENV_ALIASES.iter().find(|(alias, _)| *alias == name) {
+            Some((_, path)) => path.iter().map(|s| (*s).to_owned()).collect(),
+            None => name.split("__").map(str::to_ascii_lowercase).collect(),
+        };
+        let path: Vec<&str> = path.iter().map(String::as_str).collect();
+        // Every key is in the defaults; a variable naming none, or a whole section, is not
+        // meant for the gateway.
+        let current = match get_path(defaults, &path) {
+            Some(Value::Table(_)) | None => {
+                ignored.push(IgnoredVar(var));
+                continue;
+            }
+            Some(v) => v,
+        };
+        let value = env_value(&raw, Some(current));
+        layer
+            .set(&path, value, var.clone())
+            .map_err(|m| ConfigError::Invalid(format!("environment variable {var}: {m}")))?;
+    }
+    Ok((layer, ignored))
+}
+
+/// The command line's values as a layer.
+fn cli_layer(c: &CliOverrides) -> Result<Overlay, ConfigError> {
+    let overrides: [(&[&str], &str, Option<Value>); 9] = [
+        (
+            &["data_dir"],
+            "--data-dir",
+            c.data_dir
+                .as_ref()
+                .map(|p| Value::String(p.display().to_string())),
+        ),
+        (
+            &["http", "addr"],
+            "--http-addr",
+            c.http_addr.clone().map(Value::String),
+        ),
+        (
+            &["mqtt", "addr"],
+            "--mqtt-addr",
+            c.mqtt_addr.clone().map(Value::String),
+        ),
+        (
+            &["kafka", "addr"],
+            "--kafka-addr",
+            c.kafka_addr.clone().map(Value::String),
+        ),
+        (
+            &["log", "format"],
+            "--log-format",
+            c.log_format.map(|f| {
+                Value::String(match f {
+                    LogFormat::Text => "text".into(),
+                    LogFormat::Json => "json".into(),
+                })
+            }),
+        ),
+        (
+            &["log", "level"],
+            "--log-level",
+            c.log_level.clone().map(Value::String),
+        ),
+        (
+            &["relay", "upstream"],
+            "--upstream",
+            c.relay_upstream.clone().map(Value::String),
+        ),
+        (
+            &["relay", "upstream_mqtt"],
+            "--upstream-mqtt",
+            c.relay_upstream_mqtt.clone().map(Value::String),
+        ),
+        (
+            &["relay", "downstream_addr"],
+            "--downstream-addr",
+            c.relay_downstream_addr.clone().map(Value::String),
+        ),
+    ];
+    let mut layer = Overlay::new("the command line");
+    for (path, flag, value) in overrides {
+        if let Some(v) = value {
+            layer
+                .set(path, v, flag.to_owned())
+                .map_err(ConfigError::Invalid)?;
+        }
+    }
+    Ok(layer)
 }
 
 impl Config {
     /// Builds the configuration from all layers. `env` is the process environment (passed in
     /// so tests need not touch the real one).
+    #[cfg(test)]
     pub(crate) fn load(
         file: Option<&Path>,
         env: impl IntoIterator<Item = (String, String)>,
         cli: &CliOverrides,
     ) -> Result<Self, ConfigError> {
-        let mut table = parse_table(DEFAULT_CONFIG, "embedded defaults")?;
+        Self::load_reporting(file, env, cli).map(|(config, _)| config)
+    }
+
+    /// [`Self::load`], and the `SLUICE_*` variables that named no key and were left out (the
+    /// caller warns about them once logging is set up).
+    pub(crate) fn load_reporting(
+        file: Option<&Path>,
+        env: impl IntoIterator<Item = (String, String)>,
+        cli: &CliOverrides,
+    ) -> Result<(Self, Vec<IgnoredVar>), ConfigError> {
+        let defaults: Table =
+            toml::from_str(DEFAULT_CONFIG).map_err(|e| ConfigError::Invalid(e.to_string()))?;
+        let mut figment = Figment::from(Layer {
+            provider: Toml::string(DEFAULT_CONFIG),
+            name: "embedded defaults (examples/sluice.toml)".into(),
+        });
         if let Some(path) = file {
             let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
                 path: path.to_path_buf(),
                 source,
             })?;
-            let overlay = parse_table(&text, &path.display().to_string())?;
-            for old in [&["mqtt", "users"][..], &["kafka", "sasl_plain_users"]] {
-                if get_path(&overlay, old).is_some() {
-                    return Err(ConfigError::Invalid(format!(
-                        "{} was replaced by [[users]], one identity store for every protocol, with argon2id hashes: make each entry with `sluice passwd NAME` (docs/SECURITY.md)",
-                        old.join(".")
-                    )));
+            // Keys that were replaced, refused with what to do instead (a file that does not
+            // parse is reported by its layer below).
+            if let Ok(overlay) = toml::from_str::<Table>(&text) {
+                for old in [&["mqtt", "users"][..], &["kafka", "sasl_plain_users"]] {
+                    if get_path(&overlay, old).is_some() {
+                        return Err(ConfigError::Invalid(format!(
+                            "{} was replaced by [[users]], one identity store for every protocol, with argon2id hashes: make each entry with `sluice passwd NAME` (docs/SECURITY.md)",
+                            old.join(".")
+                        )));
+                    }
                 }
             }
-            merge(&mut table, overlay);
+            figment = figment.merge(Layer {
+                provider: Toml::file_exact(path),
+                // Shown after the file's path in errors.
+                name: "(config file)".into(),
+            });
         }
-        let mut vars: Vec<(String, String)> = env
-            .into_iter()
-            .filter(|(k, _)| k.starts_with(ENV_PREFIX) && k != ENV_CONFIG_FILE)
-            .collect();
-        vars.sort();
-        for (var, raw) in vars {
-            let name = &var[ENV_PREFIX.len()..];
-            let path: Vec<String> = match ENV_ALIASES.iter().find(|(alias, _)| *alias == name) {
-                Some((_, path)) => path.iter().map(|s| (*s).to_owned()).collect(),
-                None => name.split("__").map(str::to_ascii_lowercase).collect(),
-            };
-            let path: Vec<&str> = path.iter().map(String::as_str).collect();
-            let mut overlay = Table::new();
-            let value = env_value(&raw, get_path(&table, &path));
-            set_path(&mut overlay, &path, value).map_err(|message| ConfigError::Env {
-                var: var.clone(),
-                message,
-            })?;
-            // Check each variable on its own so an error names the variable.
-            let mut trial = table.clone();
-            merge(&mut trial, overlay);
-            Self::from_table(trial.clone()).map_err(|e| ConfigError::Env {
-                var: var.clone(),
-                message: e.to_string(),
-            })?;
-            table = trial;
-        }
-        let c = cli;
-        let overrides: [(&[&str], Option<Value>); 9] = [
-            (
-                &["data_dir"],
-                c.data_dir
-                    .as_ref()
-                    .map(|p| Value::String(p.display().to_string())),
-            ),
-            (&["http", "addr"], c.http_addr.clone().map(Value::String)),
-            (&["mqtt", "addr"], c.mqtt_addr.clone().map(Value::String)),
-            (&["kafka", "addr"], c.kafka_addr.clone().map(Value::String)),
-            (
-                &["log", "format"],
-                c.log_format.map(|f| {
-                    Value::String(match f {
-                        LogFormat::Text => "text".into(),
-                        LogFormat::Json => "json".into(),
-                    })
-                }),
-            ),
-            (&["log", "level"], c.log_level.clone().map(Value::String)),
-            (
-                &["relay", "upstream"],
-                c.relay_upstream.clone().map(Value::String),
-            ),
-            (
-                &["relay", "upstream_mqtt"],
-                c.relay_upstream_mqtt.clone().map(Value::String),
-            ),
-            (
-                &["relay", "downstream_addr"],
-                c.relay_downstream_addr.clone().map(Value::String),
-            ),
-        ];
-        for (path, value) in overrides {
-            if let Some(v) = value {
-                set_path(&mut table, path, v).map_err(ConfigError::Invalid)?;
-            }
-        }
-        let config = Self::from_table(table)?;
+        let (environment, ignored) = env_layer(&defaults, env)?;
+        let config: Self = figment
+            .merge(environment)
+            .merge(cli_layer(cli)?)
+            .extract()?;
         config.validate()?;
-        Ok(config)
-    }
-
-    /// Deserializes the merged layers. Going through TOML text (rather than `Value::try_into`)
-    /// makes type errors quote the offending `key = value` line.
-    fn from_table(table: Table) -> Result<Self, ConfigError> {
-        let parse_error = |message: String| ConfigError::Parse {
-            origin: "configuration".into(),
-            message,
-        };
-        let text = toml::to_string(&table).map_err(|e| parse_error(e.to_string()))?;
-        toml::from_str(&text).map_err(|e: toml::de::Error| parse_error(e.to_string()))
+        Ok((config, ignored))
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
@@ -500,46 +617,8 @@ impl Config {
                 Err(e) => return invalid(format!("{key} = {addr:?} is not HOST:PORT: {e}")),
             }
         }
-        if self.mqtt.max_packet_bytes < 1024 || self.mqtt.max_packet_bytes > 268_435_455 {
-            return invalid(
-                "mqtt.max_packet_bytes must be between 1024 and 268435455 (the MQTT maximum)"
-                    .into(),
-            );
-        }
-        if self.mqtt.receive_maximum == 0 {
-            return invalid(
-                "mqtt.receive_maximum must be between 1 and 65535 (MQTT 5: 0 is a protocol error)"
-                    .into(),
-            );
-        }
-        let k = &self.kafka;
-        if k.max_request_bytes < 1024 {
-            return invalid("kafka.max_request_bytes must be at least 1024".into());
-        }
-        if k.fetch_max_bytes < 1024 || k.fetch_max_partition_bytes < 1024 {
-            return invalid(
-                "kafka.fetch_max_bytes and kafka.fetch_max_partition_bytes must be at least 1024"
-                    .into(),
-            );
-        }
-        if k.max_groups == 0
-            || k.group_max_size == 0
-            || k.max_producer_ids == 0
-            || k.producer_id_expiration_ms == 0
-        {
-            return invalid(
-                "kafka.max_groups, kafka.group_max_size, kafka.max_producer_ids and kafka.producer_id_expiration_ms must be positive"
-                    .into(),
-            );
-        }
-        if k.group_min_session_timeout_ms == 0
-            || k.group_min_session_timeout_ms > k.group_max_session_timeout_ms
-        {
-            return invalid(
-                "kafka.group_min_session_timeout_ms must be positive and at most kafka.group_max_session_timeout_ms"
-                    .into(),
-            );
-        }
+        self.mqtt.validate().map_err(ConfigError::Invalid)?;
+        self.kafka.validate().map_err(ConfigError::Invalid)?;
         crate::security::validate(self).map_err(ConfigError::Invalid)?;
         if self.http.addr.is_empty()
             && self.mqtt.addr.is_empty()
@@ -940,9 +1019,45 @@ mod tests {
         let f = file("[topics.defaults]\nretention_hours = 3\n");
         let err = Config::load(Some(f.path()), env(&[]), &CliOverrides::default()).unwrap_err();
         assert!(err.to_string().contains("retention_hours"), "{err}");
-        let err =
-            Config::load(None, env(&[("SLUICE_NOPE", "1")]), &CliOverrides::default()).unwrap_err();
-        assert!(err.to_string().contains("SLUICE_NOPE"), "{err}");
+        // The file and the key are both named.
+        let f = file("[mqtt]\nrecieve_maximum = 3\n");
+        let err = Config::load(Some(f.path()), env(&[]), &CliOverrides::default()).unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.contains("mqtt.recieve_maximum") && text.contains(&f.path().display().to_string()),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn stray_sluice_variables_are_reported_not_fatal() {
+        // What Kubernetes gives every pod of a namespace with a Service named `sluice`, and a
+        // variable naming a whole section.
+        let (c, ignored) = Config::load_reporting(
+            None,
+            env(&[
+                ("SLUICE_PORT", "tcp://10.0.0.1:8080"),
+                ("SLUICE_PORT_8080_TCP_ADDR", "10.0.0.1"),
+                ("SLUICE_SERVICE_HOST", "10.0.0.1"),
+                ("SLUICE_MQTT", "on"),
+                ("SLUICE_MQTT__ADDR", "127.0.0.1:2883"),
+            ]),
+            &CliOverrides::default(),
+        )
+        .unwrap();
+        assert_eq!(c.mqtt.addr, "127.0.0.1:2883", "the real key still applies");
+        let names: Vec<&str> = ignored.iter().map(|v| v.0.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "SLUICE_MQTT",
+                "SLUICE_PORT",
+                "SLUICE_PORT_8080_TCP_ADDR",
+                "SLUICE_SERVICE_HOST"
+            ]
+        );
+        let (_, none) = Config::load_reporting(None, env(&[]), &CliOverrides::default()).unwrap();
+        assert!(none.is_empty());
     }
 
     #[test]
@@ -974,13 +1089,20 @@ mod tests {
                 "kafka.producer_id_expiration_ms",
             ),
             ("data_dir = 5\n", "data_dir"),
-            ("not toml at all", "key"),
+            ("not toml at all", "line 1, column 5"),
         ];
         for (text, needle) in cases {
             let f = file(text);
             let err = Config::load(Some(f.path()), env(&[]), &CliOverrides::default()).unwrap_err();
             assert!(err.to_string().contains(needle), "{text:?} gave {err}");
         }
+        // A layer's error names its file.
+        let f = file("not toml at all");
+        let err = Config::load(Some(f.path()), env(&[]), &CliOverrides::default()).unwrap_err();
+        assert!(
+            err.to_string().contains(&f.path().display().to_string()),
+            "{err}"
+        );
         let err = Config::load(
             None,
             env(&[("SLUICE_TOPICS__DEFAULTS__RETENTION_MS", "soon")]),

@@ -108,11 +108,15 @@ struct RelayOpts {
 }
 
 impl Opts {
-    fn load(&self) -> Result<Config, config::ConfigError> {
+    fn load(&self) -> Result<(Config, Vec<config::IgnoredVar>), config::ConfigError> {
         self.load_with(None)
     }
 
-    fn load_with(&self, relay: Option<&RelayOpts>) -> Result<Config, config::ConfigError> {
+    /// The configuration, and the `SLUICE_*` variables that named no key.
+    fn load_with(
+        &self,
+        relay: Option<&RelayOpts>,
+    ) -> Result<(Config, Vec<config::IgnoredVar>), config::ConfigError> {
         let file = self
             .config
             .clone()
@@ -128,7 +132,7 @@ impl Opts {
             relay_upstream_mqtt: relay.and_then(|r| r.upstream_mqtt.clone()),
             relay_downstream_addr: relay.and_then(|r| r.downstream_addr.clone()),
         };
-        Config::load(file.as_deref(), std::env::vars(), &cli)
+        Config::load_reporting(file.as_deref(), std::env::vars(), &cli)
     }
 }
 
@@ -164,9 +168,11 @@ fn main() -> ExitCode {
     };
     let reload: security::LoadConfig = Box::new(move || {
         let (opts, relay) = &reload_with;
-        opts.load_with(relay.as_ref()).map_err(|e| e.to_string())
+        opts.load_with(relay.as_ref())
+            .map(|(config, _)| config)
+            .map_err(|e| e.to_string())
     });
-    let config = match loaded {
+    let (config, ignored_env) = match loaded {
         Ok(c) => c,
         Err(e) => {
             eprintln!("sluice: {e}");
@@ -220,6 +226,12 @@ fn main() -> ExitCode {
         }
     }
     init_logging(&config);
+    for var in ignored_env {
+        tracing::warn!(
+            var = var.0,
+            "environment variable ignored: it names no configuration key (a SLUICE_* variable set for something else, such as a Kubernetes service's SLUICE_PORT)"
+        );
+    }
     let mut builder = tokio::runtime::Builder::new_multi_thread();
     builder.enable_all();
     if config.runtime.worker_threads > 0 {

@@ -316,6 +316,40 @@ fn runtime_worker_threads_come_from_the_config() {
     assert_eq!(worker_threads(&g), cores);
 }
 
+/// Kubernetes gives every pod of a namespace with a Service named `sluice` variables such as
+/// `SLUICE_PORT=tcp://10.0.0.1:8080`: the gateway starts, and says which it left out.
+#[test]
+fn stray_sluice_variables_of_an_orchestrator_do_not_stop_the_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let args = [
+        "--data-dir",
+        dir.path().to_str().unwrap(),
+        "--http-addr",
+        "127.0.0.1:0",
+        "--kafka-addr",
+        "127.0.0.1:0",
+        "--mqtt-addr",
+        "127.0.0.1:0",
+    ];
+    let env = [
+        ("SLUICE_PORT", "tcp://10.0.0.1:8080"),
+        ("SLUICE_PORT_8080_TCP", "tcp://10.0.0.1:8080"),
+        ("SLUICE_SERVICE_HOST", "10.0.0.1"),
+        ("SLUICE_SERVICE_PORT", "8080"),
+    ];
+    let mut g = Gateway::launch(&args, &env);
+    g.read_until(|l| l.ends_with(" ready"));
+    for (var, _) in env {
+        assert!(
+            g.seen
+                .iter()
+                .any(|l| l.contains("environment variable ignored") && l.contains(var)),
+            "{var} not reported: {:#?}",
+            g.seen
+        );
+    }
+}
+
 #[test]
 fn configuration_errors_stop_the_start_with_a_clear_message() {
     let dir = tempfile::tempdir().unwrap();

@@ -88,3 +88,37 @@ pub struct KafkaSettings {
     #[serde(skip)]
     pub security: sluice_core::auth::SecurityHandle,
 }
+
+impl KafkaSettings {
+    /// Checks the values no listener could run with; the message names the key.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.max_request_bytes < 1024 {
+            return Err("kafka.max_request_bytes must be at least 1024".into());
+        }
+        if self.fetch_max_bytes < 1024 || self.fetch_max_partition_bytes < 1024 {
+            return Err(
+                "kafka.fetch_max_bytes and kafka.fetch_max_partition_bytes must be at least 1024"
+                    .into(),
+            );
+        }
+        if self.max_groups == 0
+            || self.group_max_size == 0
+            || self.max_producer_ids == 0
+            || self.producer_id_expiration_ms == 0
+        {
+            return Err(
+                "kafka.max_groups, kafka.group_max_size, kafka.max_producer_ids and kafka.producer_id_expiration_ms must be positive"
+                    .into(),
+            );
+        }
+        if self.group_min_session_timeout_ms == 0
+            || self.group_min_session_timeout_ms > self.group_max_session_timeout_ms
+        {
+            return Err(
+                "kafka.group_min_session_timeout_ms must be positive and at most kafka.group_max_session_timeout_ms"
+                    .into(),
+            );
+        }
+        Ok(())
+    }
+}

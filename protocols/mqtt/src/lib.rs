@@ -80,6 +80,25 @@ pub struct MqttSettings {
     pub receive_maximum: u16,
 }
 
+impl MqttSettings {
+    /// Checks the values no listener could run with; the message names the key.
+    pub fn validate(&self) -> Result<(), String> {
+        if !(1024..=268_435_455).contains(&self.max_packet_bytes) {
+            return Err(
+                "mqtt.max_packet_bytes must be between 1024 and 268435455 (the MQTT maximum)"
+                    .into(),
+            );
+        }
+        if self.receive_maximum == 0 {
+            return Err(
+                "mqtt.receive_maximum must be between 1 and 65535 (MQTT 5: 0 is a protocol error)"
+                    .into(),
+            );
+        }
+        Ok(())
+    }
+}
+
 /// Entry point for fuzzing the packet decoder: a CONNECT (to pick the version) followed by any
 /// bytes. Not part of the API.
 #[doc(hidden)]
