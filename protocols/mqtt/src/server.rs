@@ -42,7 +42,7 @@ pub struct MqttMetrics {
     /// (1,024 publishes or 64 MiB of payload): backpressure on a publisher.
     pub reads_paused: AtomicU64,
     /// Publishes whose payload was read from the socket straight into its ledger batch (large
-    /// ones; see `session::LAND_MIN`).
+    /// ones; see `session::inbound::LAND_MIN`).
     pub publishes_landed: AtomicU64,
     pub deliveries: AtomicU64,
     /// Of `deliveries`, those the live fan-out wrote itself, without waking the connection.

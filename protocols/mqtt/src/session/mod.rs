@@ -1,0 +1,1113 @@
+//! One MQTT connection: CONNECT, then a loop that reads packets, writes deliveries and watches
+//! the keep-alive, a takeover by the same client id and the gateway's shutdown. This file is
+//! the connection and its loop; the rest is in three files along the two data paths:
+//! - `connect`: signing in, taking a client id over, the session resumed, saved or ended, wills;
+//! - `inbound`: the publish path, PUBLISH → ledger → PUBACK/PUBREC once durable;
+//! - `outbound`: the delivery path, subscriptions, feeds and PUBLISHes written to the client.
+//!
+//! Publishes are appended to the ledger and acknowledged (PUBACK, PUBREC) only once durable
+//! under the topic's policy. Each subscription draws from every ledger topic its filter may
+//! match, through one of two feeds:
+//! - live: a live subscriber per partition (O(1), no state), for QoS 0 and for clean sessions;
+//! - durable: a named subscription of the core (a persisted cursor with acknowledgements), for
+//!   QoS 1/2 subscriptions of persistent sessions (offline messages come from the log) and for
+//!   shared subscriptions (`$share/group/filter`, one shared subscription per group).
+//!
+//! Small forwarding tasks pass matching records to the connection, which writes each PUBLISH as
+//! a header it encodes plus the record's payload `Bytes`, shared with every other subscriber, in
+//! one vectored write. A TCP connection that follows one live QoS 0 or QoS 1 feed and has
+//! nothing else to do lends its write half to the feed while it sleeps, and the ring's fan-out
+//! task writes those deliveries itself (`direct`).
+
+use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::io::IoSlice;
+use std::os::fd::RawFd;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use bytes::{Buf, Bytes, BytesMut};
+use futures_util::FutureExt;
+use sluice_core::auth::{Action, AuthError, Principal, Resource, Security};
+use sluice_core::{
+    Consumer, CoreError, DecodedRecord, InitialPosition, LiveOptions, MessageId, OpenRecord,
+    PartitionChoice, Record, SlowPolicy, StartAt, SubscribeOptions, SubscriptionType,
+};
+use sluice_net::{Deadlines, WriteDeadline};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::sync::{Notify, mpsc, watch};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use tracing::{debug, warn};
+
+use crate::acks::{self, HeldAcks, Waiting};
+use crate::alias::{Naming, OutAliases};
+use crate::codec::{
+    self, Ack, ConnackProps, Connect, DecodeError, Head, In, Props, Publish, PublishHead,
+    SubFilter, Version, reason,
+};
+use crate::direct::{Conn, DirectWriter};
+use crate::message::{self, Origin};
+use crate::retained::{Cap, Queued, RetainedMsg};
+use crate::server::{
+    EGRESS_BUDGET, EGRESS_UNIT, LARGE_PAYLOAD, MqttMetrics, MqttServer, Registered,
+};
+use crate::sessions::{AwaitingRelease, SavedSession, SavedSub};
+use crate::topic;
+
+mod connect;
+mod inbound;
+mod outbound;
+
+pub(crate) use connect::delete_cursors;
+use connect::*;
+use inbound::*;
+pub(crate) use outbound::*;
+
+/// Why the connection ends.
+#[derive(Debug)]
+enum End {
+    /// DISCONNECT from the client (without reason 0x04): no will.
+    Graceful,
+    /// Anything else: the will (if any) is published.
+    Abrupt(String),
+    /// The gateway is stopping.
+    Shutdown,
+}
+
+struct Session<'a, S> {
+    server: &'a Arc<MqttServer>,
+    stream: S,
+    peer: String,
+    /// Who the client signed in as, and the access rules in force when it did.
+    principal: Principal,
+    security: Arc<Security>,
+    /// The connection's publish rates (`mqtt.max_publish_rate`, `max_publish_bytes_rate`).
+    rate: Option<sluice_net::RateLimit>,
+    version: Version,
+    client_id: String,
+    keep_alive: Duration,
+    will: Option<codec::Will>,
+    /// The session has state beyond this connection: durable cursors for its QoS 1/2
+    /// subscriptions, and a record in the sessions store. A session resumed with a Session
+    /// Expiry of 0 is one until this connection ends (its offline messages come from its
+    /// cursors), and then it ends too.
+    persistent: bool,
+    /// The session's expiry at the next disconnect (MQTT 5 §3.1.2.11.2): CONNECT's, or a
+    /// DISCONNECT's that changed it; `u32::MAX` for a 3.1.1 session without clean session.
+    expiry_secs: u32,
+    /// The Session Expiry Interval CONNECT gave (a DISCONNECT may not raise 0).
+    connect_expiry: u32,
+    /// The keep-alive CONNACK tells the client to use instead of its own (`max_keep_alive_s`).
+    server_keep_alive: Option<u16>,
+    max_packet: usize,
+    client_max_packet: Option<usize>,
+    receive_max: usize,
+    /// The listener runtime's deadlines: `write` bounds every write, `request` a packet once
+    /// its first byte has come.
+    deadlines: Deadlines,
+    subs: HashMap<String, Subscription>,
+    /// The durable forwarders' channel, made when the first one starts. A connection with live
+    /// feeds alone has none: it never polls an empty channel (2.5% of the broker's CPU in a
+    /// 19,000-subscriber profile when it did), and it does not hold the channel's first block
+    /// (32 deliveries, about 6 KB) for nothing.
+    forwarded: Option<(mpsc::Sender<Delivery>, mpsc::Receiver<Delivery>)>,
+    /// Outgoing QoS 1/2 deliveries awaiting PUBACK / PUBCOMP: whether each is QoS 2, and what
+    /// to acknowledge when it is.
+    inflight: HashMap<u16, (bool, Option<Acker>)>,
+    /// How many of `inflight` are QoS 2 (their PUBREC must wake the connection).
+    qos2_out: usize,
+    /// A TCP connection's receive mark, raised while it owes only PUBACKs.
+    held: Option<HeldAcks>,
+    next_pkid: u16,
+    /// QoS 2 publishes received (PUBREC sent) and not yet released. A persistent session's
+    /// set is the session's (see `Sessions::awaiting_release`): shared with a connection that
+    /// takes this one over and saved with the session record.
+    qos2_in: AwaitingRelease,
+    aliases: HashMap<u16, String>,
+    /// Topic aliases on the PUBLISHes this connection sends; lent to a parked writer.
+    out_aliases: OutAliases,
+    /// QoS 1 publishes received and not acknowledged yet: with `qos2_in`, what counts
+    /// against `mqtt.receive_maximum`.
+    qos1_in: usize,
+    /// Publishes queued for the ledger, in arrival order, awaiting durability.
+    pending: VecDeque<PendingPublish>,
+    /// Payload bytes of `pending`.
+    pending_bytes: usize,
+    /// Whether the last loop turn left the socket unread because `pending` was full.
+    paused: bool,
+    /// Live deliveries taken from a feed and not written yet (a batch may hold several, and
+    /// QoS 1/2 ones wait for room in the client's receive window).
+    live_queue: VecDeque<Delivery>,
+    /// A live feed's writer is parked with the stream's write half (`direct`): the connection
+    /// takes it back before it writes anything.
+    parked: bool,
+    out: BytesMut,
+    /// A large publish whose payload is being read straight into its ledger batch.
+    landing: Option<Landing>,
+}
+
+/// A connection's read buffer to begin with. A subscriber reads nothing but acknowledgements
+/// and pings, and 4 KB held for each of 100,000 of them would be 400 MB.
+const INBUF_START: usize = 512;
+/// The most one read asks for once reads keep filling the buffer (a publisher's stream), and
+/// the room made for a publish's head.
+const INBUF_READ: usize = 4096;
+
+/// How much room the next read gets, after a read of `n` bytes into `offered` bytes of room.
+/// Only a full-size offer that is filled counts: the tail of a buffer being used up is filled
+/// by any read, a subscriber's too.
+fn next_read_size(read_size: usize, offered: usize, n: usize) -> usize {
+    if n >= offered && offered >= read_size {
+        (read_size * 2).min(INBUF_READ)
+    } else {
+        read_size
+    }
+}
+
+impl<S> Drop for Session<'_, S> {
+    fn drop(&mut self) {
+        // Publishes still pending when the connection ends are queued and will be stored; they
+        // no longer hold this connection back.
+        self.server
+            .metrics
+            .pending_publish_bytes
+            .fetch_sub(self.pending_bytes as u64, Ordering::Relaxed);
+    }
+}
+
+/// Serves one connection (TCP or WebSocket) to its end.
+/// `fd` is the socket of a TCP connection (none for other streams): its PUBACKs may wait in it
+/// (see `acks`).
+pub(crate) async fn run<S: Conn>(
+    server: &Arc<MqttServer>,
+    mut stream: S,
+    fd: Option<RawFd>,
+    deadlines: Deadlines,
+    peer: String,
+    certified: Option<Principal>,
+    mut shutdown: watch::Receiver<bool>,
+) -> std::io::Result<()> {
+    let max = server.settings.max_packet_bytes;
+    let mut inbuf = BytesMut::with_capacity(INBUF_START);
+    let connect_deadline =
+        Instant::now() + Duration::from_millis(server.settings.connect_timeout_ms);
+    // CONNECT first: its protocol level picks the codec.
+    let (version, connect, head) = loop {
+        if !inbuf.is_empty() {
+            match codec::connect_version(&inbuf) {
+                Ok(v) => {
+                    // A relay may pass the connection on to its upstream: the bytes read so
+                    // far, CONNECT included, go along.
+                    let head = server
+                        .upstream
+                        .as_ref()
+                        .map(|_| Bytes::copy_from_slice(&inbuf));
+                    match codec::read(&mut inbuf, v, max) {
+                        Ok(In::Connect(c)) => break (v, c, head),
+                        Ok(_) => {
+                            return reject(
+                                server,
+                                &mut stream,
+                                deadlines,
+                                v,
+                                reason::PROTOCOL_ERROR,
+                            )
+                            .await;
+                        }
+                        Err(DecodeError::Incomplete(_)) => {}
+                        Err(DecodeError::TooLarge { .. }) => {
+                            return reject(
+                                server,
+                                &mut stream,
+                                deadlines,
+                                v,
+                                reason::PACKET_TOO_LARGE,
+                            )
+                            .await;
+                        }
+                        Err(_) => {
+                            return reject(server, &mut stream, deadlines, v, reason::MALFORMED)
+                                .await;
+                        }
+                    }
+                }
+                Err(DecodeError::Incomplete(_)) => {}
+                Err(DecodeError::UnsupportedProtocol(_)) => {
+                    // Answered in the oldest form every client version understands.
+                    return reject(
+                        server,
+                        &mut stream,
+                        deadlines,
+                        Version::V4,
+                        reason::UNSUPPORTED_VERSION,
+                    )
+                    .await;
+                }
+                Err(_) => {
+                    server.metrics.bad_packets.fetch_add(1, Ordering::Relaxed);
+                    return Ok(());
+                }
+            }
+        }
+        let read = tokio::select! {
+            r = stream.read_buf(&mut inbuf) => r?,
+            _ = tokio::time::sleep_until(connect_deadline) => {
+                server.metrics.timeouts.connect.fetch_add(1, Ordering::Relaxed);
+                return Ok(());
+            }
+            () = stopped(&mut shutdown) => return Ok(()),
+        };
+        if read == 0 {
+            return Ok(());
+        }
+        server
+            .metrics
+            .bytes_in
+            .fetch_add(read as u64, Ordering::Relaxed);
+    };
+    server.metrics.packets_in.add(0x10);
+    // MQTT 5 enhanced authentication (AUTH exchanges) is not offered: a client asking for a
+    // method is refused with the reason made for it (§4.12), not let in unauthenticated.
+    if connect.auth_method.is_some() {
+        return reject(
+            server,
+            &mut stream,
+            deadlines,
+            version,
+            reason::BAD_AUTHENTICATION_METHOD,
+        )
+        .await;
+    }
+    // Who the client is, and whether it may use its client id and will, before anything
+    // else: a relay passes nothing upstream for a client it would refuse.
+    let security = server.settings.security.current();
+    let principal = match authenticate(server, &security, &connect, &peer, certified).await {
+        Ok(p) => p,
+        Err(code) => {
+            let mut out = BytesMut::new();
+            codec::connack(version, false, code, max_packet_only(max), &mut out);
+            server.metrics.packets_out.add(0x20);
+            return write_within(&mut stream, deadlines.write, &server.metrics, &out, &[]).await;
+        }
+    };
+    // A user's connections are capped (MQTT and Kafka together); the place is held for as
+    // long as this connection lives, spliced or not.
+    let _user_slot = match server.settings.security.admit(&principal) {
+        Ok(slot) => slot,
+        Err(too_many) => {
+            server.metrics.authz_denied.fetch_add(1, Ordering::Relaxed);
+            if let Some(unlogged) = server.refusals.admit() {
+                warn!(
+                    peer,
+                    user = principal.name(),
+                    max = too_many.max,
+                    unlogged,
+                    "mqtt connection refused: the user holds its most connections (auth.max_connections_per_user)"
+                );
+            }
+            let mut out = BytesMut::new();
+            codec::connack(
+                version,
+                false,
+                reason::QUOTA_EXCEEDED,
+                max_packet_only(max),
+                &mut out,
+            );
+            server.metrics.packets_out.add(0x20);
+            return write_within(&mut stream, deadlines.write, &server.metrics, &out, &[]).await;
+        }
+    };
+    if let (Some(upstream), Some(head)) = (&server.upstream, head)
+        && wants_persistent_session(&connect)
+    {
+        // The upstream keeps the session and its durable cursor; the relay keeps nothing.
+        return match upstream.open_splice(&head).await {
+            Ok(up) => {
+                upstream
+                    .splice(&mut stream, up, deadlines.write, &mut shutdown)
+                    .await
+            }
+            Err(e) => {
+                warn!(peer, upstream = upstream.addr(), error = %e, "relay: upstream unreachable for a persistent session");
+                reject(
+                    server,
+                    &mut stream,
+                    deadlines,
+                    version,
+                    reason::SERVER_UNAVAILABLE,
+                )
+                .await
+            }
+        };
+    }
+    // A client asking for a longer keep-alive than the server's maximum, or for none, is held
+    // to the maximum: told so in CONNACK (MQTT 5), or not (3.1.1, which cannot say it).
+    let max_keep_alive = server.settings.max_keep_alive_s;
+    let (keep_alive, server_keep_alive) =
+        if max_keep_alive > 0 && (connect.keep_alive == 0 || connect.keep_alive > max_keep_alive) {
+            (
+                max_keep_alive,
+                (version == Version::V5).then_some(max_keep_alive),
+            )
+        } else {
+            (connect.keep_alive, None)
+        };
+    let keep_alive = Duration::from_secs(u64::from(keep_alive));
+    let mut s = Session {
+        server,
+        stream,
+        peer,
+        principal,
+        security,
+        rate: sluice_net::RateLimit::new(sluice_net::Rates {
+            messages_per_second: server.settings.max_publish_rate,
+            bytes_per_second: server.settings.max_publish_bytes_rate,
+        }),
+        version,
+        client_id: String::new(),
+        keep_alive,
+        will: None,
+        persistent: false,
+        expiry_secs: 0,
+        connect_expiry: connect.session_expiry,
+        server_keep_alive,
+        max_packet: max,
+        client_max_packet: connect.max_packet_size.map(|m| m as usize),
+        receive_max: usize::from(connect.receive_max.max(1)),
+        deadlines,
+        subs: HashMap::new(),
+        forwarded: None,
+        inflight: HashMap::new(),
+        qos2_out: 0,
+        held: fd.map(|fd| HeldAcks::new(fd, keep_alive)),
+        next_pkid: 0,
+        qos2_in: AwaitingRelease::default(),
+        aliases: HashMap::new(),
+        out_aliases: OutAliases::new(connect.topic_alias_max),
+        qos1_in: 0,
+        pending: VecDeque::new(),
+        pending_bytes: 0,
+        paused: false,
+        live_queue: VecDeque::new(),
+        parked: false,
+        out: BytesMut::with_capacity(256),
+        landing: None,
+    };
+    // Boxed, like the other rare or publisher-only steps below: a future holds room for its
+    // largest step for as long as it lives, and an idle subscriber's connection should not
+    // carry those steps' kilobytes.
+    let connection = server.connection_id();
+    let kick = Arc::new(Notify::new());
+    // Dropped when this function returns, after the session is saved or ended and the will
+    // handled: a connection taking this one over waits for that.
+    let (_ended, ended) = watch::channel(());
+    let me = Registered {
+        connection,
+        kick: kick.clone(),
+        ended,
+    };
+    let accepted = Box::pin(s.accept(connect, me)).await;
+    if !matches!(accepted, Ok(true)) {
+        // Refused (or failed) after it may have registered: the client id is free again.
+        server
+            .clients
+            .remove_if(&s.client_id, |_, r| r.connection == connection);
+        return accepted.map(|_| ());
+    }
+    let end = s.serve(inbuf, &kick, &mut shutdown).await;
+    let taken_over = server
+        .clients
+        .remove_if(&s.client_id, |_, r| r.connection == connection)
+        .is_none();
+    // The expiry in force now governs the session (MQTT 5 §3.1.2.11.2): kept, or ended with
+    // the connection. Also after a takeover: the new connection waits for this before it
+    // reads the session.
+    if s.persistent && s.expiry_secs > 0 {
+        s.save_session(Some(server.engine.now_ms())).await;
+        // Dropping the subscriptions stops their feeds; durable ones keep their cursors.
+        s.subs.clear();
+    } else if s.persistent {
+        let ended = s.saved_now(None);
+        s.detach_all().await;
+        s.discard_session(&ended).await;
+    } else {
+        s.subs.clear();
+        // A new connection holds the set now.
+        if !taken_over {
+            server.sessions.forget_awaiting_release(&s.client_id);
+        }
+    }
+    match end {
+        Ok(End::Graceful | End::Shutdown) => {}
+        Ok(End::Abrupt(why)) => {
+            debug!(
+                peer = s.peer,
+                client = s.client_id,
+                why,
+                "mqtt connection lost"
+            );
+            s.publish_will();
+        }
+        Err(e) => {
+            debug!(peer = s.peer, client = s.client_id, error = %e, "mqtt connection failed");
+            s.publish_will();
+        }
+    }
+    Ok(())
+}
+
+/// The connection's own writer back from its live subscriber (only a [`DirectWriter`] is ever
+/// parked there), with what it held returned: the write half to `stream`, the packet ids it
+/// did not use to the window (`inflight`), the receive mark's state to `held`, and the topic
+/// aliases to `aliases`.
+fn writer_home<S: Conn>(
+    sink: Box<dyn sluice_core::DirectSink>,
+    stream: &mut S,
+    inflight: &mut HashMap<u16, (bool, Option<Acker>)>,
+    held: &mut Option<HeldAcks>,
+    aliases: &mut OutAliases,
+) -> Box<DirectWriter> {
+    let mut sink: Box<DirectWriter> = sink
+        .into_any()
+        .downcast()
+        .expect("a connection parks only its DirectWriter");
+    if let Some(w) = sink.writer.take() {
+        stream.restore(w);
+    }
+    *aliases = std::mem::take(&mut sink.aliases);
+    for pkid in sink.pkids.drain(..) {
+        inflight.remove(&pkid);
+    }
+    if let (Some(hold), Some(held)) = (sink.hold.take(), held.as_mut()) {
+        held.assume(hold.mark());
+    }
+    sink
+}
+
+/// Resolves once the gateway begins to stop (without holding the watch's guard).
+async fn stopped(shutdown: &mut watch::Receiver<bool>) {
+    let _ = shutdown.wait_for(|&s| s).await;
+}
+
+/// Reads what has arrived: into the landing batch while one is open (never past its payload),
+/// else into the connection's buffer. Cancel-safe, as `read_buf` is.
+async fn read_some<S: AsyncRead + Unpin>(
+    stream: &mut S,
+    inbuf: &mut BytesMut,
+    landing: &mut Option<Landing>,
+) -> std::io::Result<usize> {
+    match landing {
+        Some(l) => stream.read_buf(&mut l.record.value().value_buf()).await,
+        None => stream.read_buf(inbuf).await,
+    }
+}
+
+/// Writes `head` then `body` as [`write_all_vectored`] does, failing once the peer has taken
+/// nothing of them for `limit` (the listener runtime's write deadline, counted). No DISCONNECT
+/// follows such a failure: the socket takes nothing, and a PUBLISH may be cut short in it.
+async fn write_within<S: AsyncWrite + Unpin>(
+    stream: &mut S,
+    limit: Duration,
+    metrics: &MqttMetrics,
+    head: &[u8],
+    body: &[u8],
+) -> std::io::Result<()> {
+    let r = write_all_vectored(&mut WriteDeadline::new(stream, limit), head, body).await;
+    if r.as_ref()
+        .is_err_and(|e| e.kind() == std::io::ErrorKind::TimedOut)
+    {
+        metrics.timeouts.write.fetch_add(1, Ordering::Relaxed);
+    }
+    r
+}
+
+/// Writes `head` then `body` completely, with vectored writes and no copy of `body`.
+async fn write_all_vectored<S: AsyncWrite + Unpin>(
+    stream: &mut S,
+    head: &[u8],
+    body: &[u8],
+) -> std::io::Result<()> {
+    let total = head.len() + body.len();
+    let mut written = 0;
+    while written < total {
+        let n = if written < head.len() {
+            let slices = [IoSlice::new(&head[written..]), IoSlice::new(body)];
+            stream.write_vectored(&slices).await?
+        } else {
+            stream.write(&body[written - head.len()..]).await?
+        };
+        if n == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        written += n;
+    }
+    stream.flush().await
+}
+
+impl<S: Conn> Session<'_, S> {
+    async fn flush(&mut self) -> std::io::Result<()> {
+        if self.out.is_empty() {
+            return Ok(());
+        }
+        let m = &self.server.metrics;
+        write_within(&mut self.stream, self.deadlines.write, m, &self.out, &[]).await?;
+        for first in codec::first_bytes(&self.out) {
+            m.packets_out.add(first);
+        }
+        m.bytes_out
+            .fetch_add(self.out.len() as u64, Ordering::Relaxed);
+        self.out.clear();
+        Ok(())
+    }
+
+    async fn serve(
+        &mut self,
+        mut inbuf: BytesMut,
+        kick: &Notify,
+        shutdown: &mut watch::Receiver<bool>,
+    ) -> std::io::Result<End> {
+        let mut deadline = self.keep_alive_deadline();
+        // When the packet whose first bytes are in (in `inbuf` or landing) must be whole: a
+        // client that begins a packet and stalls is closed at the request deadline, whatever
+        // its keep-alive (which governs the time between packets).
+        let mut packet_due: Option<Instant> = None;
+        let mut read_size = INBUF_START;
+        // The timer and the two signals are made once, not per loop turn: a delivery wakes this
+        // loop once per message per subscriber, and re-registering a timer and two waiters on
+        // every turn cost more than the delivery's own work. The timer follows the earlier of
+        // the keep-alive deadline and the PUBACK hold's: moving a registered tokio timer later
+        // is one compare-and-swap (no lock, no wake-up), so it fires only once one has passed.
+        let far = Instant::now() + Duration::from_secs(86_400 * 365);
+        let timer = tokio::time::sleep_until(deadline.unwrap_or(far));
+        let kicked = kick.notified();
+        let stop = stopped(shutdown);
+        tokio::pin!(timer, kicked, stop);
+        loop {
+            // Packets already buffered (CONNECT may have arrived with more behind it).
+            while let Some(&first) = inbuf.first() {
+                match codec::read(&mut inbuf, self.version, self.max_packet) {
+                    Ok(packet) => {
+                        self.server.metrics.packets_in.add(first);
+                        deadline = self.keep_alive_deadline();
+                        packet_due = None;
+                        if let Some(end) = self.handle(packet).await? {
+                            return Ok(end);
+                        }
+                    }
+                    Err(DecodeError::Incomplete(more)) => {
+                        self.landing = Box::pin(self.land(&mut inbuf, more)).await;
+                        break;
+                    }
+                    Err(e) => {
+                        self.server
+                            .metrics
+                            .bad_packets
+                            .fetch_add(1, Ordering::Relaxed);
+                        warn!(peer = self.peer, client = self.client_id, error = %e, "bad mqtt packet; closing the connection");
+                        let code = match e {
+                            DecodeError::TooLarge { .. } => reason::PACKET_TOO_LARGE,
+                            _ => reason::MALFORMED,
+                        };
+                        codec::disconnect(self.version, code, &mut self.out);
+                        self.flush().await?;
+                        return Ok(End::Abrupt(e.to_string()));
+                    }
+                }
+            }
+            // Live deliveries already taken from a feed go out first, as the window allows.
+            while self.inflight.len() < self.receive_max {
+                let Some(d) = self.live_queue.pop_front() else {
+                    break;
+                };
+                self.deliver(d).await?;
+            }
+            let can_deliver = self.inflight.len() < self.receive_max;
+            let can_take_live = can_deliver && self.live_queue.is_empty();
+            let can_forward = can_deliver && self.forwarded.is_some();
+            // An MQTT 3.1.1 client is not told the receive maximum: its QoS 1 publishes past
+            // it wait in the socket. An MQTT 5 client's are read, to refuse them (0x93).
+            let can_read = self.pending.len() < MAX_PENDING_PUBLISHES
+                && self.pending_bytes < MAX_PENDING_BYTES
+                && (self.version == Version::V5
+                    || self.qos1_in < usize::from(self.server.settings.receive_maximum));
+            if !can_read && !self.paused {
+                self.server
+                    .metrics
+                    .reads_paused
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+            self.paused = !can_read;
+            // The clock runs from the read that brought a packet's first bytes, and not while
+            // reads are paused here (the rest cannot come then): it starts again after.
+            packet_due = if !can_read || (inbuf.is_empty() && self.landing.is_none()) {
+                None
+            } else {
+                packet_due.or_else(|| Some(Instant::now() + self.deadlines.request))
+            };
+            // A read that fills all it was offered says more is waiting: room is made for
+            // twice as much, up to INBUF_READ. Room is made once less than half the read size
+            // is left, so a subscriber reading one PUBACK at a time does not reserve on every
+            // read, and a publisher's read is not cut down to the rest of one packet. Reads
+            // into a landing batch size themselves.
+            let offered = if self.landing.is_none() {
+                if inbuf.capacity() - inbuf.len() < read_size / 2 {
+                    inbuf.reserve(read_size);
+                }
+                inbuf.capacity() - inbuf.len()
+            } else {
+                usize::MAX
+            };
+            // While the window has room and only live QoS 1 deliveries are owed, their PUBACKs
+            // wait in the socket for the next wake-up instead of making one each (`acks`).
+            let hold_until = match self.held.as_mut() {
+                Some(held) => {
+                    let owed = self.inflight.len();
+                    // Not while reads are paused for queued publishes: the read at the next
+                    // delivery would take in more of them.
+                    let hold = can_read
+                        && owed < self.receive_max
+                        && self.qos2_out == 0
+                        && self.forwarded.is_none()
+                        && inbuf.is_empty()
+                        && self.landing.is_none();
+                    held.set(if hold { acks::mark_for(owed) } else { 1 })?;
+                    held.hold_until()
+                }
+                None => None,
+            };
+            // After the mark is set: from here the parked writer raises it as it writes, and
+            // the connection wakes for the hold's end by then at the latest.
+            let hold_until = if can_take_live && inbuf.is_empty() && self.park() {
+                hold_until.or(self.held.as_ref().map(|h| Instant::now() + h.hold()))
+            } else {
+                hold_until
+            };
+            let due = [deadline, hold_until, packet_due]
+                .into_iter()
+                .flatten()
+                .min()
+                .unwrap_or(far);
+            if due != timer.deadline() {
+                timer.as_mut().reset(due);
+            }
+            let parked = self.parked;
+            tokio::select! {
+                Some(done) = first_done(&mut self.pending), if !self.pending.is_empty() => {
+                    self.unpark().await?;
+                    // Every publish stored by now is acknowledged in the same write: one write
+                    // per PUBACK cost a system call per image while the socket went unread.
+                    let mut acked = self.acknowledge(done);
+                    while acked.is_ok() {
+                        let Some(done) = first_done(&mut self.pending).now_or_never().flatten()
+                        else {
+                            break;
+                        };
+                        acked = self.acknowledge(done);
+                    }
+                    self.flush().await?;
+                    acked?;
+                }
+                r = read_some(&mut self.stream, &mut inbuf, &mut self.landing), if can_read => {
+                    self.unpark().await?;
+                    let n = r?;
+                    if n == 0 {
+                        return Ok(End::Abrupt("connection closed without DISCONNECT".into()));
+                    }
+                    self.server.metrics.bytes_in.fetch_add(n as u64, Ordering::Relaxed);
+                    read_size = next_read_size(read_size, offered, n);
+                    if let Some(landed) = self
+                        .landing
+                        .take_if(|l| l.record.value().value_missing() == 0)
+                    {
+                        deadline = self.keep_alive_deadline();
+                        Box::pin(self.publish_landed(landed)).await;
+                    }
+                }
+                Some(d) = forwarded(&mut self.forwarded), if can_forward => {
+                    self.unpark().await?;
+                    self.deliver(d).await?;
+                }
+                () = next_live(&mut self.subs, &mut self.live_queue, parked), if can_take_live => {
+                    self.unpark().await?;
+                    // The PUBACKs held in the socket, every few deliveries (`acks`), and before
+                    // the window would turn these away: reading them makes room in it.
+                    let owed = self.inflight.len();
+                    let due = owed + self.live_queue.len() > self.receive_max
+                        || self
+                            .held
+                            .as_ref()
+                            .is_some_and(|h| h.due(owed, Instant::now()));
+                    if due && self.read_held(&mut inbuf)? == Waiting::Closed {
+                        return Ok(End::Abrupt("connection closed without DISCONNECT".into()));
+                    }
+                }
+                () = &mut timer, if due != far => {
+                    self.unpark().await?;
+                    // Held as long as allowed: read what waits, and handle it before anything
+                    // else (it may be the PINGREQ that keeps the connection alive).
+                    match self.read_held(&mut inbuf)? {
+                        Waiting::Closed => {
+                            return Ok(End::Abrupt("connection closed without DISCONNECT".into()));
+                        }
+                        // Reading moved the hold's deadline on, and the loop re-arms the timer.
+                        Waiting::Read(_) => continue,
+                        Waiting::Nothing => {}
+                    }
+                    let now = Instant::now();
+                    let (timeouts, why) = if packet_due.is_some_and(|d| d <= now) {
+                        (&self.server.metrics.timeouts.packet, "a packet begun and not finished within the request deadline")
+                    } else if deadline.is_some_and(|d| d <= now) {
+                        (&self.server.metrics.timeouts.keep_alive, "keep-alive timeout")
+                    } else {
+                        continue;
+                    };
+                    timeouts.fetch_add(1, Ordering::Relaxed);
+                    // MQTT 5 has no code of its own for a packet that stalls half-way; 0x8D
+                    // (keep alive timeout) says the same: no whole packet came in time.
+                    codec::disconnect(self.version, reason::KEEP_ALIVE_TIMEOUT, &mut self.out);
+                    let _ = self.flush().await;
+                    return Ok(End::Abrupt(why.into()));
+                }
+                () = &mut kicked => {
+                    let _ = self.unpark().await;
+                    // What the client sent before the new connection came is handled first:
+                    // a DISCONNECT (and the session expiry it sets) still counts.
+                    if let Some(end) = self.handle_arrived(&mut inbuf).await? {
+                        return Ok(end);
+                    }
+                    codec::disconnect(self.version, reason::SESSION_TAKEN_OVER, &mut self.out);
+                    let _ = self.flush().await;
+                    return Ok(End::Abrupt("taken over by a new connection".into()));
+                }
+                () = &mut stop => {
+                    let _ = self.unpark().await;
+                    codec::disconnect(self.version, reason::SERVER_SHUTTING_DOWN, &mut self.out);
+                    let _ = self.flush().await;
+                    return Ok(End::Shutdown);
+                }
+            }
+        }
+    }
+
+    /// Handles the whole packets that have arrived, without waiting for more: those in `inbuf`
+    /// and what the socket holds now. `Some` when one ended the connection.
+    async fn handle_arrived(&mut self, inbuf: &mut BytesMut) -> std::io::Result<Option<End>> {
+        if self.landing.is_none() {
+            while inbuf.len() < self.max_packet {
+                inbuf.reserve(INBUF_READ);
+                match self.stream.read_buf(inbuf).now_or_never() {
+                    Some(Ok(n)) if n > 0 => {}
+                    _ => break,
+                }
+            }
+        }
+        while let Some(&first) = inbuf.first() {
+            match codec::read(inbuf, self.version, self.max_packet) {
+                Ok(packet) => {
+                    self.server.metrics.packets_in.add(first);
+                    if let Some(end) = self.handle(packet).await? {
+                        return Ok(Some(end));
+                    }
+                }
+                Err(_) => break,
+            }
+        }
+        Ok(None)
+    }
+
+    /// Lends the stream's write half to the one live feed's writer, parked in its subscriber's
+    /// slot, when that is all the connection follows, the feed suits the writer and is up to
+    /// date, and nothing else is owed: until the connection wakes, the ring's fan-out task
+    /// writes its deliveries (see `direct`). A QoS 1 feed's writer gets packet ids reserved in
+    /// the window, as many as a wake-up reads PUBACKs for (`acks::READ_AT`), and raises the
+    /// socket's receive mark (`acks`) as it uses them. The caller knows the live queue is empty
+    /// and the window open, and has set the mark for what is owed. Whether the connection now
+    /// waits for a QoS 1 writer, whose PUBACKs it must read by the hold's end.
+    fn park(&mut self) -> bool {
+        if self.forwarded.is_some()
+            || !self.pending.is_empty()
+            || self.landing.is_some()
+            || self.qos2_out > 0
+        {
+            return false;
+        }
+        let Some(held) = &self.held else {
+            return false;
+        };
+        let mut lives = self.subs.values_mut().flat_map(|s| s.lives.iter_mut());
+        let (Some(feed), None) = (lives.next(), lives.next()) else {
+            return false;
+        };
+        if feed.ended || !feed.live.caught_up() || !DirectWriter::suits(&feed.feed) {
+            return false;
+        }
+        let Some(writer) = self.stream.lend() else {
+            return false;
+        };
+        let mut sink = feed.direct.take().unwrap_or_else(|| {
+            Box::new(DirectWriter::new(
+                feed.feed.clone(),
+                self.version,
+                self.client_max_packet,
+            ))
+        });
+        sink.writer = Some(writer);
+        sink.aliases = std::mem::take(&mut self.out_aliases);
+        let qos1 = feed.feed.sub.qos == 1;
+        if qos1 {
+            let owed = self.inflight.len();
+            let room = acks::READ_AT.min(self.receive_max).saturating_sub(owed);
+            for _ in 0..room {
+                self.next_pkid = next_free_pkid(self.next_pkid, &self.inflight);
+                self.inflight.insert(self.next_pkid, (false, None));
+                sink.pkids.push_back(self.next_pkid);
+            }
+            sink.hold = Some(acks::Hold::new(held, owed, self.receive_max));
+        }
+        match feed.live.park(sink) {
+            Ok(()) => {
+                feed.parked = true;
+                self.parked = true;
+                qos1
+            }
+            Err(sink) => {
+                let home = writer_home(
+                    sink,
+                    &mut self.stream,
+                    &mut self.inflight,
+                    &mut self.held,
+                    &mut self.out_aliases,
+                );
+                feed.direct = Some(home);
+                false
+            }
+        }
+    }
+
+    /// Takes back the parked writer and the stream's write half, and writes first what the
+    /// fan-out left of a PUBLISH. Every wake-up of the loop starts here: nothing else writes
+    /// while the half is lent.
+    async fn unpark(&mut self) -> std::io::Result<()> {
+        if !std::mem::take(&mut self.parked) {
+            return Ok(());
+        }
+        let mut rest = None;
+        for feed in self.subs.values_mut().flat_map(|s| s.lives.iter_mut()) {
+            if !std::mem::take(&mut feed.parked) {
+                continue;
+            }
+            if let Some(sink) = feed.live.unpark() {
+                let mut home = writer_home(
+                    sink,
+                    &mut self.stream,
+                    &mut self.inflight,
+                    &mut self.held,
+                    &mut self.out_aliases,
+                );
+                rest = home.rest.take();
+                feed.direct = Some(home);
+            }
+        }
+        match rest {
+            Some((head, body)) => {
+                let m = &self.server.metrics;
+                write_within(&mut self.stream, self.deadlines.write, m, &head, &body).await
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// One and a half keep-alive periods after the last packet (none when keep-alive is 0).
+    fn keep_alive_deadline(&self) -> Option<Instant> {
+        (!self.keep_alive.is_zero()).then(|| Instant::now() + self.keep_alive * 3 / 2)
+    }
+
+    async fn handle(&mut self, packet: In) -> std::io::Result<Option<End>> {
+        match packet {
+            In::Publish(p) => {
+                if let Some(end) = Box::pin(self.publish(p)).await? {
+                    return Ok(Some(end));
+                }
+            }
+            In::PubAck(pkid) | In::PubComp(pkid) => self.acknowledged(pkid),
+            In::PubRec(pkid) => {
+                codec::ack(
+                    self.version,
+                    Ack::Pubrel,
+                    pkid,
+                    reason::SUCCESS,
+                    &mut self.out,
+                );
+                self.flush().await?;
+            }
+            In::PubRel(pkid) => {
+                let known = self.qos2_in.lock().remove(&pkid);
+                let code = if known {
+                    reason::SUCCESS
+                } else {
+                    reason::PACKET_ID_NOT_FOUND
+                };
+                codec::ack(self.version, Ack::Pubcomp, pkid, code, &mut self.out);
+                self.flush().await?;
+            }
+            In::Subscribe {
+                pkid,
+                filters,
+                id,
+                start_keyframe,
+            } => {
+                // MQTT 5 §3.8.2.1.2 and §3.8.3.1: both end the connection, not just the filter.
+                let why = if id == Some(0) {
+                    Some("a subscription identifier of 0")
+                } else if filters
+                    .iter()
+                    .any(|f| f.no_local && f.filter.starts_with("$share/"))
+                {
+                    Some("no local on a shared subscription")
+                } else {
+                    None
+                };
+                if let Some(why) = why {
+                    return self
+                        .protocol_violation(reason::PROTOCOL_ERROR, format!("SUBSCRIBE with {why}"))
+                        .await
+                        .map(Some);
+                }
+                Box::pin(self.subscribe(pkid, filters, id, start_keyframe)).await?;
+            }
+            In::Unsubscribe { pkid, filters } => {
+                for f in &filters {
+                    self.subs.remove(f);
+                }
+                if self.persistent {
+                    Box::pin(self.save_session(None)).await;
+                }
+                codec::unsuback(self.version, pkid, filters.len(), &mut self.out);
+                self.flush().await?;
+            }
+            In::PingReq => {
+                codec::pingresp(self.version, &mut self.out);
+                self.flush().await?;
+            }
+            In::Disconnect(d) => {
+                if let Some(expiry) = d.session_expiry {
+                    // MQTT 5 §3.14.2.2.2: a session that was to end with its connection
+                    // cannot be given a life after it.
+                    if self.connect_expiry == 0 && expiry > 0 {
+                        return self
+                            .protocol_violation(
+                                reason::PROTOCOL_ERROR,
+                                "DISCONNECT set a session expiry after CONNECT set none".into(),
+                            )
+                            .await
+                            .map(Some);
+                    }
+                    self.expiry_secs = expiry;
+                }
+                return Ok(Some(if d.with_will {
+                    End::Abrupt("DISCONNECT with will message (0x04)".into())
+                } else {
+                    End::Graceful
+                }));
+            }
+            In::Connect(_) => {
+                return self
+                    .protocol_violation(reason::PROTOCOL_ERROR, "second CONNECT".into())
+                    .await
+                    .map(Some);
+            }
+            In::Unexpected(what) => {
+                return self
+                    .protocol_violation(reason::PROTOCOL_ERROR, format!("a client sent {what}"))
+                    .await
+                    .map(Some);
+            }
+        }
+        Ok(None)
+    }
+
+    /// Ends the connection over a protocol violation: counted, DISCONNECT with `code` (MQTT 5;
+    /// 3.1.1 can only close), and the will is published.
+    async fn protocol_violation(&mut self, code: u8, why: String) -> std::io::Result<End> {
+        self.server
+            .metrics
+            .bad_packets
+            .fetch_add(1, Ordering::Relaxed);
+        codec::disconnect(self.version, code, &mut self.out);
+        self.flush().await?;
+        Ok(End::Abrupt(why))
+    }
+
+    /// Whether the access rules let this client do `action` on the MQTT name or filter
+    /// `topic`.
+    fn may(&self, action: Action, topic: &str) -> bool {
+        self.security.is_open()
+            || self.security.allows(
+                &self.principal,
+                action,
+                Resource::Mqtt {
+                    topic,
+                    client_id: &self.client_id,
+                },
+            )
+    }
+
+    /// Counts and logs (a line per interval at most: a client repeating a refused request must
+    /// not flood the log) a request the access rules refused.
+    fn denied(&self, what: &'static str, topic: &str) {
+        self.server
+            .metrics
+            .authz_denied
+            .fetch_add(1, Ordering::Relaxed);
+        if let Some(unlogged) = self.server.refusals.admit() {
+            warn!(
+                peer = self.peer,
+                user = self.principal.name(),
+                client = self.client_id,
+                topic,
+                unlogged,
+                "mqtt {what} not authorized"
+            );
+        }
+    }
+
+    /// Reads what waits in the socket below its receive mark (PUBACKs held for this wake-up).
+    fn read_held(&mut self, inbuf: &mut BytesMut) -> std::io::Result<Waiting> {
+        let Some(held) = self.held.as_mut().filter(|h| h.holding()) else {
+            return Ok(Waiting::Nothing);
+        };
+        let waiting = held.read_waiting(inbuf)?;
+        if let Waiting::Read(n) = waiting {
+            self.server
+                .metrics
+                .bytes_in
+                .fetch_add(n as u64, Ordering::Relaxed);
+        }
+        Ok(waiting)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_read_size_grows_for_a_stream_and_stays_small_for_acknowledgements() {
+        // A subscriber: 4-byte PUBACKs into a 512-byte buffer used up 4 bytes at a time, whose
+        // last few bytes of room each PUBACK fills.
+        let mut size = INBUF_START;
+        for offered in (4..=INBUF_START).rev().step_by(4) {
+            size = next_read_size(size, offered, 4);
+        }
+        assert_eq!(size, INBUF_START);
+        // A publisher's stream fills every full-size offer.
+        let mut size = INBUF_START;
+        for _ in 0..10 {
+            size = next_read_size(size, size, size);
+        }
+        assert_eq!(size, INBUF_READ);
+    }
+}
