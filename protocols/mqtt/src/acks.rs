@@ -16,7 +16,7 @@
 //! few deliveries rather than one each. A full window, anything else owed, or reads paused for
 //! queued publishes set the mark back to one byte.
 //!
-//! While the connection sleeps with its write half lent to the live fan-out (`direct`), the
+//! While the connection sleeps with its write half lent to the live fan-out (`parked`), the
 //! fan-out raises the mark as it writes each QoS 1 delivery ([`Hold`]), and the connection arms
 //! its timer for the hold before it parks.
 //!
@@ -215,7 +215,7 @@ impl HeldAcks {
     }
 }
 
-/// The receive mark in the hands of a parked writer of QoS 1 deliveries (`direct`): raised as
+/// The receive mark in the hands of a parked writer of QoS 1 deliveries (`parked`): raised as
 /// it writes, as the connection would raise it at each delivery, so the PUBACKs wait in the
 /// socket. The connection takes the mark back with [`HeldAcks::assume`].
 #[derive(Debug)]

@@ -10,13 +10,13 @@
 mod acks;
 mod alias;
 mod codec;
-mod direct;
 mod message;
+mod parked;
 mod retained;
 mod routes;
 mod server;
 mod session;
-mod sessions;
+mod session_store;
 mod state;
 mod topic;
 mod upstream;
@@ -26,7 +26,7 @@ use serde::{Deserialize, Serialize};
 pub use retained::RETAINED_TOPIC;
 pub use routes::Route;
 pub use server::{MqttMetrics, MqttServer, PacketCounts, Refusals, Timeouts};
-pub use sessions::SESSIONS_TOPIC;
+pub use session_store::SESSIONS_TOPIC;
 pub use upstream::{Upstream, UpstreamMetrics};
 
 /// Settings of the MQTT listener (the gateway's `[mqtt]` section).

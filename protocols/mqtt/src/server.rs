@@ -14,11 +14,11 @@ use tokio::sync::{Notify, watch};
 use tracing::{debug, info, warn};
 
 use crate::MqttSettings;
-use crate::direct::{Plain, TcpConn};
+use crate::parked::{Plain, TcpConn};
 use crate::retained::{RETAINED_TOPIC, Retained};
 use crate::routes::Routes;
 use crate::session;
-use crate::sessions::{SESSIONS_TOPIC, Sessions};
+use crate::session_store::{SESSIONS_TOPIC, Sessions};
 use crate::state::Replayed;
 use crate::upstream::Upstream;
 

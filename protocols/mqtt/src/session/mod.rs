@@ -17,7 +17,7 @@
 //! a header it encodes plus the record's payload `Bytes`, shared with every other subscriber, in
 //! one vectored write. A TCP connection that follows one live QoS 0 or QoS 1 feed and has
 //! nothing else to do lends its write half to the feed while it sleeps, and the ring's fan-out
-//! task writes those deliveries itself (`direct`).
+//! task writes those deliveries itself (`parked`).
 
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
@@ -48,13 +48,13 @@ use crate::codec::{
     self, Ack, ConnackProps, Connect, DecodeError, Head, In, Props, Publish, PublishHead,
     SubFilter, Version, reason,
 };
-use crate::direct::{Conn, DirectWriter};
 use crate::message::{self, Origin};
+use crate::parked::{Conn, DirectWriter};
 use crate::retained::{Cap, Queued, RetainedMsg};
 use crate::server::{
     EGRESS_BUDGET, EGRESS_UNIT, LARGE_PAYLOAD, MqttMetrics, MqttServer, Registered,
 };
-use crate::sessions::{AwaitingRelease, SavedSession, SavedSub};
+use crate::session_store::{AwaitingRelease, SavedSession, SavedSub};
 use crate::topic;
 
 mod connect;
@@ -141,7 +141,7 @@ struct Session<'a, S> {
     /// Live deliveries taken from a feed and not written yet (a batch may hold several, and
     /// QoS 1/2 ones wait for room in the client's receive window).
     live_queue: VecDeque<Delivery>,
-    /// A live feed's writer is parked with the stream's write half (`direct`): the connection
+    /// A live feed's writer is parked with the stream's write half (`parked`): the connection
     /// takes it back before it writes anything.
     parked: bool,
     out: BytesMut,
@@ -821,7 +821,7 @@ impl<S: Conn> Session<'_, S> {
     /// Lends the stream's write half to the one live feed's writer, parked in its subscriber's
     /// slot, when that is all the connection follows, the feed suits the writer and is up to
     /// date, and nothing else is owed: until the connection wakes, the ring's fan-out task
-    /// writes its deliveries (see `direct`). A QoS 1 feed's writer gets packet ids reserved in
+    /// writes its deliveries (see `parked`). A QoS 1 feed's writer gets packet ids reserved in
     /// the window, as many as a wake-up reads PUBACKs for (`acks::READ_AT`), and raises the
     /// socket's receive mark (`acks`) as it uses them. The caller knows the live queue is empty
     /// and the window open, and has set the mark for what is owed. Whether the connection now
