@@ -25,7 +25,7 @@ use crate::config::{CliOverrides, Config, DEFAULT_CONFIG, ENV_CONFIG_FILE, LogFo
 
 /// Peers' claimed element counts must not be able to abort the process (see GuardedAlloc).
 #[global_allocator]
-static ALLOC: sluice_kafka::GuardedAlloc = sluice_kafka::GuardedAlloc;
+static ALLOC: sluice_alloc_guard::GuardedAlloc = sluice_alloc_guard::GuardedAlloc;
 
 #[derive(Debug, Parser)]
 #[command(

@@ -6,7 +6,6 @@
 //! coordinator (`coordinator/`). Topics, offsets and durability are the core's: this crate never
 //! touches files, and stores producers' batches verbatim through `sluice-core`.
 
-mod alloc_guard;
 mod codec;
 mod coordinator;
 mod errors;
@@ -18,13 +17,11 @@ mod versions;
 
 use serde::{Deserialize, Serialize};
 
-pub use alloc_guard::GuardedAlloc;
-
 /// The unit tests feed the decoder garbage, which may claim arrays of billions of elements: as
 /// in the gateway, such allocations must not abort the test process.
 #[cfg(test)]
 #[global_allocator]
-static ALLOC: GuardedAlloc = GuardedAlloc;
+static ALLOC: sluice_alloc_guard::GuardedAlloc = sluice_alloc_guard::GuardedAlloc;
 pub use mirror::{Mirror, MirrorMetrics, MirrorSettings};
 pub use server::{KafkaMetrics, KafkaServer};
 

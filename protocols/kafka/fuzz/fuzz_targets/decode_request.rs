@@ -4,7 +4,7 @@
 
 /// As in the gateway: a claimed two-billion-element array is address space, not an abort.
 #[global_allocator]
-static ALLOC: sluice_kafka::GuardedAlloc = sluice_kafka::GuardedAlloc;
+static ALLOC: sluice_alloc_guard::GuardedAlloc = sluice_alloc_guard::GuardedAlloc;
 
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {
     sluice_kafka::fuzz_decode_request(data);

@@ -8,8 +8,9 @@
 //! touched. The decoder then fails on the missing bytes after a few elements and the mapping is
 //! released. Smaller allocations go to the system allocator unchanged.
 //!
-//! Install it in every binary that decodes requests from the network:
-//! `#[global_allocator] static ALLOC: sluice_kafka::GuardedAlloc = sluice_kafka::GuardedAlloc;`
+//! Install it in every binary that decodes requests from the network (the gateway, the fuzz
+//! targets, the Kafka crate's tests):
+//! `#[global_allocator] static ALLOC: sluice_alloc_guard::GuardedAlloc = sluice_alloc_guard::GuardedAlloc;`
 //! It relies on the kernel's default overcommit heuristic (`vm.overcommit_memory = 0`), which
 //! does not count `MAP_NORESERVE` mappings; under strict accounting (2) the mapping fails like
 //! any allocation.
