@@ -328,7 +328,7 @@ async fn a_2mb_record_round_trips() {
     assert_eq!(records[0].record.value.as_deref(), Some(&image[..]));
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "current_thread")]
 async fn long_poll_wakes_on_new_data() {
     let dir = tempfile::tempdir().unwrap();
     let engine = open(dir.path()).await;
@@ -337,16 +337,23 @@ async fn long_poll_wakes_on_new_data() {
         let engine = engine.clone();
         tokio::spawn(async move {
             engine
-                .wait_for_data("t", 0, 0, Duration::from_secs(60))
+                .wait_for_data("t", 0, 0, Duration::from_secs(3600))
                 .await
         })
     };
+    // On this one-thread runtime the waiter runs now, until it waits on the high watermark:
+    // the append below must wake it, not find it not yet started.
+    tokio::task::yield_now().await;
+    assert!(!waiter.is_finished(), "nothing to return yet");
     engine
         .produce("t", PartitionChoice::Id(0), &[record("k", b"v", now())])
         .await
         .unwrap();
-    // Returns with the new high watermark, not at the 60 s timeout (which would give 0).
-    assert_eq!(waiter.await.unwrap().unwrap(), 1);
+    // Woken by the append with the new high watermark: a missed wake-up would wait an hour.
+    let woken = tokio::time::timeout(Duration::from_secs(10), waiter)
+        .await
+        .expect("the append did not wake the long poll");
+    assert_eq!(woken.unwrap().unwrap(), 1);
     // With nothing new it returns the unchanged high watermark at the timeout.
     assert_eq!(
         engine
