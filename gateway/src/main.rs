@@ -5,6 +5,7 @@ mod config;
 mod http;
 mod metrics;
 mod process;
+mod relay;
 mod security;
 mod ws;
 
@@ -12,13 +13,12 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 use sluice_core::{DirectFsStorage, Engine, FsStorage, Storage, SystemClock};
-use sluice_kafka::{KafkaServer, Mirror, MirrorSettings};
-use sluice_mqtt::{MqttServer, Upstream};
+use sluice_kafka::KafkaServer;
+use sluice_mqtt::MqttServer;
 use tracing::{info, warn};
 
 use crate::config::{CliOverrides, Config, DEFAULT_CONFIG, ENV_CONFIG_FILE, LogFormat};
@@ -369,54 +369,7 @@ async fn serve(mut config: Config, reload: security::LoadConfig) -> anyhow::Resu
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let relay = if config.is_relay() {
-        let name = if config.relay.name.is_empty() {
-            format!("{}-{}", process::host_name(), std::process::id())
-        } else {
-            config.relay.name.clone()
-        };
-        let upstream_tls = config.relay.tls().map_err(anyhow::Error::msg)?;
-        // The id the relay's links use upstream: one its user owns there, where it has one
-        // (an upstream with access control lets a user use only ids its patterns give it).
-        let link_id = match &config.relay.credentials() {
-            Some((user, _)) => format!("{user}-sluice-relay-{name}"),
-            None => format!("sluice-relay-{name}"),
-        };
-        // The relay's copies include the upstream's internal topics (`__mqtt_retained`).
-        let mirror = Mirror::new(
-            engine.system(),
-            MirrorSettings {
-                upstream: config.relay.upstream.clone(),
-                client_id: link_id.clone(),
-                max_wait_ms: config.relay.fetch_max_wait_ms as i32,
-                partition_max_bytes: config.relay.fetch_partition_max_bytes as i32,
-                local_policy: config.relay_topic_policy(),
-                credentials: config.relay.credentials(),
-                tls: upstream_tls.clone(),
-            },
-            stop_rx.clone(),
-        );
-        engine.set_topic_source(mirror.clone());
-        let upstream = Upstream::start(
-            config.relay.upstream_mqtt(),
-            link_id,
-            config.relay.credentials(),
-            upstream_tls,
-            stop_rx.clone(),
-        )
-        .await
-        .context("signing in to the upstream's MQTT listener")?;
-        info!(
-            relay = name,
-            upstream = config.relay.upstream,
-            upstream_mqtt = upstream.addr(),
-            scratch = %dir.display(),
-            "running as a relay: topics are followed from the upstream on first use"
-        );
-        Some(http::Relay {
-            name,
-            mirror,
-            upstream,
-        })
+        Some(relay::start(&config, &engine, &dir, &stop_rx).await?)
     } else {
         None
     };
@@ -579,7 +532,7 @@ async fn serve(mut config: Config, reload: security::LoadConfig) -> anyhow::Resu
     };
 
     let mqtt = match &relay {
-        Some(r) => relay_mqtt_server(&engine, &config, r, &mut signals).await?,
+        Some(r) => relay::mqtt_server(&engine, &config, r, &mut signals).await?,
         None => Ok(MqttServer::new(engine.clone(), config.mqtt.clone())
             .await
             .context("starting the MQTT server")?),
@@ -663,41 +616,6 @@ async fn serve(mut config: Config, reload: security::LoadConfig) -> anyhow::Resu
     }
     info!("stopped");
     Ok(())
-}
-
-/// A relay's MQTT server, built once the upstream's retained messages are followed. An
-/// upstream that does not answer yet is waited for, so relays may start before their main
-/// node (they stay not ready meanwhile); one that refuses the relay's user stops the start,
-/// since trying again cannot help. `Err(signal)` when a stop signal came first.
-async fn relay_mqtt_server(
-    engine: &Engine,
-    config: &Config,
-    relay: &http::Relay,
-    signals: &mut Signals,
-) -> anyhow::Result<Result<Arc<MqttServer>, &'static str>> {
-    let mut backoff = Duration::from_millis(100);
-    loop {
-        let built =
-            MqttServer::relay(engine.clone(), config.mqtt.clone(), relay.upstream.clone()).await;
-        let e = match built {
-            Ok(mqtt) => return Ok(Ok(mqtt)),
-            Err(e) => e,
-        };
-        let refused = relay.mirror.metrics.auth_failures.load(Ordering::Relaxed) > 0;
-        if refused || !matches!(e, sluice_core::CoreError::Upstream { .. }) {
-            return Err(anyhow::Error::new(e).context("starting the MQTT server"));
-        }
-        warn!(
-            upstream = relay.mirror.upstream(),
-            error = %e,
-            "relay: waiting for the upstream to answer (not ready until it does)"
-        );
-        tokio::select! {
-            () = tokio::time::sleep(backoff) => {}
-            signal = signals.recv() => return Ok(Err(signal)),
-        }
-        backoff = (backoff * 2).min(Duration::from_secs(2));
-    }
 }
 
 /// What `/connections` lists for the Kafka and MQTT servers, once they are listening.
