@@ -1,0 +1,353 @@
+//! Consumer-group offsets and named subscriptions (persisted cursors with acknowledgements).
+
+use super::*;
+
+impl Engine {
+    /// Commits a group's offsets durably (one fsync shared with every commit queued at the same
+    /// time). Every topic partition must exist.
+    pub async fn commit_offsets(&self, group: &str, entries: Vec<OffsetCommit>) -> Result<()> {
+        validate_group_id(group)?;
+        if entries.is_empty() {
+            // Nothing to write (an empty write would fail as a short write).
+            return Ok(());
+        }
+        for e in &entries {
+            self.partition(&e.topic, e.partition, |_| ())?;
+            if e.metadata.len() > MAX_COMMIT_METADATA {
+                return Err(CoreError::CommitMetadataTooLarge {
+                    size: e.metadata.len(),
+                    max: MAX_COMMIT_METADATA,
+                });
+            }
+        }
+        // A new group is refused once the cap is held. Commits of new groups already in
+        // flight may pass it by as many as there are; each group is a few bytes per partition.
+        let (known, held) = self.inner.groups.holds(group);
+        let max = self.inner.config.max_groups;
+        if !known && held >= max {
+            self.inner
+                .shared
+                .counters
+                .refused_groups
+                .fetch_add(1, Ordering::Relaxed);
+            return Err(CoreError::LimitReached {
+                what: "consumer groups with committed offsets",
+                limit: max,
+                key: "kafka.max_groups",
+            });
+        }
+        self.inner
+            .groups
+            .commit(group, entries, self.now_ms())
+            .await
+    }
+
+    /// A group's committed offset on one partition.
+    pub fn committed_offset(
+        &self,
+        group: &str,
+        topic: &str,
+        partition: u32,
+    ) -> Option<CommittedOffset> {
+        self.inner.groups.fetch(group, topic, partition)
+    }
+
+    /// Every committed offset of a group.
+    pub fn group_offsets(&self, group: &str) -> Vec<(String, u32, CommittedOffset)> {
+        self.inner.groups.fetch_group(group)
+    }
+
+    /// Groups with committed offsets, sorted.
+    pub fn list_groups(&self) -> Vec<String> {
+        self.inner.groups.list()
+    }
+
+    /// Forgets a group's offsets; false when it had none.
+    pub async fn delete_group(&self, group: &str) -> Result<bool> {
+        self.inner.groups.delete_group(group).await
+    }
+
+    /// Committed position and lag of every group on every partition it committed.
+    pub fn group_lags(&self) -> Vec<GroupLag> {
+        let mut out = Vec::new();
+        for group in self.list_groups() {
+            for (topic, partition, c) in self.group_offsets(&group) {
+                let hw = self.offsets(&topic, partition).map_or(0, |(_, hw)| hw);
+                out.push(GroupLag {
+                    lag: hw.saturating_sub(c.offset.max(0) as u64),
+                    group: group.clone(),
+                    topic,
+                    partition,
+                    committed: c.offset,
+                });
+            }
+        }
+        out
+    }
+
+    pub(super) fn subscriptions_dir(&self) -> PathBuf {
+        self.inner.config.data_dir.join("subscriptions")
+    }
+
+    pub(super) async fn load_subscriptions(&self) -> Result<()> {
+        let root = self.subscriptions_dir();
+        let storage = self.inner.storage.clone();
+        let found =
+            tokio::task::spawn_blocking(move || -> Result<Vec<(String, PathBuf, Vec<u8>)>> {
+                storage
+                    .create_dir_all(&root)
+                    .map_err(CoreError::metadata(&root))?;
+                let mut out = Vec::new();
+                for topic in storage
+                    .list_dir(&root)
+                    .map_err(CoreError::metadata(&root))?
+                {
+                    let dir = root.join(&topic);
+                    for file in storage.list_dir(&dir).map_err(CoreError::metadata(&dir))? {
+                        let path = dir.join(&file);
+                        if file.ends_with(".tmp") {
+                            let _ = storage.remove_file(&path);
+                            continue;
+                        }
+                        let bytes = storage
+                            .read_file(&path)
+                            .map_err(CoreError::metadata(&path))?;
+                        out.push((topic.clone(), path, bytes));
+                    }
+                }
+                Ok(out)
+            })
+            .await
+            .map_err(|_| CoreError::ShuttingDown)??;
+        for (topic, path, bytes) in found {
+            let Some(persisted) = Subscription::parse_persisted(&bytes) else {
+                // A damaged file must not stop the start: it is set aside for the operator,
+                // and the subscription starts again from its initial position when next used.
+                let aside = path.with_extension("corrupt");
+                warn!(path = %path.display(), aside = %aside.display(), "a subscription file cannot be read; setting it aside");
+                let storage = self.inner.storage.clone();
+                let _ = tokio::task::spawn_blocking(move || storage.rename(&path, &aside)).await;
+                continue;
+            };
+            let Ok(t) = self.topic(&topic) else {
+                continue;
+            };
+            let name = path
+                .file_stem()
+                .and_then(|s| s.to_str())
+                .unwrap_or_default()
+                .to_owned();
+            let sub = Subscription::new(
+                &topic,
+                &name,
+                path.clone(),
+                SubscribeOptions::default(),
+                &vec![0; t.partitions.len()],
+                Some(persisted),
+                self.inner.sub_counters.clone(),
+            )?;
+            self.inner
+                .subscriptions
+                .insert((topic, name), Arc::new(sub));
+        }
+        Ok(())
+    }
+
+    /// Attaches a consumer to a named subscription, creating the subscription (durably) on
+    /// first use with `options`. Later attaches keep the subscription's type; `Exclusive`
+    /// refuses a second consumer.
+    pub async fn subscribe(
+        &self,
+        topic: &str,
+        name: &str,
+        options: SubscribeOptions,
+    ) -> Result<Consumer> {
+        validate_name(name)?;
+        self.ensure_topic(topic).await?;
+        let t = self.topic(topic)?;
+        let key = (topic.to_owned(), name.to_owned());
+        let existing = self
+            .inner
+            .subscriptions
+            .get(&key)
+            .map(|s| s.value().clone());
+        let sub = match existing {
+            Some(sub) => sub,
+            None => {
+                let _admin = self.inner.admin.lock().await;
+                match self
+                    .inner
+                    .subscriptions
+                    .get(&key)
+                    .map(|s| s.value().clone())
+                {
+                    Some(sub) => sub,
+                    None => {
+                        let max = self.inner.config.max_subscriptions;
+                        if self.inner.subscriptions.len() >= max {
+                            self.inner
+                                .shared
+                                .counters
+                                .refused_subscriptions
+                                .fetch_add(1, Ordering::Relaxed);
+                            return Err(CoreError::LimitReached {
+                                what: "named subscriptions",
+                                limit: max,
+                                key: "topics.max_subscriptions",
+                            });
+                        }
+                        let starts: Vec<u64> = t
+                            .partitions
+                            .iter()
+                            .map(|p| match options.initial_position {
+                                InitialPosition::Earliest => p.reader.log_start(),
+                                InitialPosition::Latest => p.reader.high_watermark(),
+                            })
+                            .collect();
+                        let path = self
+                            .subscriptions_dir()
+                            .join(topic)
+                            .join(format!("{name}.json"));
+                        let sub = Arc::new(Subscription::new(
+                            topic,
+                            name,
+                            path,
+                            options,
+                            &starts,
+                            None,
+                            self.inner.sub_counters.clone(),
+                        )?);
+                        self.write_subscription(&sub).await?;
+                        self.inner.subscriptions.insert(key, sub.clone());
+                        info!(topic, subscription = name, kind = ?sub.kind, "subscription created");
+                        sub
+                    }
+                }
+            }
+        };
+        let id = sub.attach()?;
+        Ok(Consumer {
+            sub,
+            id,
+            engine: self.clone(),
+            data: t.data.clone(),
+        })
+    }
+
+    pub(super) async fn write_subscription(&self, sub: &Arc<Subscription>) -> Result<()> {
+        let Some(bytes) = sub.snapshot_if_dirty() else {
+            return Ok(());
+        };
+        let storage = self.inner.storage.clone();
+        let path = sub.path().clone();
+        let written = tokio::task::spawn_blocking(move || {
+            if let Some(dir) = path.parent() {
+                storage.create_dir_all(dir)?;
+            }
+            storage.write_file_atomic(&path, &bytes)
+        })
+        .await
+        .map_err(|_| CoreError::ShuttingDown)?;
+        written.map_err(|e| {
+            sub.mark_dirty();
+            CoreError::metadata(sub.path())(e)
+        })
+    }
+
+    /// Writes the ack state of every subscription that changed.
+    pub(super) async fn flush_subscriptions(&self) {
+        let subs: Vec<Arc<Subscription>> = self
+            .inner
+            .subscriptions
+            .iter()
+            .map(|s| s.value().clone())
+            .collect();
+        for sub in subs {
+            if let Err(e) = self.write_subscription(&sub).await {
+                tracing::warn!(error = %e, "writing subscription state failed; will retry");
+            }
+        }
+    }
+
+    /// Deletes a named subscription with no consumers attached.
+    pub async fn delete_subscription(&self, topic: &str, name: &str) -> Result<()> {
+        let key = (topic.to_owned(), name.to_owned());
+        let sub = self
+            .inner
+            .subscriptions
+            .get(&key)
+            .map(|s| s.value().clone())
+            .ok_or_else(|| CoreError::UnknownSubscription {
+                topic: topic.to_owned(),
+                subscription: name.to_owned(),
+            })?;
+        if sub.consumer_count() > 0 {
+            return Err(CoreError::ConsumerBusy {
+                topic: topic.to_owned(),
+                subscription: name.to_owned(),
+            });
+        }
+        self.inner.subscriptions.remove(&key);
+        sub.mark_deleted();
+        let storage = self.inner.storage.clone();
+        let path = sub.path().clone();
+        tokio::task::spawn_blocking(move || storage.remove_file(&path))
+            .await
+            .map_err(|_| CoreError::ShuttingDown)?
+            .map_err(CoreError::metadata(sub.path()))
+    }
+
+    /// Named subscriptions of a topic, sorted by name.
+    pub fn list_subscriptions(&self, topic: &str) -> Vec<String> {
+        let mut names: Vec<String> = self
+            .inner
+            .subscriptions
+            .iter()
+            .filter(|e| e.key().0 == topic)
+            .map(|e| e.key().1.clone())
+            .collect();
+        names.sort();
+        names
+    }
+
+    /// A subscription's consumers and, per partition, its position and backlog.
+    pub fn describe_subscription(
+        &self,
+        topic: &str,
+        name: &str,
+    ) -> Result<SubscriptionDescription> {
+        let sub = self
+            .inner
+            .subscriptions
+            .get(&(topic.to_owned(), name.to_owned()))
+            .map(|s| s.value().clone())
+            .ok_or_else(|| CoreError::UnknownSubscription {
+                topic: topic.to_owned(),
+                subscription: name.to_owned(),
+            })?;
+        let hws: Vec<u64> = self
+            .topic(topic)
+            .map(|t| {
+                t.partitions
+                    .iter()
+                    .map(|p| p.reader.high_watermark())
+                    .collect()
+            })
+            .unwrap_or_default();
+        Ok(sub.describe(&hws))
+    }
+
+    /// Backlog and consumers of every named subscription, per partition.
+    pub(super) fn subscription_backlogs(&self) -> Vec<SubscriptionDescription> {
+        let mut subs: Vec<(String, String)> = self
+            .inner
+            .subscriptions
+            .iter()
+            .map(|e| e.key().clone())
+            .collect();
+        subs.sort();
+        subs.iter()
+            .filter_map(|(t, n)| self.describe_subscription(t, n).ok())
+            .collect()
+    }
+}
