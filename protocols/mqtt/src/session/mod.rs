@@ -420,11 +420,12 @@ pub(crate) async fn run<S: Conn>(
     let end = s.serve(inbuf, &kick, &mut shutdown).await;
     let taken_over = server
         .clients
-        .remove_if(&s.client_id, |_, r| r.connection == connection)
-        .is_none();
+        .get(&s.client_id)
+        .is_none_or(|r| r.connection != connection);
     // The expiry in force now governs the session (MQTT 5 §3.1.2.11.2): kept, or ended with
     // the connection. Also after a takeover: the new connection waits for this before it
-    // reads the session.
+    // reads the session. The client id stays registered to this connection meanwhile, so a
+    // connection that comes now waits too rather than read the session half way.
     if s.persistent && s.expiry_secs > 0 {
         s.save_session(Some(server.engine.now_ms())).await;
         // Dropping the subscriptions stops their feeds; durable ones keep their cursors.
@@ -456,6 +457,9 @@ pub(crate) async fn run<S: Conn>(
             s.publish_will();
         }
     }
+    server
+        .clients
+        .remove_if(&s.client_id, |_, r| r.connection == connection);
     Ok(())
 }
 
