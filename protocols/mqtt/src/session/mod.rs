@@ -396,9 +396,6 @@ pub(crate) async fn run<S: Conn>(
         out: BytesMut::with_capacity(256),
         landing: None,
     };
-    // Boxed, like the other rare or publisher-only steps below: a future holds room for its
-    // largest step for as long as it lives, and an idle subscriber's connection should not
-    // carry those steps' kilobytes.
     let connection = server.connection_id();
     let kick = Arc::new(Notify::new());
     // Dropped when this function returns, after the session is saved or ended and the will
@@ -409,6 +406,9 @@ pub(crate) async fn run<S: Conn>(
         kick: kick.clone(),
         ended,
     };
+    // Boxed, like the other rare or publisher-only steps below: a future holds room for its
+    // largest step for as long as it lives, and an idle subscriber's connection should not
+    // carry those steps' kilobytes.
     let accepted = Box::pin(s.accept(connect, me)).await;
     if !matches!(accepted, Ok(true)) {
         // Refused (or failed) after it may have registered: the client id is free again.
