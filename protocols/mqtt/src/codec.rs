@@ -812,7 +812,6 @@ pub(crate) fn put_props(props: &Props, p: &mut BytesMut) {
 /// An MQTT 5 PUBLISH header under a topic alias, from properties encoded once per message
 /// (`props`, see [`put_props`]): `topic` is the name when the alias is set by this packet, empty
 /// when the alias stands for it. Nothing is allocated: the fan-out writes one per delivery.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn aliased_publish_header(
     topic: &str,
     qos: u8,
@@ -823,7 +822,6 @@ pub(crate) fn aliased_publish_header(
     out: &mut BytesMut,
 ) {
     let props_len = props.len() + 3;
-    let mut varint = BytesMut::new();
     let remaining = 2
         + topic.len()
         + if qos > 0 { 2 } else { 0 }
@@ -837,8 +835,7 @@ pub(crate) fn aliased_publish_header(
     if qos > 0 {
         out.put_u16(pkid);
     }
-    put_varint(&mut varint, props_len);
-    out.extend_from_slice(&varint);
+    put_varint(out, props_len);
     out.put_u8(0x23);
     out.put_u16(alias);
     out.extend_from_slice(props);
