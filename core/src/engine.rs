@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
 use dashmap::DashMap;
+use sluice_metrics::{RegisterExt, Registry};
 use sluice_storage::{
     BatchError, Clock, Fetched, PartitionLog, ProducerInfo, Record, Storage, ValidatedBatch,
 };
@@ -156,7 +157,7 @@ impl std::future::Future for PendingAck {
     ) -> std::task::Poll<Self::Output> {
         let reply = std::task::ready!(std::pin::Pin::new(&mut self.rx).poll(cx));
         let info = crate::partition::append_outcome(&self.topic, self.partition, reply)?;
-        self.counters.append_latency.record(self.started.elapsed());
+        self.counters.append_latency.observe(self.started.elapsed());
         std::task::Poll::Ready(Ok(ProduceAck {
             partition: self.partition,
             base_offset: info.base_offset,
@@ -488,11 +489,7 @@ impl Engine {
             None
         };
         if let Some((what, limit, key)) = refused {
-            self.inner
-                .shared
-                .counters
-                .refused_topics
-                .fetch_add(1, Ordering::Relaxed);
+            self.inner.shared.counters.refused_topics.inc();
             return Err(CoreError::LimitReached { what, limit, key });
         }
         Ok(())
@@ -501,11 +498,7 @@ impl Engine {
     /// Refuses a change to an internal topic through a client's handle.
     fn check_writable(&self, name: &str) -> Result<()> {
         if is_internal_topic(name) && !self.system {
-            self.inner
-                .shared
-                .counters
-                .refused_internal
-                .fetch_add(1, Ordering::Relaxed);
+            self.inner.shared.counters.refused_internal.inc();
             return Err(CoreError::InternalTopic {
                 topic: name.to_owned(),
             });
@@ -823,11 +816,7 @@ impl Engine {
         offset: i64,
         error: &BatchError,
     ) {
-        self.inner
-            .shared
-            .counters
-            .unreadable_batches
-            .fetch_add(1, Ordering::Relaxed);
+        self.inner.shared.counters.unreadable_batches.inc();
         tracing::warn!(topic, partition, offset, %error, "passing over a stored batch that cannot be decoded");
     }
 
@@ -849,10 +838,58 @@ impl Engine {
         info!("engine stopped: every partition drained and fsynced");
     }
 
-    pub fn metrics(&self) -> EngineMetrics {
-        let c = &self.inner.shared.counters;
+    /// Registers the engine's metrics: its counters and latency histograms, the tier's when it
+    /// offloads, and a collector that derives the per-partition, per-group and per-subscription
+    /// families (and the tier's per-topic figures) from [`Engine::metrics`] at each scrape.
+    pub fn register_metrics(&self, registry: &mut Registry) {
+        self.inner.shared.counters.register(registry);
         let g = &self.inner.groups.counters;
+        registry.register_counter(
+            "sluice_group_commit_requests_total",
+            "Group offset commit requests made durable.",
+            &g.requests,
+        );
+        registry.register_counter(
+            "sluice_group_commit_syncs_total",
+            "fsyncs of the group offsets log (commits are batched).",
+            &g.syncs,
+        );
+        registry.register_counter(
+            "sluice_group_log_compactions_total",
+            "Rewrites of the group offsets log as a snapshot.",
+            &g.compactions,
+        );
         let sc = &self.inner.sub_counters;
+        registry.register_counter(
+            "sluice_subscription_redeliveries_total",
+            "Messages queued for redelivery (nack, ack timeout, consumer lost).",
+            &sc.redeliveries,
+        );
+        registry.register_counter(
+            "sluice_subscription_acks_total",
+            "Messages acknowledged on named subscriptions.",
+            &sc.acks,
+        );
+        registry.register_counter(
+            "sluice_subscription_dispatched_total",
+            "Messages handed to consumers of named subscriptions.",
+            &sc.dispatched,
+        );
+        if let Some(tier) = &self.inner.config.tier {
+            tier.register(registry);
+        }
+        let engine = self.clone();
+        registry.register_with(move |s| {
+            crate::metrics::write_engine(s, &engine.metrics())?;
+            match engine.offload_metrics() {
+                Some(offload) => offload.write(s),
+                None => Ok(()),
+            }
+        });
+    }
+
+    /// What the engine derives at scrape time: per topic, partition, group and subscription.
+    pub fn metrics(&self) -> EngineMetrics {
         let mut partitions = Vec::new();
         let mut topics: Vec<Arc<Topic>> = self
             .inner
@@ -895,25 +932,9 @@ impl Engine {
         EngineMetrics {
             topics: topics.len(),
             partitions,
-            fsync: c.fsync.snapshot(),
-            append_latency: c.append_latency.snapshot(),
-            rejected_batches: c.rejected_batches.load(Ordering::Relaxed),
-            unreadable_batches: c.unreadable_batches.load(Ordering::Relaxed),
-            refused_topics: c.refused_topics.load(Ordering::Relaxed),
-            refused_subscriptions: c.refused_subscriptions.load(Ordering::Relaxed),
-            refused_internal: c.refused_internal.load(Ordering::Relaxed),
-            refused_groups: c.refused_groups.load(Ordering::Relaxed),
-            retention_deleted_segments: c.retention_deleted_segments.load(Ordering::Relaxed),
-            retention_deleted_bytes: c.retention_deleted_bytes.load(Ordering::Relaxed),
             groups: self.group_lags(),
             subscriptions: self.subscription_backlogs(),
-            subscription_redeliveries: sc.redeliveries.load(Ordering::Relaxed),
-            subscription_acks: sc.acks.load(Ordering::Relaxed),
-            subscription_dispatched: sc.dispatched.load(Ordering::Relaxed),
             live_ring_lag_bytes: self.inner.shared.lag.used() as u64,
-            group_commit_requests: g.requests.load(Ordering::Relaxed),
-            group_commit_syncs: g.syncs.load(Ordering::Relaxed),
-            group_log_compactions: g.compactions.load(Ordering::Relaxed),
         }
     }
 }

@@ -11,7 +11,6 @@ use std::collections::{BTreeMap, HashMap};
 use std::io::IoSlice;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::RwLock;
 use sluice_storage::{LogFile, Storage};
@@ -70,9 +69,9 @@ struct Request {
 /// Requests and fsyncs of the store: their ratio is the batching.
 #[derive(Debug, Default)]
 pub(crate) struct GroupCounters {
-    pub(crate) requests: AtomicU64,
-    pub(crate) syncs: AtomicU64,
-    pub(crate) compactions: AtomicU64,
+    pub(crate) requests: sluice_metrics::Counter,
+    pub(crate) syncs: sluice_metrics::Counter,
+    pub(crate) compactions: sluice_metrics::Counter,
 }
 
 /// The group-offset store.
@@ -425,8 +424,8 @@ impl Writer {
                 Ok(Ok(n)) => {
                     self.size += n;
                     let c = &self.counters;
-                    c.syncs.fetch_add(1, Ordering::Relaxed);
-                    c.requests.fetch_add(batch.len() as u64, Ordering::Relaxed);
+                    c.syncs.inc();
+                    c.requests.inc_by(batch.len() as u64);
                     Ok(())
                 }
                 Ok(Err(e)) => {
@@ -477,7 +476,7 @@ impl Writer {
                 );
                 self.file = file;
                 self.size = len;
-                self.counters.compactions.fetch_add(1, Ordering::Relaxed);
+                self.counters.compactions.inc();
             }
             Ok(Err(e)) => {
                 warn!(error = %e, "compacting the group offsets log failed; it keeps growing")

@@ -33,9 +33,7 @@ pub use live::{
     SlowPolicy, StartAt,
 };
 pub use meta::{FileMetadataStore, MetadataStore, TopicMeta};
-pub use metrics::{
-    EngineMetrics, Histogram, HistogramSnapshot, LATENCY_BUCKETS_US, PartitionMetrics,
-};
+pub use metrics::{EngineMetrics, PartitionMetrics};
 pub use partition::WriterSettings;
 pub use policy::{Durability, MAX_LIVE_RING_BYTES, MIN_SEGMENT_BYTES, TopicPolicy};
 pub use sluice_storage::{
@@ -49,5 +47,5 @@ pub use subscription::{
 };
 pub use tier::{
     FaultyStore, MANIFEST_FORMAT, Manifest, ManifestSegment, PassOutcome, StoreFaults, StoreSpec,
-    Tier, TierCounters, TierSettings, open_store,
+    Tier, TierSettings, open_store,
 };

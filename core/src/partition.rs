@@ -451,10 +451,10 @@ impl Writer {
                             .map(|(outcome, log_start)| {
                                 self.engine
                                     .retention_deleted_segments
-                                    .fetch_add(outcome.deleted_segments as u64, Ordering::Relaxed);
+                                    .inc_by(outcome.deleted_segments as u64);
                                 self.engine
                                     .retention_deleted_bytes
-                                    .fetch_add(outcome.deleted_bytes, Ordering::Relaxed);
+                                    .inc_by(outcome.deleted_bytes);
                                 log_start
                             })
                             .map_err(Arc::new),
@@ -524,7 +524,7 @@ impl Writer {
         match outcome {
             Some(Ok((infos, high_watermark, fsync_took, committed))) => {
                 if sync {
-                    self.engine.fsync.record(fsync_took);
+                    self.engine.fsync.observe(fsync_took);
                     self.last_sync = Instant::now();
                 }
                 c.records.fetch_add(records, Ordering::Relaxed);
@@ -565,7 +565,7 @@ impl Writer {
             .await;
         match synced {
             Some(Ok(took)) => {
-                self.engine.fsync.record(took);
+                self.engine.fsync.observe(took);
                 self.last_sync = Instant::now();
             }
             Some(Err(e)) => {
@@ -586,9 +586,8 @@ impl Writer {
             Some(Ok(outcome)) => {
                 let e = &self.engine;
                 e.retention_deleted_segments
-                    .fetch_add(outcome.deleted_segments as u64, Ordering::Relaxed);
-                e.retention_deleted_bytes
-                    .fetch_add(outcome.deleted_bytes, Ordering::Relaxed);
+                    .inc_by(outcome.deleted_segments as u64);
+                e.retention_deleted_bytes.inc_by(outcome.deleted_bytes);
             }
             Some(Err(e)) => {
                 warn!(topic = self.topic, partition = self.id, error = %e, "segment maintenance failed");

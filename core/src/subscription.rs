@@ -16,7 +16,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -161,9 +161,9 @@ struct State {
 /// Per-engine subscription counters (no per-consumer label).
 #[derive(Debug, Default)]
 pub(crate) struct SubscriptionCounters {
-    pub(crate) redeliveries: AtomicU64,
-    pub(crate) acks: AtomicU64,
-    pub(crate) dispatched: AtomicU64,
+    pub(crate) redeliveries: sluice_metrics::Counter,
+    pub(crate) acks: sluice_metrics::Counter,
+    pub(crate) dispatched: sluice_metrics::Counter,
 }
 
 /// One named subscription.
@@ -296,9 +296,7 @@ impl Subscription {
             }
         }
         drop(st);
-        self.counters
-            .redeliveries
-            .fetch_add(moved, Ordering::Relaxed);
+        self.counters.redeliveries.inc_by(moved);
         self.wake.notify_waiters();
     }
 
@@ -367,9 +365,7 @@ impl Subscription {
                 }
             }
         }
-        self.counters
-            .redeliveries
-            .fetch_add(moved, Ordering::Relaxed);
+        self.counters.redeliveries.inc_by(moved);
         earliest
     }
 
@@ -483,10 +479,9 @@ impl Subscription {
                 taken.wants_read.push((partition, p.read_position));
             }
         }
-        self.counters.dispatched.fetch_add(
-            (taken.messages.len() + taken.reread.len()) as u64,
-            Ordering::Relaxed,
-        );
+        self.counters
+            .dispatched
+            .inc_by((taken.messages.len() + taken.reread.len()) as u64);
         taken
     }
 
@@ -542,7 +537,7 @@ impl Subscription {
             }
         }
         st.dirty |= n > 0;
-        self.counters.acks.fetch_add(n, Ordering::Relaxed);
+        self.counters.acks.inc_by(n);
         Ok(())
     }
 
@@ -557,7 +552,7 @@ impl Subscription {
             }
         }
         drop(st);
-        self.counters.redeliveries.fetch_add(n, Ordering::Relaxed);
+        self.counters.redeliveries.inc_by(n);
         self.wake.notify_waiters();
         Ok(())
     }

@@ -128,13 +128,12 @@ async fn concurrent_commits_share_fsyncs() {
     for t in tasks {
         t.await.unwrap().unwrap();
     }
-    let m = engine.metrics();
-    assert_eq!(m.group_commit_requests, 1000);
-    assert!(
-        m.group_commit_syncs < 100,
-        "{} fsyncs for 1000 commits",
-        m.group_commit_syncs
+    assert_eq!(
+        exported(&engine, "sluice_group_commit_requests_total"),
+        1000.0
     );
+    let syncs = exported(&engine, "sluice_group_commit_syncs_total");
+    assert!(syncs < 100.0, "{syncs} fsyncs for 1000 commits");
     assert_eq!(engine.list_groups().len(), 1000);
 }
 
@@ -196,7 +195,7 @@ async fn the_offsets_log_is_compacted_and_stays_correct() {
             t.await.unwrap().unwrap();
         }
     }
-    assert!(engine.metrics().group_log_compactions > 0);
+    assert!(exported(&engine, "sluice_group_log_compactions_total") > 0.0);
     let size = std::fs::metadata(dir.path().join("groups/offsets.log"))
         .unwrap()
         .len();
@@ -241,7 +240,7 @@ async fn commits_of_new_groups_past_the_cap_are_refused() {
         matches!(refused, CoreError::LimitReached { limit: 2, .. }),
         "{refused}"
     );
-    assert_eq!(engine.metrics().refused_groups, 1);
+    assert_eq!(exported(&engine, "sluice_group_commits_refused_total"), 1.0);
     // A group that holds offsets keeps committing; deleting one makes room.
     engine
         .commit_offsets("a", vec![entry("t", 0, 2, "")])

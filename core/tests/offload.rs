@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{now, open_with, read_all, record};
+use common::{exported, now, open_with, read_all, record};
 use sluice_core::{
     CoreError, Engine, EngineConfig, FaultyStore, FsStorage, InitialPosition, LiveOptions,
     Manifest, PartitionChoice, SlowPolicy, StartAt, StoreFaults, StoreSpec, SubscribeOptions,
@@ -237,8 +237,8 @@ async fn offloaded_segments_read_back_identically_and_by_timestamp_after_a_resta
             .unwrap(),
         Some((50, t0 + 500))
     );
-    let metrics = engine.offload_metrics().unwrap();
-    assert!(metrics.read_bytes > 0 && metrics.cache_misses > 0);
+    assert!(exported(&engine, "sluice_remote_read_bytes_total") > 0.0);
+    assert!(exported(&engine, "sluice_remote_cache_misses_total") > 0.0);
     engine.shutdown().await;
 }
 
@@ -253,8 +253,10 @@ async fn a_failed_put_leaves_the_local_copy_and_the_next_pass_uploads() {
     assert_eq!(outcome[0].uploaded_segments, 0);
     assert_eq!(local_logs(&d), logs, "nothing local goes before its upload");
     assert!(store_manifest(&d).is_none());
-    let failures = engine.offload_metrics().unwrap().failures;
-    assert!(failures.iter().any(|(k, n)| *k == "put" && *n == 1));
+    assert_eq!(
+        exported(&engine, r#"sluice_offload_failures_total{kind="put"}"#),
+        1.0
+    );
 
     let outcome = engine.offload_topic(TOPIC).await.unwrap();
     assert!(outcome[0].error.is_none(), "{outcome:?}");

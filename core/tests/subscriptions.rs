@@ -427,7 +427,7 @@ async fn named_subscriptions_past_the_cap_are_refused_and_deleting_makes_room() 
         matches!(refused, CoreError::LimitReached { limit: 2, .. }),
         "{refused}"
     );
-    assert_eq!(engine.metrics().refused_subscriptions, 1);
+    assert_eq!(exported(&engine, "sluice_subscriptions_refused_total"), 1.0);
     // Attaching to one that exists is no new subscription.
     drop(
         engine

@@ -12,64 +12,24 @@ use axum::response::IntoResponse;
 use axum::routing::get;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
-use sluice_core::Engine;
 use tower::ServiceExt;
 
 #[derive(Debug, Clone)]
 pub(crate) struct AppState {
-    pub(crate) engine: Engine,
     /// True once every listener is up; false again as soon as shutdown begins.
     pub(crate) ready: Arc<AtomicBool>,
-    /// The Kafka server, once its listener is bound.
-    pub(crate) kafka: Arc<std::sync::OnceLock<Arc<sluice_kafka::KafkaServer>>>,
     /// The MQTT server, once its listener is bound.
     pub(crate) mqtt: Arc<std::sync::OnceLock<Arc<sluice_mqtt::MqttServer>>>,
-    /// The REST API's shared state (its counters are rendered in /metrics).
+    /// The REST API's shared state.
     pub(crate) rest: Arc<sluice_rest::RestApi>,
     /// Turns true when the gateway begins to stop (ends MQTT-over-WebSocket sessions).
     pub(crate) stop: tokio::sync::watch::Receiver<bool>,
     /// Set when this process is a relay.
     pub(crate) relay: Option<Relay>,
-    /// Write counters of the segment files, when large appends go direct.
-    pub(crate) direct_writes: Option<Arc<sluice_core::DirectStats>>,
-    pub(crate) listeners: Listeners,
     /// The RTSP cameras (none on a relay).
     pub(crate) cameras: Option<Arc<sluice_rtsp::Cameras>>,
-    /// HTTP requests refused by access control.
-    pub(crate) access: Arc<sluice_rest::access::AccessMetrics>,
-    /// The TLS configuration, when there is one (its handshake failures and reloads).
-    pub(crate) tls: Option<Arc<sluice_net::Tls>>,
-}
-
-/// A protocol's name and its listener's counts, set once it is bound.
-type BoundListener = (
-    &'static str,
-    std::sync::OnceLock<Arc<sluice_net::ListenerStats>>,
-);
-
-/// The listener runtime's counts: each listener's, once it is bound, and the shared caps.
-#[derive(Debug, Clone)]
-pub(crate) struct Listeners {
-    pub(crate) admission: Arc<sluice_net::Admission>,
-    pub(crate) stats: Arc<[BoundListener; 6]>,
-}
-
-impl Listeners {
-    pub(crate) fn new(admission: Arc<sluice_net::Admission>) -> Self {
-        let stats = ["http", "kafka", "mqtt", "https", "kafka-tls", "mqtt-tls"]
-            .map(|name| (name, std::sync::OnceLock::new()));
-        Self {
-            admission,
-            stats: Arc::new(stats),
-        }
-    }
-
-    /// Records `protocol`'s listener counts once it is bound.
-    pub(crate) fn bound(&self, protocol: &str, stats: Arc<sluice_net::ListenerStats>) {
-        if let Some((_, slot)) = self.stats.iter().find(|(p, _)| *p == protocol) {
-            let _ = slot.set(stats);
-        }
-    }
+    /// What `/metrics` serves.
+    pub(crate) metrics: crate::metrics::Shared,
 }
 
 /// What a relay has beyond a main node: its name and its two links to the upstream.
@@ -83,9 +43,9 @@ pub(crate) struct Relay {
 impl Relay {
     /// Why this relay cannot serve new clients now, if it cannot.
     pub(crate) fn cut_off(&self) -> Option<&'static str> {
-        if !self.upstream.metrics.connected.load(Ordering::Relaxed) {
+        if !self.upstream.stats().connected {
             Some("not ready: the upstream's MQTT listener is not connected\n")
-        } else if self.mirror.metrics.links_down.load(Ordering::Relaxed) > 0 {
+        } else if self.mirror.stats().links_down > 0 {
             Some("not ready: following the upstream's Kafka listener is failing\n")
         } else {
             None
@@ -204,35 +164,9 @@ async fn readyz(State(state): State<AppState>) -> impl IntoResponse {
 }
 
 async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
-    let engine = state.engine.metrics();
-    let process = crate::process::stats();
-    let mut body = crate::metrics::render(&engine, &process, state.ready.load(Ordering::Acquire));
-    if let Some(direct) = &state.direct_writes {
-        crate::metrics::render_direct_writes(&mut body, direct);
-    }
-    if let Some(kafka) = state.kafka.get() {
-        crate::metrics::render_kafka(&mut body, &kafka.metrics);
-    }
-    if let Some(mqtt) = state.mqtt.get() {
-        crate::metrics::render_mqtt(&mut body, mqtt);
-    }
-    crate::metrics::render_rest(&mut body, &state.rest.metrics);
-    crate::metrics::render_access(&mut body, &state.access, state.tls.as_deref());
-    crate::metrics::render_listeners(&mut body, &state.listeners);
-    if let Some(cameras) = &state.cameras {
-        crate::metrics::render_cameras(&mut body, &cameras.list());
-    }
-    if let Some(offload) = state.engine.offload_metrics() {
-        crate::metrics::render_offload(&mut body, &offload);
-    }
-    if let Some(relay) = &state.relay {
-        crate::metrics::render_relay(&mut body, relay, &engine);
-    }
-    (
-        [(
-            header::CONTENT_TYPE,
-            "text/plain; version=0.0.4; charset=utf-8",
-        )],
-        body,
-    )
+    let text = {
+        let registry = state.metrics.read().unwrap_or_else(|e| e.into_inner());
+        sluice_metrics::encode(&registry)
+    };
+    ([(header::CONTENT_TYPE, sluice_metrics::CONTENT_TYPE)], text)
 }

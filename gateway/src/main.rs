@@ -338,7 +338,7 @@ async fn serve(mut config: Config, reload: security::LoadConfig) -> anyhow::Resu
         "connection capacity: each client connection (MQTT, Kafka, HTTP) holds one open file; \
          beyond max_connections, new connections are refused until others close"
     );
-    let listeners = http::Listeners::new(listening.admission.clone());
+    let listeners = sluice_net::ListenerMetrics::new(listening.admission.clone());
 
     let security = sluice_core::auth::SecurityHandle::new(
         security::build(&config).map_err(anyhow::Error::msg)?,
@@ -391,31 +391,48 @@ async fn serve(mut config: Config, reload: security::LoadConfig) -> anyhow::Resu
     };
 
     let ready = Arc::new(AtomicBool::new(false));
-    let kafka_metrics = Arc::new(std::sync::OnceLock::new());
+    let kafka_slot = Arc::new(std::sync::OnceLock::new());
     let access_metrics = Arc::new(sluice_rest::access::AccessMetrics::default());
-    let mqtt_metrics = Arc::new(std::sync::OnceLock::new());
+    let mqtt_slot = Arc::new(std::sync::OnceLock::new());
+    let rest = sluice_rest::RestApi::with_gateway(
+        engine.clone(),
+        stop_rx.clone(),
+        connection_lister(kafka_slot.clone(), mqtt_slot.clone()),
+    );
+    rest.limit_fetch_bytes(config.http.max_fetch_bytes);
+    rest.allow_websocket_origins(config.http.websocket_allowed_origins.clone());
+    // Each part registers its own metrics; the Kafka and MQTT servers register once built.
+    let registry: metrics::Shared = {
+        let mut registry = metrics::registry(ready.clone());
+        engine.register_metrics(&mut registry);
+        rest.register_metrics(&mut registry);
+        access_metrics.register(&mut registry);
+        listeners.register(&mut registry);
+        if let Some(direct) = &direct_stats {
+            direct.register(&mut registry);
+        }
+        if let Some(tls) = &tls {
+            tls.register(&mut registry);
+        }
+        if let Some(cameras) = &cameras {
+            cameras.register_metrics(&mut registry);
+        }
+        if let Some(relay) = &relay {
+            metrics::register_relay(&mut registry, relay, &engine);
+        }
+        Arc::new(std::sync::RwLock::new(registry))
+    };
+    let register = |register: &dyn Fn(&mut sluice_metrics::Registry)| {
+        register(&mut registry.write().unwrap_or_else(|e| e.into_inner()));
+    };
     let app = http::router(http::AppState {
-        engine: engine.clone(),
         ready: ready.clone(),
-        kafka: kafka_metrics.clone(),
-        mqtt: mqtt_metrics.clone(),
-        rest: {
-            let rest = sluice_rest::RestApi::with_gateway(
-                engine.clone(),
-                stop_rx.clone(),
-                connection_lister(kafka_metrics.clone(), mqtt_metrics.clone()),
-            );
-            rest.limit_fetch_bytes(config.http.max_fetch_bytes);
-            rest.allow_websocket_origins(config.http.websocket_allowed_origins.clone());
-            rest
-        },
+        mqtt: mqtt_slot.clone(),
+        rest,
         stop: stop_rx.clone(),
         relay: relay.clone(),
-        direct_writes: direct_stats,
-        listeners: listeners.clone(),
         cameras: cameras.clone(),
-        access: access_metrics.clone(),
-        tls: tls.clone(),
+        metrics: registry.clone(),
     });
     let camera_topics = cameras.clone();
     let known_topics = engine.clone();
@@ -482,7 +499,8 @@ async fn serve(mut config: Config, reload: security::LoadConfig) -> anyhow::Resu
             KafkaServer::new(engine.clone(), config.kafka.clone(), kafka_addr)
         };
         let (adv_host, adv_port) = kafka.advertised();
-        let _ = kafka_metrics.set(kafka.clone());
+        let _ = kafka_slot.set(kafka.clone());
+        register(&|r| kafka.register_metrics(r));
         listeners.bound("kafka", kafka.listener.clone());
         info!(protocol = "kafka", addr = %kafka_addr, advertised = %format!("{adv_host}:{adv_port}"), read_only = relay.is_some(), "listening");
         Some(tokio::spawn(kafka.clone().serve(
@@ -501,11 +519,12 @@ async fn serve(mut config: Config, reload: security::LoadConfig) -> anyhow::Resu
                 .await
                 .with_context(|| format!("binding the Kafka TLS listener to {addr}"))?;
             let bound = listener.local_addr()?;
-            let kafka = match kafka_metrics.get() {
+            let kafka = match kafka_slot.get() {
                 Some(k) => k.clone(),
                 None => {
                     let k = KafkaServer::new(engine.clone(), config.kafka.clone(), bound);
-                    let _ = kafka_metrics.set(k.clone());
+                    let _ = kafka_slot.set(k.clone());
+                    register(&|r| k.register_metrics(r));
                     k
                 }
             };
@@ -545,7 +564,8 @@ async fn serve(mut config: Config, reload: security::LoadConfig) -> anyhow::Resu
                 reuse_port: relay.is_some(),
                 ..Default::default()
             };
-            let _ = mqtt_metrics.set(mqtt.clone());
+            let _ = mqtt_slot.set(mqtt.clone());
+            register(&|r| mqtt.register_metrics(r));
             let mut tasks = Vec::new();
             if !config.mqtt.addr.is_empty() {
                 let mqtt_listener = sluice_net::bind(&config.mqtt.addr, options)
@@ -628,14 +648,14 @@ fn connection_lister(
         if let Some(k) = kafka.get() {
             out.push(sluice_rest::ProtocolConnections {
                 protocol: "kafka".to_owned(),
-                open: k.metrics.connections_open.load(Ordering::Relaxed),
+                open: k.connections_open(),
                 clients: Vec::new(),
             });
         }
         if let Some(m) = mqtt.get() {
             out.push(sluice_rest::ProtocolConnections {
                 protocol: "mqtt".to_owned(),
-                open: m.metrics.connections_open.load(Ordering::Relaxed),
+                open: m.connections_open(),
                 clients: m.connected_client_ids(),
             });
         }

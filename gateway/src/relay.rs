@@ -6,7 +6,6 @@
 
 use std::path::Path;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -94,7 +93,7 @@ pub(crate) async fn mqtt_server(
             Ok(mqtt) => return Ok(Ok(mqtt)),
             Err(e) => e,
         };
-        let refused = relay.mirror.metrics.auth_failures.load(Ordering::Relaxed) > 0;
+        let refused = relay.mirror.stats().auth_failures > 0;
         if refused || !matches!(e, sluice_core::CoreError::Upstream { .. }) {
             return Err(anyhow::Error::new(e).context("starting the MQTT server"));
         }

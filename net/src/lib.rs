@@ -15,6 +15,7 @@
 mod admission;
 mod deadline;
 mod listener;
+mod metrics;
 mod rate;
 mod tls;
 
@@ -24,6 +25,7 @@ pub use listener::{
     Admitted, BindOptions, Deadlines, LISTEN_BACKLOG, ListenerStats, Listening, Tracked, bind,
     serve,
 };
+pub use metrics::ListenerMetrics;
 pub use rate::{RateLimit, Rates};
 pub use tls::{ClientCerts, ClientStream, Tls, TlsClient, TlsFiles, peer_common_name};
 pub use tokio_rustls::server::TlsStream;

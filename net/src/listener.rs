@@ -112,19 +112,26 @@ pub async fn bind(addr: &str, options: BindOptions) -> io::Result<TcpListener> {
     Err(last.unwrap_or_else(|| io::Error::other(format!("{addr} resolves to nothing"))))
 }
 
-/// One listener's counts, for its protocol's metrics.
+/// One listener's counts, exported by [`crate::ListenerMetrics`] under its protocol's name.
 #[derive(Debug, Default)]
 pub struct ListenerStats {
     /// Connections admitted and handed to the protocol.
-    pub accepted: AtomicU64,
+    pub(crate) accepted: AtomicU64,
     /// Connections of this listener open now (kept exact by [`Admitted`]'s drop).
-    pub open: AtomicU64,
+    pub(crate) open: AtomicU64,
     /// Connections closed at once because the caps were full.
-    pub refused: AtomicU64,
+    pub(crate) refused: AtomicU64,
     /// Failed accepts (out of file descriptors, mostly).
-    pub accept_errors: AtomicU64,
+    pub(crate) accept_errors: AtomicU64,
     /// Told each time `open` falls to zero: the drain waits on it.
     closed_all: Notify,
+}
+
+impl ListenerStats {
+    /// Connections of this listener open now.
+    pub fn open(&self) -> u64 {
+        self.open.load(Ordering::Acquire)
+    }
 }
 
 /// An admitted connection's place: under the caps and in its listener's gauge, both given back

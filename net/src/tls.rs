@@ -5,7 +5,7 @@
 use std::io;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
@@ -13,6 +13,7 @@ use rustls::RootCertStore;
 use rustls::server::{ServerConfig, WebPkiClientVerifier};
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+use sluice_metrics::{Counter, RegisterExt, Registry};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio_rustls::server::TlsStream;
 
@@ -45,9 +46,9 @@ pub struct Tls {
     files: TlsFiles,
     config: ArcSwap<ServerConfig>,
     /// Handshakes that failed (bad certificates, untrusted CAs, plain text on a TLS port).
-    pub handshake_failures: AtomicU64,
+    handshake_failures: Counter,
     /// Successful reloads since start.
-    pub reloads: AtomicU64,
+    reloads: Counter,
 }
 
 impl Tls {
@@ -57,8 +58,8 @@ impl Tls {
         Ok(Arc::new(Self {
             files,
             config: ArcSwap::from_pointee(config),
-            handshake_failures: AtomicU64::new(0),
-            reloads: AtomicU64::new(0),
+            handshake_failures: Counter::default(),
+            reloads: Counter::default(),
         }))
     }
 
@@ -67,7 +68,7 @@ impl Tls {
     pub fn reload(&self) -> Result<(), String> {
         let config = build(&self.files)?;
         self.config.store(Arc::new(config));
-        self.reloads.fetch_add(1, Ordering::Relaxed);
+        self.reloads.inc();
         Ok(())
     }
 
@@ -80,10 +81,24 @@ impl Tls {
         match crate::within(limit, "the TLS handshake", acceptor.accept(stream)).await {
             Ok(s) => Ok(s),
             Err(e) => {
-                self.handshake_failures.fetch_add(1, Ordering::Relaxed);
+                self.handshake_failures.inc();
                 Err(e)
             }
         }
+    }
+
+    /// Registers the handshake failures and reloads of every TLS listener.
+    pub fn register(&self, registry: &mut Registry) {
+        registry.register_counter(
+            "sluice_tls_handshake_failures_total",
+            "TLS handshakes that failed or timed out, on every TLS listener (untrusted or expired certificates, plain text on a TLS port).",
+            &self.handshake_failures,
+        );
+        registry.register_counter(
+            "sluice_tls_reloads_total",
+            "Certificate reloads (SIGHUP) that put new certificates in force.",
+            &self.reloads,
+        );
     }
 
     /// The configuration in force (for an HTTP server that runs its own handshakes).

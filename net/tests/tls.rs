@@ -179,18 +179,12 @@ async fn handshakes_client_certificates_and_refusals() {
     );
 
     // Plain text on the TLS port fails its handshake and is counted.
-    let failures = tls
-        .handshake_failures
-        .load(std::sync::atomic::Ordering::Relaxed);
+    let failures = handshake_failures(&tls);
     let mut plain = TcpStream::connect(addr).await.unwrap();
     plain.write_all(b"GET / HTTP/1.1\r\n\r\n").await.unwrap();
     let mut buf = Vec::new();
     let _ = plain.read_to_end(&mut buf).await;
-    assert!(
-        tls.handshake_failures
-            .load(std::sync::atomic::Ordering::Relaxed)
-            > failures
-    );
+    assert!(handshake_failures(&tls) > failures);
 }
 
 #[tokio::test]
@@ -284,4 +278,12 @@ fn missing_and_mismatched_files_are_named() {
     })
     .unwrap_err();
     assert!(err.contains("do not make a certificate"), "{err}");
+}
+
+/// The exported count of failed handshakes, read as a scrape of `/metrics` reads it.
+fn handshake_failures(tls: &Tls) -> f64 {
+    let mut registry = sluice_metrics::Registry::default();
+    tls.register(&mut registry);
+    let text = sluice_metrics::encode(&registry);
+    sluice_metrics::sample(&text, "sluice_tls_handshake_failures_total").expect("exported")
 }

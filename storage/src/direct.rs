@@ -20,10 +20,11 @@ use std::io::{self, IoSlice, Seek, SeekFrom, Write};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use bytes::{BufMut, Bytes};
 use parking_lot::Mutex;
+use sluice_metrics::{Counter, Gauge, RegisterExt, Registry};
 use tracing::warn;
 
 use crate::io::{FsStorage, LogFile, Storage, append_vectored, open_log_file};
@@ -35,26 +36,74 @@ const ALIGN: usize = 4096;
 /// Largest single direct write; a bigger append is written in several.
 const STAGING_BYTES: usize = 4 << 20;
 
-/// Bytes written each way, for metrics and tests.
+/// Bytes written each way, exported through [`DirectStats::register`].
 #[derive(Debug, Default)]
 pub struct DirectStats {
     /// Bytes written with `O_DIRECT`.
-    pub direct_bytes: AtomicU64,
+    direct_bytes: Counter,
     /// Of those, bytes written straight from the batch's own memory, which was placed for its
     /// file position ([`crate::batch::encode_at`]), without the copy into a staging buffer.
-    pub in_place_bytes: AtomicU64,
+    in_place_bytes: Counter,
     /// Bytes of appends written through the page cache.
-    pub buffered_bytes: AtomicU64,
+    buffered_bytes: Counter,
     /// Files whose file system refused `O_DIRECT`; they are written through the page cache.
-    pub refused: AtomicU64,
+    refused: Counter,
     /// Staging buffers allocated (4 MiB each): as many as direct appends ever ran at once.
-    pub staging_buffers: AtomicU64,
+    staging_buffers: Gauge,
     /// Direct writes made (each one vectored write of whole blocks).
-    pub direct_writes: AtomicU64,
+    direct_writes: Counter,
     /// Reads made with `O_DIRECT`, those that start with a batch of at least `min_bytes` (a
     /// subscriber catching up on images, a Kafka fetch of them), and the bytes they brought.
-    pub direct_reads: AtomicU64,
-    pub direct_read_bytes: AtomicU64,
+    direct_reads: Counter,
+    direct_read_bytes: Counter,
+}
+
+impl DirectStats {
+    /// Registers how segment appends and reads reached the disk.
+    pub fn register(&self, registry: &mut Registry) {
+        registry.register_counters(&[
+            (
+                "sluice_storage_direct_write_bytes_total",
+                "Bytes of segment appends written with O_DIRECT (storage.direct_write_min_bytes).",
+                &self.direct_bytes,
+            ),
+            (
+                "sluice_storage_direct_in_place_bytes_total",
+                "Of the O_DIRECT bytes, those written straight from the batch's own memory (laid out for its file position), with no copy into a staging buffer.",
+                &self.in_place_bytes,
+            ),
+            (
+                "sluice_storage_buffered_write_bytes_total",
+                "Bytes of segment appends written through the page cache.",
+                &self.buffered_bytes,
+            ),
+            (
+                "sluice_storage_direct_refused_total",
+                "Segment files whose file system refused O_DIRECT (written through the page cache).",
+                &self.refused,
+            ),
+            (
+                "sluice_storage_direct_writes_total",
+                "Direct writes made; direct bytes divided by these is the size of the average one.",
+                &self.direct_writes,
+            ),
+            (
+                "sluice_storage_direct_reads_total",
+                "Segment reads made with O_DIRECT into huge pages: those that start with a batch of at least storage.direct_write_min_bytes (subscribers catching up on images, fetches of them).",
+                &self.direct_reads,
+            ),
+            (
+                "sluice_storage_direct_read_bytes_total",
+                "Bytes those direct reads brought.",
+                &self.direct_read_bytes,
+            ),
+        ]);
+        registry.register_gauge(
+            "sluice_storage_direct_staging_buffers",
+            "4 MiB aligned buffers that direct appends copy through (one per concurrent append).",
+            &self.staging_buffers,
+        );
+    }
 }
 
 /// [`FsStorage`], except that log files take large appends with `O_DIRECT`.
@@ -124,7 +173,7 @@ struct StagingPool(Mutex<Vec<Staging>>);
 impl StagingPool {
     fn take(&self, stats: &DirectStats) -> Staging {
         self.0.lock().pop().unwrap_or_else(|| {
-            stats.staging_buffers.fetch_add(1, Ordering::Relaxed);
+            stats.staging_buffers.inc();
             Staging::new()
         })
     }
@@ -206,9 +255,7 @@ impl DirectFile {
         let mut small = vec![0; len];
         src.fill(&mut small);
         (&self.file).write_all(&small)?;
-        self.stats
-            .buffered_bytes
-            .fetch_add(len as u64, Ordering::Relaxed);
+        self.stats.buffered_bytes.inc_by(len as u64);
         Ok(())
     }
 
@@ -334,31 +381,23 @@ impl DirectFile {
                     // Alignment is checked before anything is written: `rest` is all unwritten.
                     warn!(error = %e, "the file system rejects direct writes; writing through the page cache");
                     self.direct_ok.store(false, Ordering::Relaxed);
-                    self.stats.refused.fetch_add(1, Ordering::Relaxed);
-                    self.stats
-                        .direct_bytes
-                        .fetch_add(written as u64, Ordering::Relaxed);
+                    self.stats.refused.inc();
+                    self.stats.direct_bytes.inc_by(written as u64);
                     return self.write_buffered(rest);
                 }
                 Err(e) => return Err(e),
             }
         }
-        self.stats
-            .direct_bytes
-            .fetch_add(total as u64, Ordering::Relaxed);
-        self.stats
-            .in_place_bytes
-            .fetch_add(in_place as u64, Ordering::Relaxed);
-        self.stats.direct_writes.fetch_add(1, Ordering::Relaxed);
+        self.stats.direct_bytes.inc_by(total as u64);
+        self.stats.in_place_bytes.inc_by(in_place as u64);
+        self.stats.direct_writes.inc();
         Ok(())
     }
 
     fn write_buffered(&self, slices: &[IoSlice<'_>]) -> io::Result<()> {
         append_vectored(&self.file, slices)?;
         let n: usize = slices.iter().map(|s| s.len()).sum();
-        self.stats
-            .buffered_bytes
-            .fetch_add(n as u64, Ordering::Relaxed);
+        self.stats.buffered_bytes.inc_by(n as u64);
         Ok(())
     }
 }
@@ -391,10 +430,8 @@ impl LogFile for DirectFile {
         if first >= self.min_bytes
             && let Some(bytes) = self.read_direct(pos, len)?
         {
-            self.stats.direct_reads.fetch_add(1, Ordering::Relaxed);
-            self.stats
-                .direct_read_bytes
-                .fetch_add(len as u64, Ordering::Relaxed);
+            self.stats.direct_reads.inc();
+            self.stats.direct_read_bytes.inc_by(len as u64);
             return Ok(bytes);
         }
         let mut buf = vec![0u8; len];
@@ -492,7 +529,7 @@ impl Storage for DirectFsStorage {
             Ok(direct) => Some(direct),
             Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
                 warn!(path = %path.display(), "the file system does not support O_DIRECT; writing through the page cache");
-                self.stats.refused.fetch_add(1, Ordering::Relaxed);
+                self.stats.refused.inc();
                 None
             }
             Err(e) => return Err(e),

@@ -8,10 +8,16 @@ mod common;
 use std::io::IoSlice;
 use std::path::Path;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 
 use common::{append, batch, open_with, read_all, value};
-use sluice_storage::{DirectFsStorage, LogConfig, LogFile, Storage, SystemClock};
+use sluice_storage::{DirectFsStorage, DirectStats, LogConfig, LogFile, Storage, SystemClock};
+
+/// One of the storage's exported counts, read as a scrape of `/metrics` reads it.
+fn exported(stats: &DirectStats, name: &str) -> u64 {
+    let mut registry = sluice_metrics::Registry::default();
+    stats.register(&mut registry);
+    sluice_metrics::sample(&sluice_metrics::encode(&registry), name).expect(name) as u64
+}
 
 const BLOCK: u64 = 4096;
 
@@ -94,13 +100,19 @@ fn appends_of_every_alignment_land_byte_for_byte() {
     file.sync_data().unwrap();
 
     assert!(direct > 0);
-    assert_eq!(stats.direct_bytes.load(Ordering::Relaxed), direct);
     assert_eq!(
-        stats.buffered_bytes.load(Ordering::Relaxed),
+        exported(&stats, "sluice_storage_direct_write_bytes_total"),
+        direct
+    );
+    assert_eq!(
+        exported(&stats, "sluice_storage_buffered_write_bytes_total"),
         expected.len() as u64 - direct
     );
-    assert_eq!(stats.refused.load(Ordering::Relaxed), 0);
-    assert_eq!(stats.in_place_bytes.load(Ordering::Relaxed), 0);
+    assert_eq!(exported(&stats, "sluice_storage_direct_refused_total"), 0);
+    assert_eq!(
+        exported(&stats, "sluice_storage_direct_in_place_bytes_total"),
+        0
+    );
     assert_eq!(std::fs::read(&path).unwrap(), expected);
 
     let mut back = vec![0; 5 * 4096 + 3];
@@ -142,11 +154,14 @@ fn reads_of_large_batches_go_around_the_page_cache_from_any_position() {
     for (n, &(pos, len)) in large.iter().enumerate() {
         let got = file.read_bytes_at(pos as u64, len, len).unwrap();
         assert_eq!(got, expected[pos..pos + len], "{len} at {pos}");
-        assert_eq!(stats.direct_reads.load(Ordering::Relaxed), n as u64 + 1);
+        assert_eq!(
+            exported(&stats, "sluice_storage_direct_reads_total"),
+            n as u64 + 1
+        );
     }
     let bytes: usize = large.iter().map(|&(_, len)| len).sum();
     assert_eq!(
-        stats.direct_read_bytes.load(Ordering::Relaxed),
+        exported(&stats, "sluice_storage_direct_read_bytes_total"),
         bytes as u64
     );
 
@@ -156,7 +171,7 @@ fn reads_of_large_batches_go_around_the_page_cache_from_any_position() {
     let mixed = file.read_bytes_at(0, 2 * MIN_BYTES, 5000).unwrap();
     assert_eq!(mixed, expected[..2 * MIN_BYTES]);
     assert_eq!(
-        stats.direct_reads.load(Ordering::Relaxed),
+        exported(&stats, "sluice_storage_direct_reads_total"),
         large.len() as u64
     );
     // Past the end is an error, whichever way it is read.
@@ -216,13 +231,16 @@ fn slices_placed_for_their_position_are_written_from_their_own_pages() {
     file.sync_data().unwrap();
 
     assert!(in_place > 0 && staged > 0);
-    assert_eq!(stats.in_place_bytes.load(Ordering::Relaxed), in_place);
     assert_eq!(
-        stats.direct_bytes.load(Ordering::Relaxed),
+        exported(&stats, "sluice_storage_direct_in_place_bytes_total"),
+        in_place
+    );
+    assert_eq!(
+        exported(&stats, "sluice_storage_direct_write_bytes_total"),
         in_place + staged
     );
     assert_eq!(
-        stats.buffered_bytes.load(Ordering::Relaxed),
+        exported(&stats, "sluice_storage_buffered_write_bytes_total"),
         expected.len() as u64 - in_place - staged
     );
     assert_eq!(std::fs::read(&path).unwrap(), expected);
@@ -262,13 +280,19 @@ fn a_group_of_placed_images_is_one_direct_write() {
     }
     file.sync_data().unwrap();
 
-    assert_eq!(stats.direct_writes.load(Ordering::Relaxed), 1);
-    assert_eq!(stats.direct_bytes.load(Ordering::Relaxed), direct);
-    assert_eq!(stats.in_place_bytes.load(Ordering::Relaxed), in_place);
+    assert_eq!(exported(&stats, "sluice_storage_direct_writes_total"), 1);
+    assert_eq!(
+        exported(&stats, "sluice_storage_direct_write_bytes_total"),
+        direct
+    );
+    assert_eq!(
+        exported(&stats, "sluice_storage_direct_in_place_bytes_total"),
+        in_place
+    );
     // Staged: one boundary block per image after the first.
     assert_eq!(direct - in_place, 11 * BLOCK);
     assert_eq!(
-        stats.buffered_bytes.load(Ordering::Relaxed),
+        exported(&stats, "sluice_storage_buffered_write_bytes_total"),
         expected.len() as u64 - direct
     );
     assert_eq!(std::fs::read(&path).unwrap(), expected);
@@ -302,7 +326,7 @@ fn a_log_of_images_reads_back_and_recovers() {
         append(&mut log, batch(seed, 1, len, seed as i64));
         sent.push(value(seed * 1000, len));
     }
-    assert!(stats.direct_bytes.load(Ordering::Relaxed) >= 7 * 1_990_000);
+    assert!(exported(&stats, "sluice_storage_direct_write_bytes_total") >= 7 * 1_990_000);
     assert!(log.reader().sealed_segments().len() >= 2);
 
     let check = |log: &sluice_storage::PartitionLog| {
@@ -314,13 +338,13 @@ fn a_log_of_images_reads_back_and_recovers() {
     };
     check(&log);
     // The images were read back around the page cache too.
-    assert!(stats.direct_reads.load(Ordering::Relaxed) >= 8);
-    assert!(stats.direct_read_bytes.load(Ordering::Relaxed) >= 8 * 2_000_000);
+    assert!(exported(&stats, "sluice_storage_direct_reads_total") >= 8);
+    assert!(exported(&stats, "sluice_storage_direct_read_bytes_total") >= 8 * 2_000_000);
     log.close().unwrap();
 
     // Reopening scans the active segment and loads the sealed ones: nothing is cut.
     let (log, _) = direct_log(dir.path());
     check(&log);
     // Every segment took its turn with the same staging buffer.
-    assert_eq!(stats.staging_buffers.load(Ordering::Relaxed), 1);
+    assert_eq!(exported(&stats, "sluice_storage_direct_staging_buffers"), 1);
 }

@@ -1,10 +1,12 @@
 //! Driving the object-store tier: the periodic pass over every offloading partition, the
 //! operator's trigger, and the tier's metrics.
 
+use std::fmt;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
+use sluice_metrics::Scrape;
 use tracing::{info, warn};
 
 use super::{Engine, Inner, Topic};
@@ -12,17 +14,12 @@ use crate::error::{CoreError, Result};
 use crate::partition::Partition;
 use crate::tier::PassOutcome;
 
-/// The tier's figures for metrics: per topic and partition, and the store's counters.
+/// The tier's figures per topic and partition, derived at scrape time (the tier's own
+/// counters are registered by [`crate::Tier::register`]).
 #[derive(Debug, Clone, Default)]
 pub struct OffloadMetrics {
     pub topics: Vec<TopicOffload>,
     pub partitions: Vec<PartitionOffload>,
-    pub read_bytes: u64,
-    pub read_latency: crate::HistogramSnapshot,
-    pub cache_hits: u64,
-    pub cache_misses: u64,
-    pub cache_bytes: u64,
-    pub failures: Vec<(&'static str, u64)>,
 }
 
 /// One offloading topic's upload figures.
@@ -118,9 +115,9 @@ impl Engine {
             outcome.deleted_local_segments = detached.outcome().deleted_segments as u64;
             let c = &self.inner.shared.counters;
             c.retention_deleted_segments
-                .fetch_add(outcome.deleted_local_segments, Ordering::Relaxed);
+                .inc_by(outcome.deleted_local_segments);
             c.retention_deleted_bytes
-                .fetch_add(detached.outcome().deleted_bytes, Ordering::Relaxed);
+                .inc_by(detached.outcome().deleted_bytes);
             match tokio::task::spawn_blocking(move || detached.remove()).await {
                 Ok(Ok(_)) => {}
                 Ok(Err(e)) => {
@@ -153,18 +150,9 @@ impl Engine {
 
     /// The tier's figures; `None` when the engine does not offload.
     pub fn offload_metrics(&self) -> Option<OffloadMetrics> {
-        let tier = self.inner.config.tier.as_ref()?;
+        self.inner.config.tier.as_ref()?;
         let now = self.now_ms();
-        let c = tier.counters();
-        let mut m = OffloadMetrics {
-            read_bytes: c.read_bytes.load(Ordering::Relaxed),
-            read_latency: c.read_latency.snapshot(),
-            cache_hits: c.cache_hits.load(Ordering::Relaxed),
-            cache_misses: c.cache_misses.load(Ordering::Relaxed),
-            cache_bytes: tier.cache_bytes() as u64,
-            failures: c.failures().to_vec(),
-            ..Default::default()
-        };
+        let mut m = OffloadMetrics::default();
         let mut names: Vec<String> = self.inner.topics.iter().map(|t| t.key().clone()).collect();
         names.sort();
         for name in names {
@@ -205,5 +193,70 @@ impl Engine {
             }
         }
         Some(m)
+    }
+}
+
+impl OffloadMetrics {
+    /// Writes the per-topic upload figures and where each partition's bytes are.
+    pub(crate) fn write(&self, s: &mut Scrape<'_>) -> fmt::Result {
+        type Topic = fn(&TopicOffload) -> u64;
+        let topic = |t: &TopicOffload| [("topic", t.topic.clone())];
+        let counters: [(&str, &str, Topic); 3] = [
+            (
+                "sluice_offload_uploaded_bytes_total",
+                "Bytes of segments uploaded to the object store (since start).",
+                |t| t.uploaded_bytes,
+            ),
+            (
+                "sluice_offload_uploaded_segments_total",
+                "Segments uploaded to the object store (since start).",
+                |t| t.uploaded_segments,
+            ),
+            (
+                "sluice_offload_remote_deleted_segments_total",
+                "Offloaded segments deleted from the object store by retention (since start).",
+                |t| t.remote_deleted_segments,
+            ),
+        ];
+        for (name, help, value) in counters {
+            s.counters(name, help, self.topics.iter().map(|t| (topic(t), value(t))))?;
+        }
+        s.gauges(
+            "sluice_offload_lag_bytes",
+            "Bytes of sealed segments waiting for upload (the local disk holds them).",
+            self.topics.iter().map(|t| (topic(t), t.lag_bytes)),
+        )?;
+        s.gauges(
+            "sluice_offload_lag_segments",
+            "Sealed segments waiting for upload.",
+            self.topics.iter().map(|t| (topic(t), t.lag_segments)),
+        )?;
+        s.gauges(
+            "sluice_offload_oldest_pending_age_seconds",
+            "Seconds since the oldest segment waiting for upload was sealed (0: none waits).",
+            self.topics
+                .iter()
+                .map(|t| (topic(t), t.oldest_pending_age_s)),
+        )?;
+        let partition = |p: &PartitionOffload| {
+            [
+                ("topic", p.topic.clone()),
+                ("partition", p.partition.to_string()),
+            ]
+        };
+        s.gauges(
+            "sluice_partition_local_bytes",
+            "Bytes of the partition on the local disk.",
+            self.partitions
+                .iter()
+                .map(|p| (partition(p), p.local_bytes)),
+        )?;
+        s.gauges(
+            "sluice_partition_remote_bytes",
+            "Bytes of the partition in the object store.",
+            self.partitions
+                .iter()
+                .map(|p| (partition(p), p.remote_bytes)),
+        )
     }
 }

@@ -26,11 +26,7 @@ impl Engine {
         // Validation (the CRC over the whole batch) runs here, on the producer's task, so the
         // single writer spends its time on I/O.
         let batch = ValidatedBatch::new(batch).inspect_err(|_| {
-            self.inner
-                .shared
-                .counters
-                .rejected_batches
-                .fetch_add(1, Ordering::Relaxed);
+            self.inner.shared.counters.rejected_batches.inc();
         })?;
         self.append_validated(topic, partition, batch).await
     }
@@ -177,11 +173,7 @@ impl Engine {
         let reserved = reserved.unwrap_or_else(|| part.tail.reserve(batch.len() as u64));
         let max = t.meta.read().policy.max_message_bytes as usize;
         if batch.len() > max {
-            self.inner
-                .shared
-                .counters
-                .rejected_batches
-                .fetch_add(1, Ordering::Relaxed);
+            self.inner.shared.counters.rejected_batches.inc();
             return Err(CoreError::MessageTooLarge {
                 size: batch.len(),
                 max,

@@ -25,11 +25,7 @@ impl Engine {
         let (known, held) = self.inner.groups.holds(group);
         let max = self.inner.config.max_groups;
         if !known && held >= max {
-            self.inner
-                .shared
-                .counters
-                .refused_groups
-                .fetch_add(1, Ordering::Relaxed);
+            self.inner.shared.counters.refused_groups.inc();
             return Err(CoreError::LimitReached {
                 what: "consumer groups with committed offsets",
                 limit: max,
@@ -185,11 +181,7 @@ impl Engine {
                     None => {
                         let max = self.inner.config.max_subscriptions;
                         if self.inner.subscriptions.len() >= max {
-                            self.inner
-                                .shared
-                                .counters
-                                .refused_subscriptions
-                                .fetch_add(1, Ordering::Relaxed);
+                            self.inner.shared.counters.refused_subscriptions.inc();
                             return Err(CoreError::LimitReached {
                                 what: "named subscriptions",
                                 limit: max,

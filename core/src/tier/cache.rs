@@ -5,7 +5,6 @@
 use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use bytes::Bytes;
@@ -82,15 +81,15 @@ impl ChunkCache {
             match s.map.get_mut(&(key.clone(), chunk)) {
                 Some(Entry::Ready { data, used }) => {
                     *used = tick;
-                    counters.cache_hits.fetch_add(1, Ordering::Relaxed);
+                    counters.cache_hits.inc();
                     return Ok(data.clone());
                 }
                 Some(Entry::Loading(f)) => {
-                    counters.cache_hits.fetch_add(1, Ordering::Relaxed);
+                    counters.cache_hits.inc();
                     f.clone()
                 }
                 None => {
-                    counters.cache_misses.fetch_add(1, Ordering::Relaxed);
+                    counters.cache_misses.inc();
                     let f = fetch(store.clone(), counters.clone(), path.clone(), range)
                         .boxed()
                         .shared();
@@ -153,16 +152,14 @@ async fn fetch(
 ) -> Result<Bytes, Arc<str>> {
     let started = Instant::now();
     let result = store.get_range(&path, range.clone()).await;
-    counters.read_latency.record(started.elapsed());
+    counters.read_latency.observe(started.elapsed());
     match result {
         Ok(data) if data.len() as u64 == range.end - range.start => {
-            counters
-                .read_bytes
-                .fetch_add(data.len() as u64, Ordering::Relaxed);
+            counters.read_bytes.inc_by(data.len() as u64);
             Ok(data)
         }
         Ok(data) => {
-            counters.fail_get.fetch_add(1, Ordering::Relaxed);
+            counters.fail_get.inc();
             Err(Arc::from(format!(
                 "{path}: {} bytes at {} where {} were asked",
                 data.len(),
@@ -171,7 +168,7 @@ async fn fetch(
             )))
         }
         Err(e) => {
-            counters.fail_get.fetch_add(1, Ordering::Relaxed);
+            counters.fail_get.inc();
             Err(Arc::from(format!("GET {path}: {e}")))
         }
     }

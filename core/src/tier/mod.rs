@@ -37,8 +37,8 @@ pub use faulty::{FaultyStore, StoreFaults};
 pub use manifest::{MANIFEST_FORMAT, Manifest, ManifestSegment};
 pub use store::{StoreSpec, open_store};
 
-use crate::metrics::Histogram;
 use cache::ChunkCache;
+use sluice_metrics::{Counter, Latency, RegisterExt, Registry};
 
 /// How the tier moves and reads data.
 #[derive(Debug, Clone)]
@@ -90,34 +90,19 @@ impl TierSettings {
     }
 }
 
-/// Counters of the tier, for metrics. No label per segment.
+/// Counters of the tier, registered by [`Tier::register`]. No label per segment.
 #[derive(Debug, Default)]
-pub struct TierCounters {
-    pub read_bytes: AtomicU64,
-    pub read_latency: Histogram,
-    pub cache_hits: AtomicU64,
-    pub cache_misses: AtomicU64,
-    pub fail_put: AtomicU64,
-    pub fail_manifest: AtomicU64,
-    pub fail_get: AtomicU64,
-    pub fail_list: AtomicU64,
-    pub fail_delete: AtomicU64,
-    pub fail_local: AtomicU64,
-}
-
-impl TierCounters {
-    /// (kind, count) of every failure kind, for the `kind` label.
-    pub fn failures(&self) -> [(&'static str, u64); 6] {
-        let l = |c: &AtomicU64| c.load(Ordering::Relaxed);
-        [
-            ("put", l(&self.fail_put)),
-            ("manifest", l(&self.fail_manifest)),
-            ("get", l(&self.fail_get)),
-            ("list", l(&self.fail_list)),
-            ("delete", l(&self.fail_delete)),
-            ("local", l(&self.fail_local)),
-        ]
-    }
+pub(crate) struct TierCounters {
+    pub(crate) read_bytes: Counter,
+    pub(crate) read_latency: Latency,
+    pub(crate) cache_hits: Counter,
+    pub(crate) cache_misses: Counter,
+    pub(crate) fail_put: Counter,
+    pub(crate) fail_manifest: Counter,
+    pub(crate) fail_get: Counter,
+    pub(crate) fail_list: Counter,
+    pub(crate) fail_delete: Counter,
+    pub(crate) fail_local: Counter,
 }
 
 /// The store, the read cache and the counters, shared by every partition.
@@ -169,8 +154,48 @@ impl Tier {
         &self.settings
     }
 
-    pub fn counters(&self) -> &TierCounters {
-        &self.counters
+    /// Registers the tier's own counters: remote reads, the read-ahead cache and failures by
+    /// kind (per-topic figures are derived by the engine's collector).
+    pub fn register(self: &Arc<Self>, registry: &mut Registry) {
+        let c = &self.counters;
+        registry.register_counter(
+            "sluice_remote_read_bytes_total",
+            "Bytes read from the object store by ranged GETs (reads and read-ahead).",
+            &c.read_bytes,
+        );
+        registry.register_latency(
+            "sluice_remote_read_seconds",
+            "Latency of one ranged GET of a segment chunk.",
+            &c.read_latency,
+        );
+        registry.register_counter(
+            "sluice_remote_cache_hits_total",
+            "Remote reads served by the read-ahead cache (or a GET already on its way).",
+            &c.cache_hits,
+        );
+        registry.register_counter(
+            "sluice_remote_cache_misses_total",
+            "Remote reads that needed a GET of their own.",
+            &c.cache_misses,
+        );
+        let tier = self.clone();
+        registry.register_with(move |s| {
+            let c = &tier.counters;
+            s.counters(
+                "sluice_offload_failures_total",
+                "Object-store and local-file operations of the tier that failed, by kind (put, manifest, get, list, delete, local).",
+                [
+                    ("put", &c.fail_put),
+                    ("manifest", &c.fail_manifest),
+                    ("get", &c.fail_get),
+                    ("list", &c.fail_list),
+                    ("delete", &c.fail_delete),
+                    ("local", &c.fail_local),
+                ]
+                .map(|(kind, n)| ([("kind", kind)], n.get())),
+            )?;
+            s.gauge("sluice_remote_cache_bytes", "Bytes the read-ahead cache holds.", tier.cache_bytes() as u64)
+        });
     }
 
     /// Bytes the read cache holds.
@@ -196,14 +221,14 @@ impl Tier {
         let objects = match listed {
             Ok(o) => o,
             Err(e) => {
-                self.counters.fail_list.fetch_add(1, Ordering::Relaxed);
+                self.counters.fail_list.inc();
                 warn!(topic, error = %e, "could not list the deleted topic's objects; they stay in the store");
                 return;
             }
         };
         for o in objects {
             if let Err(e) = self.store.delete(&o.location).await {
-                self.counters.fail_delete.fetch_add(1, Ordering::Relaxed);
+                self.counters.fail_delete.inc();
                 warn!(topic, object = %o.location, error = %e, "could not delete an object of a deleted topic");
             }
         }
@@ -561,7 +586,7 @@ impl PartitionTier {
             .try_collect()
             .await
             .map_err(|e| {
-                self.counters().fail_list.fetch_add(1, Ordering::Relaxed);
+                self.counters().fail_list.inc();
                 format!("list {dir}: {e}")
             })?;
         let versions: Vec<(u64, ObjPath)> = listed
@@ -614,7 +639,7 @@ impl PartitionTier {
             .try_collect()
             .await
             .map_err(|e| {
-                self.counters().fail_list.fetch_add(1, Ordering::Relaxed);
+                self.counters().fail_list.inc();
                 format!("list {seg_dir}: {e}")
             })?;
         for o in objects {
@@ -637,14 +662,14 @@ impl PartitionTier {
             Err(e) => Err(e),
         };
         got.map_err(|e| {
-            self.counters().fail_get.fetch_add(1, Ordering::Relaxed);
+            self.counters().fail_get.inc();
             format!("GET {path}: {e}")
         })
     }
 
     async fn delete_quietly(&self, path: &ObjPath) {
         if let Err(e) = self.store().delete(path).await {
-            self.counters().fail_delete.fetch_add(1, Ordering::Relaxed);
+            self.counters().fail_delete.inc();
             warn!(object = %path, error = %e, "could not delete an object; retried at the next sync");
         }
     }
@@ -668,9 +693,7 @@ impl PartitionTier {
         match self.store().put_opts(&key, body.into(), opts).await {
             Ok(_) => Ok(()),
             Err(object_store::Error::AlreadyExists { .. }) => {
-                self.counters()
-                    .fail_manifest
-                    .fetch_add(1, Ordering::Relaxed);
+                self.counters().fail_manifest.inc();
                 // Another writer won this version: read theirs before going on.
                 self.synced.store(false, Ordering::Release);
                 Err(format!(
@@ -679,9 +702,7 @@ impl PartitionTier {
                 ))
             }
             Err(e) => {
-                self.counters()
-                    .fail_manifest
-                    .fetch_add(1, Ordering::Relaxed);
+                self.counters().fail_manifest.inc();
                 Err(format!("PUT {key}: {e}"))
             }
         }
@@ -705,7 +726,7 @@ impl PartitionTier {
         let written =
             tokio::task::spawn_blocking(move || FsStorage.write_file_atomic(&path, &body)).await;
         if !matches!(written, Ok(Ok(()))) {
-            self.counters().fail_local.fetch_add(1, Ordering::Relaxed);
+            self.counters().fail_local.inc();
             return Err(format!(
                 "could not write {}: {written:?}",
                 self.local_copy.display()
@@ -721,7 +742,7 @@ impl PartitionTier {
 
     async fn put_file(&self, file: &std::path::Path, key: &ObjPath) -> Result<(), String> {
         let bytes = tokio::fs::read(file).await.map_err(|e| {
-            self.counters().fail_local.fetch_add(1, Ordering::Relaxed);
+            self.counters().fail_local.inc();
             format!("read {}: {e}", file.display())
         })?;
         self.store()
@@ -729,7 +750,7 @@ impl PartitionTier {
             .await
             .map(drop)
             .map_err(|e| {
-                self.counters().fail_put.fetch_add(1, Ordering::Relaxed);
+                self.counters().fail_put.inc();
                 format!("PUT {key}: {e}")
             })
     }
@@ -754,11 +775,11 @@ impl PartitionTier {
             self.put_multipart(&seg.log, &key, size, part).await?;
         }
         let head = self.store().head(&key).await.map_err(|e| {
-            self.counters().fail_get.fetch_add(1, Ordering::Relaxed);
+            self.counters().fail_get.inc();
             format!("HEAD {key}: {e}")
         })?;
         if head.size != size {
-            self.counters().fail_put.fetch_add(1, Ordering::Relaxed);
+            self.counters().fail_put.inc();
             return Err(format!(
                 "{key} holds {} bytes after upload, not {size}",
                 head.size
@@ -775,7 +796,7 @@ impl PartitionTier {
         part: usize,
     ) -> Result<(), String> {
         let fail = |what: String| {
-            self.counters().fail_put.fetch_add(1, Ordering::Relaxed);
+            self.counters().fail_put.inc();
             what
         };
         let upload = self
@@ -788,7 +809,7 @@ impl PartitionTier {
             Ok(f) => f,
             Err(e) => {
                 let _ = writer.abort().await;
-                self.counters().fail_local.fetch_add(1, Ordering::Relaxed);
+                self.counters().fail_local.inc();
                 return Err(format!("open {}: {e}", file.display()));
             }
         };
@@ -798,7 +819,7 @@ impl PartitionTier {
             let n = (left as usize).min(part);
             if let Err(e) = f.read_exact(&mut buf[..n]).await {
                 let _ = writer.abort().await;
-                self.counters().fail_local.fetch_add(1, Ordering::Relaxed);
+                self.counters().fail_local.inc();
                 return Err(format!("read {}: {e}", file.display()));
             }
             if let Err(e) = writer

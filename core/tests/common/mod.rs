@@ -66,3 +66,11 @@ pub async fn read_all(engine: &Engine, topic: &str, partition: u32) -> Vec<Decod
     }
     out
 }
+
+/// One of the engine's exported series, read as a scrape of `/metrics` reads it (0 when the
+/// series is absent, as a counter no one has touched is for a family with labels).
+pub fn exported(engine: &Engine, series: &str) -> f64 {
+    let mut registry = sluice_metrics::Registry::default();
+    engine.register_metrics(&mut registry);
+    sluice_metrics::sample(&sluice_metrics::encode(&registry), series).unwrap_or(0.0)
+}

@@ -48,6 +48,18 @@ impl Gateway {
         mqtt: &str,
         extra: &[&str],
     ) -> Self {
+        Self::start_with_env(data_dir, kafka, mqtt, extra, &[])
+    }
+
+    /// A main node on `data_dir` with the given Kafka and MQTT listeners, `extra` arguments
+    /// and the environment variables `env`.
+    pub(crate) fn start_with_env(
+        data_dir: &std::path::Path,
+        kafka: &str,
+        mqtt: &str,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Self {
         let mut args = vec![
             "--data-dir",
             data_dir.to_str().unwrap(),
@@ -59,7 +71,7 @@ impl Gateway {
             mqtt,
         ];
         args.extend_from_slice(extra);
-        Self::spawn(&args)
+        Self::spawn_with_env(&args, env)
     }
 
     /// A relay of `upstream` whose MQTT listener is `mqtt_addr` (port 0: a free one).

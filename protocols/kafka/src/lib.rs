@@ -22,8 +22,8 @@ use serde::{Deserialize, Serialize};
 #[cfg(test)]
 #[global_allocator]
 static ALLOC: sluice_alloc_guard::GuardedAlloc = sluice_alloc_guard::GuardedAlloc;
-pub use mirror::{Mirror, MirrorMetrics, MirrorSettings};
-pub use server::{KafkaMetrics, KafkaServer};
+pub use mirror::{Mirror, MirrorSettings, MirrorStats};
+pub use server::KafkaServer;
 
 /// Entry point for the fuzz target in `protocols/kafka/fuzz`: decodes one request frame (without
 /// its length prefix) and drops the result. Not part of the API.

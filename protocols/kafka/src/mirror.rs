@@ -18,7 +18,6 @@ use std::collections::{BTreeMap, HashSet};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
@@ -33,6 +32,7 @@ use kafka_protocol::messages::{
 use kafka_protocol::protocol::{Decodable, Encodable, StrBytes};
 use parking_lot::Mutex;
 use sluice_core::{BatchHeader, CoreError, Engine, PartitionChoice, TopicPolicy, TopicSource};
+use sluice_metrics::{Counter, Gauge};
 use sluice_net::{ClientStream, TlsClient};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::watch;
@@ -70,23 +70,35 @@ pub struct MirrorSettings {
     pub tls: Option<TlsClient>,
 }
 
-/// Counters of a mirror, rendered as `sluice_relay_*` metrics.
+/// Counters of a mirror, exported by the relay as `sluice_relay_*` metrics through
+/// [`Mirror::stats`].
 #[derive(Debug, Default)]
-pub struct MirrorMetrics {
+struct MirrorMetrics {
+    upstream_reconnects: Counter,
+    batches: Counter,
+    bytes: Counter,
+    resets: Counter,
+    auth_failures: Counter,
+    links_down: Gauge,
+}
+
+/// A mirror's figures at one moment.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MirrorStats {
     /// Connections to the upstream re-established after a failure.
-    pub upstream_reconnects: AtomicU64,
+    pub upstream_reconnects: u64,
     /// Batches copied from the upstream.
-    pub batches: AtomicU64,
+    pub batches: u64,
     /// Bytes of those batches.
-    pub bytes: AtomicU64,
+    pub bytes: u64,
     /// Times a partition's position was no longer in the upstream's log and jumped to its
     /// latest offset (records in between were never seen here).
-    pub resets: AtomicU64,
+    pub resets: u64,
     /// Times the upstream refused the relay's SASL user name or password.
-    pub auth_failures: AtomicU64,
+    pub auth_failures: u64,
     /// Followed topics whose connection to the upstream is down now (a relay is not ready
     /// while any is).
-    pub links_down: AtomicU64,
+    pub links_down: u64,
 }
 
 /// Follows upstream topics on demand; install with [`Engine::set_topic_source`].
@@ -98,11 +110,24 @@ pub struct Mirror {
     followed: tokio::sync::Mutex<HashSet<String>>,
     /// Upstream high watermark minus the next offset to copy, by topic and partition.
     lag: Mutex<BTreeMap<(String, u32), u64>>,
-    pub metrics: MirrorMetrics,
+    metrics: MirrorMetrics,
     stop: watch::Receiver<bool>,
 }
 
 impl Mirror {
+    /// The mirror's figures now.
+    pub fn stats(&self) -> MirrorStats {
+        let m = &self.metrics;
+        MirrorStats {
+            upstream_reconnects: m.upstream_reconnects.get(),
+            batches: m.batches.get(),
+            bytes: m.bytes.get(),
+            resets: m.resets.get(),
+            auth_failures: m.auth_failures.get(),
+            links_down: m.links_down.get(),
+        }
+    }
+
     pub fn new(engine: Engine, settings: MirrorSettings, stop: watch::Receiver<bool>) -> Arc<Self> {
         Arc::new(Self {
             engine,
@@ -134,7 +159,7 @@ impl Mirror {
         if let Err(e) = &r
             && e.kind() == std::io::ErrorKind::PermissionDenied
         {
-            self.metrics.auth_failures.fetch_add(1, Ordering::Relaxed);
+            self.metrics.auth_failures.inc();
         }
         r
     }
@@ -184,9 +209,9 @@ impl Mirror {
         if *down != now_down {
             *down = now_down;
             if now_down {
-                self.metrics.links_down.fetch_add(1, Ordering::Relaxed);
+                self.metrics.links_down.inc();
             } else {
-                self.metrics.links_down.fetch_sub(1, Ordering::Relaxed);
+                self.metrics.links_down.dec();
             }
         }
     }
@@ -218,9 +243,7 @@ impl Mirror {
                 Some(c) => c,
                 None => match self.open().await {
                     Ok(c) => {
-                        self.metrics
-                            .upstream_reconnects
-                            .fetch_add(1, Ordering::Relaxed);
+                        self.metrics.upstream_reconnects.inc();
                         info!(topic, "relay: upstream connection restored");
                         self.set_link(&mut down, false);
                         conn.insert(c)
@@ -274,7 +297,7 @@ impl Mirror {
                     continue;
                 };
                 if p.error_code == errors::OFFSET_OUT_OF_RANGE {
-                    self.metrics.resets.fetch_add(1, Ordering::Relaxed);
+                    self.metrics.resets.inc();
                     let latest = conn.list_offsets(topic, next.len() as u32, -1).await?;
                     warn!(
                         topic,
@@ -312,8 +335,8 @@ impl Mirror {
                             BytesMut::from(&batch[..]),
                         )
                         .await?;
-                    self.metrics.batches.fetch_add(1, Ordering::Relaxed);
-                    self.metrics.bytes.fetch_add(len as u64, Ordering::Relaxed);
+                    self.metrics.batches.inc();
+                    self.metrics.bytes.inc_by(len as u64);
                     next[slot] = last + 1;
                 }
                 let lag = (p.high_watermark - next[slot]).max(0) as u64;

@@ -10,6 +10,7 @@ use bytes::Bytes;
 use kafka_protocol::messages::{ApiKey, RequestKind, ResponseKind};
 use sluice_core::Engine;
 use sluice_core::auth::{Action, Principal, Resource, ScramServer, Security};
+use sluice_metrics::{Counter, Gauge, RegisterExt, Registry};
 use sluice_net::{Deadlines, ListenerStats, Listening, Tracked, WriteDeadline, within};
 use tokio::io::AsyncWrite;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
@@ -25,38 +26,121 @@ use crate::handlers;
 use crate::producers::Producers;
 use crate::versions;
 
-/// Counters of the Kafka listener (no label per client).
+/// Counters of the Kafka listener (no label per client), registered by
+/// [`KafkaServer::register_metrics`].
 #[derive(Debug, Default)]
-pub struct KafkaMetrics {
-    pub connections_accepted: AtomicU64,
-    pub connections_open: AtomicU64,
-    pub requests: AtomicU64,
+pub(crate) struct KafkaMetrics {
+    pub(crate) connections_accepted: Counter,
+    pub(crate) connections_open: Gauge,
+    pub(crate) requests: Counter,
     /// Connections closed for malformed, oversized or unsupported requests.
-    pub bad_requests: AtomicU64,
-    pub bytes_in: AtomicU64,
-    pub bytes_out: AtomicU64,
-    pub auth_failures: AtomicU64,
+    pub(crate) bad_requests: Counter,
+    pub(crate) bytes_in: Counter,
+    pub(crate) bytes_out: Counter,
+    pub(crate) auth_failures: Counter,
     /// Requests, or parts of them (a topic, a group, a resource), the access rules refused.
-    pub authz_denied: AtomicU64,
+    pub(crate) authz_denied: Counter,
     /// Produce requests that took their connection past `kafka.max_produce_bytes_rate`.
-    pub produce_throttled: AtomicU64,
+    pub(crate) produce_throttled: Counter,
     /// Produce requests a relay's read-only listener refused.
-    pub writes_refused: AtomicU64,
+    pub(crate) writes_refused: Counter,
     /// Connections closed because a request did not come, or did not come whole, within its
     /// deadline, or because a response was not taken within the write deadline.
-    pub timeouts: AtomicU64,
+    pub(crate) timeouts: Counter,
     /// Fetch responses that left out data the client asked for because of the server's
     /// limits (`kafka.fetch_max_bytes`, `kafka.fetch_max_partition_bytes`).
-    pub fetch_responses_capped: AtomicU64,
+    pub(crate) fetch_responses_capped: Counter,
     /// JoinGroup requests for a new group refused because `kafka.max_groups` groups are held.
-    pub groups_refused: AtomicU64,
+    pub(crate) groups_refused: Counter,
     /// JoinGroup requests of new members refused because their group holds
     /// `kafka.group_max_size` members (GROUP_MAX_SIZE_REACHED).
-    pub group_members_refused: AtomicU64,
+    pub(crate) group_members_refused: Counter,
     /// InitProducerId requests, and idempotent batches of producers without state, refused
     /// because `kafka.max_producer_ids` producers are tracked and none has been idle long
     /// enough to expire.
-    pub producer_ids_refused: AtomicU64,
+    pub(crate) producer_ids_refused: Counter,
+}
+
+impl KafkaMetrics {
+    fn register(&self, registry: &mut Registry) {
+        registry.register_gauge(
+            "sluice_kafka_connections_open",
+            "Kafka connections open.",
+            &self.connections_open,
+        );
+        registry.register_counters(&[
+            (
+                "sluice_kafka_connections_accepted_total",
+                "Kafka connections accepted.",
+                &self.connections_accepted,
+            ),
+            (
+                "sluice_kafka_requests_total",
+                "Kafka requests decoded.",
+                &self.requests,
+            ),
+            (
+                "sluice_kafka_bad_requests_total",
+                "Kafka connections closed for malformed, oversized or unsupported requests.",
+                &self.bad_requests,
+            ),
+            (
+                "sluice_kafka_timeouts_total",
+                "Kafka connections closed because a request did not come (whole) within listeners.request_timeout_ms or idle_timeout_ms, or a response was not taken within write_timeout_ms.",
+                &self.timeouts,
+            ),
+            (
+                "sluice_kafka_auth_failures_total",
+                "Kafka SASL failures and requests before authentication.",
+                &self.auth_failures,
+            ),
+            (
+                "sluice_kafka_authz_denied_total",
+                "Kafka produce requests (per topic) the access rules refused.",
+                &self.authz_denied,
+            ),
+            (
+                "sluice_kafka_produce_throttled_total",
+                "Kafka produce requests that took their connection past kafka.max_produce_bytes_rate (answered with throttle_time_ms, that much later).",
+                &self.produce_throttled,
+            ),
+            (
+                "sluice_kafka_writes_refused_total",
+                "Produce requests refused by a relay's read-only Kafka listener (POLICY_VIOLATION).",
+                &self.writes_refused,
+            ),
+            (
+                "sluice_kafka_fetch_responses_capped_total",
+                "Kafka Fetch responses that left out data the client asked for because of the server's limits (kafka.fetch_max_bytes, kafka.fetch_max_partition_bytes).",
+                &self.fetch_responses_capped,
+            ),
+            (
+                "sluice_kafka_groups_refused_total",
+                "Kafka JoinGroup requests for a new group refused because kafka.max_groups groups are held (COORDINATOR_NOT_AVAILABLE).",
+                &self.groups_refused,
+            ),
+            (
+                "sluice_kafka_group_members_refused_total",
+                "Kafka JoinGroup requests of new members refused because the group holds kafka.group_max_size members (GROUP_MAX_SIZE_REACHED).",
+                &self.group_members_refused,
+            ),
+            (
+                "sluice_kafka_producer_ids_refused_total",
+                "Kafka InitProducerId requests (COORDINATOR_LOAD_IN_PROGRESS) and idempotent batches of producers without state (UNKNOWN_PRODUCER_ID) refused because kafka.max_producer_ids producers are tracked.",
+                &self.producer_ids_refused,
+            ),
+            (
+                "sluice_kafka_received_bytes_total",
+                "Bytes of Kafka requests.",
+                &self.bytes_in,
+            ),
+            (
+                "sluice_kafka_sent_bytes_total",
+                "Bytes of Kafka responses.",
+                &self.bytes_out,
+            ),
+        ]);
+    }
 }
 
 /// The Kafka protocol server; shared by its connection tasks.
@@ -71,7 +155,7 @@ pub struct KafkaServer {
     /// A relay's listener for the relays below it: reads only (`versions::on_read_only`;
     /// produce requests are refused).
     pub(crate) read_only: bool,
-    pub metrics: KafkaMetrics,
+    pub(crate) metrics: KafkaMetrics,
     /// The listener runtime's counts for this listener (admitted, open, refused).
     pub listener: Arc<ListenerStats>,
     /// The same for the TLS listener.
@@ -164,6 +248,16 @@ impl Conn {
 pub(crate) const NODE_ID: i32 = 0;
 
 impl KafkaServer {
+    /// Registers the Kafka listener's metrics.
+    pub fn register_metrics(&self, registry: &mut Registry) {
+        self.metrics.register(registry);
+    }
+
+    /// Kafka connections open now.
+    pub fn connections_open(&self) -> u64 {
+        self.metrics.connections_open.get()
+    }
+
     /// Builds the server for a bound listener (the advertised address defaults to it).
     pub fn new(engine: Engine, settings: KafkaSettings, bound: SocketAddr) -> Arc<Self> {
         Self::build(engine, settings, bound, false)
@@ -301,11 +395,11 @@ impl KafkaServer {
                     server
                         .metrics
                         .connections_accepted
-                        .fetch_add(1, Ordering::Relaxed);
+                        .inc();
                     server
                         .metrics
                         .connections_open
-                        .fetch_add(1, Ordering::Relaxed);
+                        .inc();
                     let security = server.settings.security.current();
                     let mut conn = Conn {
                         peer,
@@ -353,14 +447,14 @@ impl KafkaServer {
                     };
                     if let Err(e) = ended {
                         if e.kind() == std::io::ErrorKind::TimedOut {
-                            server.metrics.timeouts.fetch_add(1, Ordering::Relaxed);
+                            server.metrics.timeouts.inc();
                         }
                         debug!(%peer, error = %e, "kafka connection ended");
                     }
                     server
                         .metrics
                         .connections_open
-                        .fetch_sub(1, Ordering::Relaxed);
+                        .dec();
                 }
             },
         )
@@ -387,7 +481,7 @@ impl KafkaServer {
             wait = (deadlines.idle, "a request on an idle connection");
             let len = i32::from_be_bytes(len);
             if len < 0 || len as usize > self.settings.max_request_bytes {
-                self.metrics.bad_requests.fetch_add(1, Ordering::Relaxed);
+                self.metrics.bad_requests.inc();
                 warn!(%peer, len, max = self.settings.max_request_bytes, "kafka request size out of bounds; closing the connection");
                 return Ok(());
             }
@@ -397,19 +491,15 @@ impl KafkaServer {
                 read_frame(&mut stream, len as usize),
             )
             .await?;
-            self.metrics
-                .bytes_in
-                .fetch_add(4 + len as u64, Ordering::Relaxed);
+            self.metrics.bytes_in.inc_by(4 + len as u64);
             let out = match codec::decode_request(frame) {
                 Ok(req) => {
-                    self.metrics.requests.fetch_add(1, Ordering::Relaxed);
+                    self.metrics.requests.inc();
                     conn.client_id.clone_from(&req.client_id);
                     let handled = self.handle(conn, req).await;
                     let denied = conn.denied.swap(0, Ordering::Relaxed);
                     if denied > 0 {
-                        self.metrics
-                            .authz_denied
-                            .fetch_add(denied, Ordering::Relaxed);
+                        self.metrics.authz_denied.inc_by(denied);
                     }
                     match handled {
                         Handled::Respond(bytes) => Some(bytes),
@@ -420,7 +510,7 @@ impl KafkaServer {
                             return Ok(());
                         }
                         Handled::Close(reason) => {
-                            self.metrics.bad_requests.fetch_add(1, Ordering::Relaxed);
+                            self.metrics.bad_requests.inc();
                             warn!(%peer, client = conn.client_id, reason, "closing kafka connection");
                             return Ok(());
                         }
@@ -434,15 +524,13 @@ impl KafkaServer {
                     Some(codec::api_versions_too_new(correlation_id, self.read_only).freeze())
                 }
                 Err(e) => {
-                    self.metrics.bad_requests.fetch_add(1, Ordering::Relaxed);
+                    self.metrics.bad_requests.inc();
                     warn!(%peer, error = %e, "bad kafka request; closing the connection");
                     return Ok(());
                 }
             };
             if let Some(bytes) = out {
-                self.metrics
-                    .bytes_out
-                    .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+                self.metrics.bytes_out.inc_by(bytes.len() as u64);
                 stream.write_all(&bytes).await?;
             }
         }
@@ -455,7 +543,7 @@ impl KafkaServer {
             ApiKey::ApiVersions | ApiKey::SaslHandshake | ApiKey::SaslAuthenticate
         );
         if !conn.authenticated && !allowed_unauthenticated {
-            self.metrics.auth_failures.fetch_add(1, Ordering::Relaxed);
+            self.metrics.auth_failures.inc();
             return Handled::Close(format!("{api:?} before SASL authentication"));
         }
         if self.read_only && !versions::on_read_only(api) {
@@ -486,9 +574,7 @@ impl KafkaServer {
                     .map_or(Duration::ZERO, |rate| rate.take(bytes));
                 let resp = handlers::produce::handle(self, conn, r, v).await;
                 if !throttle.is_zero() {
-                    self.metrics
-                        .produce_throttled
-                        .fetch_add(1, Ordering::Relaxed);
+                    self.metrics.produce_throttled.inc();
                     tokio::time::sleep(throttle).await;
                 }
                 match resp {
@@ -578,7 +664,7 @@ impl KafkaServer {
             RequestKind::SaslAuthenticate(r) => {
                 let (resp, failed) = handlers::sasl::authenticate(conn, r).await;
                 if failed {
-                    self.metrics.auth_failures.fetch_add(1, Ordering::Relaxed);
+                    self.metrics.auth_failures.inc();
                     warn!(peer = %conn.peer, client = conn.client_id, "kafka SASL authentication failed; closing the connection");
                     return match codec::encode_response(
                         api,

@@ -25,9 +25,9 @@ use serde::{Deserialize, Serialize};
 
 pub use retained::RETAINED_TOPIC;
 pub use routes::Route;
-pub use server::{MqttMetrics, MqttServer, PacketCounts, Refusals, Timeouts};
+pub use server::MqttServer;
 pub use session_store::SESSIONS_TOPIC;
-pub use upstream::{Upstream, UpstreamMetrics};
+pub use upstream::{Upstream, UpstreamStats};
 
 /// Settings of the MQTT listener (the gateway's `[mqtt]` section).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

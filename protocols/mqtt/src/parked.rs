@@ -23,7 +23,6 @@
 use std::collections::VecDeque;
 use std::io::IoSlice;
 use std::pin::Pin;
-use std::sync::atomic::Ordering;
 use std::task::{Context, Poll};
 
 use bytes::{Bytes, BytesMut};
@@ -370,9 +369,9 @@ impl DirectSink for DirectWriter {
     }
 }
 
-fn count(m: &crate::MqttMetrics, size: usize) {
-    m.deliveries.fetch_add(1, Ordering::Relaxed);
-    m.direct_deliveries.fetch_add(1, Ordering::Relaxed);
+fn count(m: &crate::server::MqttMetrics, size: usize) {
+    m.deliveries.inc();
+    m.direct_deliveries.inc();
     m.packets_out.add(0x30);
-    m.bytes_out.fetch_add(size as u64, Ordering::Relaxed);
+    m.bytes_out.inc_by(size as u64);
 }

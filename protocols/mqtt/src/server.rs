@@ -8,6 +8,7 @@ use std::time::Duration;
 use dashmap::DashMap;
 use sluice_core::auth::Principal;
 use sluice_core::{CoreError, Engine};
+use sluice_metrics::{Counter, Gauge, RegisterExt, Registry};
 use sluice_net::{Deadlines, ListenerStats, Listening};
 use tokio::net::TcpListener;
 use tokio::sync::{Notify, watch};
@@ -22,99 +23,100 @@ use crate::session_store::{SESSIONS_TOPIC, Sessions};
 use crate::state::Replayed;
 use crate::upstream::Upstream;
 
-/// Counters of the MQTT listener (no label per client).
+/// Counters of the MQTT listener (no label per client), registered by
+/// [`MqttServer::register_metrics`].
 #[derive(Debug, Default)]
-pub struct MqttMetrics {
-    pub connections_accepted: AtomicU64,
-    pub connections_open: AtomicU64,
-    pub packets_in: PacketCounts,
-    pub packets_out: PacketCounts,
-    pub bytes_in: AtomicU64,
-    pub bytes_out: AtomicU64,
+pub(crate) struct MqttMetrics {
+    pub(crate) connections_accepted: Counter,
+    pub(crate) connections_open: Gauge,
+    pub(crate) packets_in: PacketCounts,
+    pub(crate) packets_out: PacketCounts,
+    pub(crate) bytes_in: Counter,
+    pub(crate) bytes_out: Counter,
     /// Connections closed for malformed, oversized or out-of-order packets.
-    pub bad_packets: AtomicU64,
-    pub publishes_in: AtomicU64,
+    pub(crate) bad_packets: Counter,
+    pub(crate) publishes_in: Counter,
     /// Publishes refused: no route for the name, or the ledger refused the append.
-    pub publishes_refused: AtomicU64,
+    pub(crate) publishes_refused: Counter,
     /// Payload bytes of publishes queued for the ledger and not stored yet, all connections.
-    pub pending_publish_bytes: AtomicU64,
+    pub(crate) pending_publish_bytes: Gauge,
     /// Times a connection stopped reading because its queued publishes reached the limit
     /// (1,024 publishes or 64 MiB of payload): backpressure on a publisher.
-    pub reads_paused: AtomicU64,
+    pub(crate) reads_paused: Counter,
     /// Publishes whose payload was read from the socket straight into its ledger batch (large
     /// ones; see `session::inbound::LAND_MIN`).
-    pub publishes_landed: AtomicU64,
-    pub deliveries: AtomicU64,
+    pub(crate) publishes_landed: Counter,
+    pub(crate) deliveries: Counter,
     /// Of `deliveries`, those the live fan-out wrote itself, without waking the connection.
-    pub direct_deliveries: AtomicU64,
+    pub(crate) direct_deliveries: Counter,
     /// Deliveries skipped because they exceed the client's maximum packet size.
-    pub deliveries_too_large: AtomicU64,
-    pub takeovers: AtomicU64,
-    pub wills_published: AtomicU64,
+    pub(crate) deliveries_too_large: Counter,
+    pub(crate) takeovers: Counter,
+    pub(crate) wills_published: Counter,
     /// Record headers left out of deliveries because no MQTT 5 property can hold them (a
     /// name or value past 65,535 bytes, a NUL in a string, or past the packet's size).
-    pub properties_dropped: AtomicU64,
+    pub(crate) properties_dropped: Counter,
     /// Messages dropped on delivery because their MQTT 5 expiry had passed.
-    pub expired: AtomicU64,
+    pub(crate) expired: Counter,
     /// CONNECTs refused for a wrong or missing user name or password (or, with anonymous
     /// clients refused, none).
-    pub auth_failures: AtomicU64,
+    pub(crate) auth_failures: Counter,
     /// Requests the access rules refused: CONNECTs (client id or will topic, or a user past
     /// its connection cap), subscriptions and publishes.
-    pub authz_denied: AtomicU64,
+    pub(crate) authz_denied: Counter,
     /// Publishes that took their connection past `mqtt.max_publish_rate` or
     /// `max_publish_bytes_rate`, each followed by a wait.
-    pub publishes_throttled: AtomicU64,
+    pub(crate) publishes_throttled: Counter,
     /// Persistent sessions removed by the sweep because their expiry had passed.
-    pub sessions_expired: AtomicU64,
+    pub(crate) sessions_expired: Counter,
     /// Records of `__mqtt_retained` and `__mqtt_sessions` read at start (from their newest
     /// snapshots on).
-    pub state_records_replayed: AtomicU64,
+    pub(crate) state_records_replayed: Gauge,
     /// Snapshots written of `__mqtt_retained` and `__mqtt_sessions`.
-    pub state_snapshots: AtomicU64,
+    pub(crate) state_snapshots: Counter,
     /// Batches or records of `__mqtt_retained` and `__mqtt_sessions` skipped at start because
     /// they could not be read (each logged with its offset).
-    pub state_unreadable: AtomicU64,
+    pub(crate) state_unreadable: Counter,
     /// Connections closed at a deadline (see [`Timeouts`]).
-    pub timeouts: Timeouts,
+    pub(crate) timeouts: Timeouts,
     /// What the caps refused (see [`Refusals`]).
-    pub refusals: Refusals,
+    pub(crate) refusals: Refusals,
 }
 
 /// Connections closed at a deadline, by deadline.
 #[derive(Debug, Default)]
-pub struct Timeouts {
+pub(crate) struct Timeouts {
     /// No CONNECT within `mqtt.connect_timeout_ms`.
-    pub connect: AtomicU64,
+    pub(crate) connect: Counter,
     /// No packet within 1.5 times the keep-alive.
-    pub keep_alive: AtomicU64,
+    pub(crate) keep_alive: Counter,
     /// A packet begun and not whole within the listeners' request deadline.
-    pub packet: AtomicU64,
+    pub(crate) packet: Counter,
     /// A socket that took nothing of a write for the listeners' write deadline.
-    pub write: AtomicU64,
+    pub(crate) write: Counter,
 }
 
 /// Requests refused by a cap, by cap.
 #[derive(Debug, Default)]
-pub struct Refusals {
+pub(crate) struct Refusals {
     /// Retained publishes past `mqtt.max_retained_messages`.
-    pub retained_messages: AtomicU64,
+    pub(crate) retained_messages: Counter,
     /// Retained publishes past `mqtt.max_retained_bytes`.
-    pub retained_bytes: AtomicU64,
+    pub(crate) retained_bytes: Counter,
     /// CONNECTs with a will past `mqtt.max_will_bytes`.
-    pub will_bytes: AtomicU64,
+    pub(crate) will_bytes: Counter,
     /// CONNECTs for a new persistent session past `mqtt.max_sessions`.
-    pub sessions: AtomicU64,
+    pub(crate) sessions: Counter,
     /// Filters of a SUBSCRIBE past `mqtt.max_subscriptions_per_connection`.
-    pub subscriptions: AtomicU64,
+    pub(crate) subscriptions: Counter,
     /// Connections ended for more unacknowledged QoS 1/2 publishes than
     /// `mqtt.receive_maximum`.
-    pub receive_maximum: AtomicU64,
+    pub(crate) receive_maximum: Counter,
 }
 
 /// Packet counts by MQTT control packet type (the high nibble of the fixed header).
 #[derive(Debug, Default)]
-pub struct PacketCounts([AtomicU64; 16]);
+pub(crate) struct PacketCounts([AtomicU64; 16]);
 
 impl PacketCounts {
     /// Counts one packet whose fixed header starts with `first_byte`.
@@ -123,7 +125,7 @@ impl PacketCounts {
     }
 
     /// `(type name, count)` for every packet type, in type order.
-    pub fn by_type(&self) -> impl Iterator<Item = (&'static str, u64)> + '_ {
+    fn by_type(&self) -> impl Iterator<Item = (&'static str, u64)> + '_ {
         PACKET_TYPES
             .iter()
             .zip(&self.0)
@@ -152,6 +154,177 @@ const PACKET_TYPES: [&str; 16] = [
     "auth",
 ];
 
+impl MqttServer {
+    /// Registers the MQTT listener's metrics: its counters, and a collector for the families
+    /// by packet type, deadline and cap and for the retained messages and sessions held.
+    pub fn register_metrics(self: &Arc<Self>, registry: &mut Registry) {
+        let m = &self.metrics;
+        registry.register_gauge(
+            "sluice_mqtt_connections_open",
+            "MQTT connections open.",
+            &m.connections_open,
+        );
+        registry.register_gauge(
+            "sluice_mqtt_pending_publish_bytes",
+            "Payload bytes of publishes queued for the ledger and not stored yet.",
+            &m.pending_publish_bytes,
+        );
+        registry.register_gauge("sluice_mqtt_state_records_replayed", "Records of __mqtt_retained and __mqtt_sessions read at the last start, from their newest snapshots on.", &m.state_records_replayed);
+        registry.register_counters(&[
+            (
+                "sluice_mqtt_connections_accepted_total",
+                "MQTT connections accepted.",
+                &m.connections_accepted,
+            ),
+            (
+                "sluice_mqtt_received_bytes_total",
+                "Bytes received on MQTT connections.",
+                &m.bytes_in,
+            ),
+            (
+                "sluice_mqtt_sent_bytes_total",
+                "Bytes sent on MQTT connections.",
+                &m.bytes_out,
+            ),
+            (
+                "sluice_mqtt_bad_packets_total",
+                "MQTT connections closed for malformed, oversized or out-of-order packets.",
+                &m.bad_packets,
+            ),
+            (
+                "sluice_mqtt_publishes_received_total",
+                "PUBLISH packets received.",
+                &m.publishes_in,
+            ),
+            (
+                "sluice_mqtt_publishes_refused_total",
+                "Publishes refused (no route, invalid name, or not stored).",
+                &m.publishes_refused,
+            ),
+            (
+                "sluice_mqtt_reads_paused_total",
+                "Times a connection stopped reading because 1,024 publishes or 64 MiB of payload were queued.",
+                &m.reads_paused,
+            ),
+            (
+                "sluice_mqtt_publishes_landed_total",
+                "Publishes of 64 KiB or more read from the socket straight into their ledger batch, with no copy.",
+                &m.publishes_landed,
+            ),
+            (
+                "sluice_mqtt_deliveries_total",
+                "PUBLISH packets delivered to subscribers.",
+                &m.deliveries,
+            ),
+            (
+                "sluice_mqtt_direct_deliveries_total",
+                "Of the deliveries, those the live fan-out wrote to an idle subscriber's socket itself.",
+                &m.direct_deliveries,
+            ),
+            (
+                "sluice_mqtt_deliveries_too_large_total",
+                "Deliveries skipped: larger than the client's maximum packet size.",
+                &m.deliveries_too_large,
+            ),
+            (
+                "sluice_mqtt_takeovers_total",
+                "Connections replaced by a new one with the same client id.",
+                &m.takeovers,
+            ),
+            (
+                "sluice_mqtt_wills_published_total",
+                "Will messages published.",
+                &m.wills_published,
+            ),
+            (
+                "sluice_mqtt_expired_total",
+                "Messages dropped on delivery because their MQTT 5 expiry had passed.",
+                &m.expired,
+            ),
+            (
+                "sluice_mqtt_properties_dropped_total",
+                "Record headers left out of MQTT 5 deliveries: no property can hold them (over 65,535 bytes, a NUL, or past the packet's size).",
+                &m.properties_dropped,
+            ),
+            (
+                "sluice_mqtt_auth_failures_total",
+                "CONNECTs refused for a wrong or missing user name or password (or none, where anonymous clients are refused).",
+                &m.auth_failures,
+            ),
+            (
+                "sluice_mqtt_authz_denied_total",
+                "MQTT requests the access rules refused: CONNECTs (client id or will topic, or a user past auth.max_connections_per_user), subscriptions and publishes.",
+                &m.authz_denied,
+            ),
+            (
+                "sluice_mqtt_publishes_throttled_total",
+                "MQTT publishes that took their connection past mqtt.max_publish_rate or max_publish_bytes_rate (the connection then waited).",
+                &m.publishes_throttled,
+            ),
+            (
+                "sluice_mqtt_sessions_expired_total",
+                "Persistent MQTT sessions removed by the background sweep after their expiry passed.",
+                &m.sessions_expired,
+            ),
+            (
+                "sluice_mqtt_state_snapshots_total",
+                "Snapshots written of __mqtt_retained and __mqtt_sessions (every live entry again), so start-up replays from there.",
+                &m.state_snapshots,
+            ),
+            (
+                "sluice_mqtt_state_unreadable_total",
+                "Batches or records of __mqtt_retained and __mqtt_sessions skipped at start because they could not be read (each logged with its offset).",
+                &m.state_unreadable,
+            ),
+        ]);
+        let server = self.clone();
+        registry.register_with(move |s| {
+            let m = &server.metrics;
+            let by_type = |counts: &PacketCounts| {
+                counts
+                    .by_type()
+                    .map(|(kind, n)| ([("type", kind)], n))
+                    .collect::<Vec<_>>()
+            };
+            s.counters("sluice_mqtt_packets_received_total", "MQTT packets received, by control packet type.", by_type(&m.packets_in))?;
+            s.counters("sluice_mqtt_packets_sent_total", "MQTT packets sent, by control packet type.", by_type(&m.packets_out))?;
+            let t = &m.timeouts;
+            s.counters(
+                "sluice_mqtt_timeouts_total",
+                "MQTT connections closed at a deadline: connect (no CONNECT within mqtt.connect_timeout_ms), keep_alive (no packet within 1.5 keep-alives), packet (a packet begun and not whole within listeners.request_timeout_ms), write (nothing of a write taken within listeners.write_timeout_ms).",
+                [
+                    ("connect", &t.connect),
+                    ("keep_alive", &t.keep_alive),
+                    ("packet", &t.packet),
+                    ("write", &t.write),
+                ]
+                .map(|(deadline, n)| ([("deadline", deadline)], n.get())),
+            )?;
+            let r = &m.refusals;
+            s.counters(
+                "sluice_mqtt_refusals_total",
+                "MQTT requests refused by a cap: retained_messages, retained_bytes (retained publishes), will_bytes, sessions (CONNECTs), subscriptions (SUBSCRIBE filters), receive_maximum (connections that sent more unacknowledged QoS 1/2 publishes than mqtt.receive_maximum).",
+                [
+                    ("retained_messages", &r.retained_messages),
+                    ("retained_bytes", &r.retained_bytes),
+                    ("will_bytes", &r.will_bytes),
+                    ("sessions", &r.sessions),
+                    ("subscriptions", &r.subscriptions),
+                    ("receive_maximum", &r.receive_maximum),
+                ]
+                .map(|(cap, n)| ([("cap", cap)], n.get())),
+            )?;
+            s.gauge("sluice_mqtt_retained_messages", "Retained messages held.", server.retained_count() as u64)?;
+            s.gauge("sluice_mqtt_sessions", "Persistent MQTT sessions, connected or not.", server.session_count() as u64)
+        });
+    }
+
+    /// MQTT connections open now.
+    pub fn connections_open(&self) -> u64 {
+        self.metrics.connections_open.get()
+    }
+}
+
 /// A connected client's handle in the registry.
 #[derive(Debug)]
 pub(crate) struct Registered {
@@ -178,7 +351,7 @@ pub struct MqttServer {
     next_connection: AtomicU64,
     /// Bytes of large payloads being written to sockets now (see [`EGRESS_BUDGET`]).
     pub(crate) egress: tokio::sync::Semaphore,
-    pub metrics: MqttMetrics,
+    pub(crate) metrics: MqttMetrics,
     /// The listener runtime's counts for the TCP listener (admitted, open, refused).
     pub listener: Arc<ListenerStats>,
     /// The same for the TLS listener.
@@ -269,10 +442,7 @@ async fn upkeep(
             session::delete_cursors(&server, client_id, saved).await;
             debug!(client = client_id, "expired mqtt session removed");
         }
-        server
-            .metrics
-            .sessions_expired
-            .fetch_add(swept.len() as u64, Ordering::Relaxed);
+        server.metrics.sessions_expired.inc_by(swept.len() as u64);
         let min = server.settings.state_snapshot_min_records;
         for (topic, written) in [
             (RETAINED_TOPIC, server.retained.snapshot_if_due(min).await),
@@ -280,10 +450,7 @@ async fn upkeep(
         ] {
             match written {
                 Ok(true) => {
-                    server
-                        .metrics
-                        .state_snapshots
-                        .fetch_add(1, Ordering::Relaxed);
+                    server.metrics.state_snapshots.inc();
                 }
                 Ok(false) => {}
                 Err(e) => warn!(topic, error = %e, "writing an mqtt state snapshot failed"),
@@ -329,13 +496,13 @@ impl MqttServer {
         let routes = Routes::new(settings.routes.clone(), &settings.default_topic)
             .map_err(|reason| CoreError::InvalidPolicy { reason })?;
         let (sessions, sessions_replayed) = Sessions::load(engine.clone()).await?;
-        let metrics = MqttMetrics {
-            state_unreadable: AtomicU64::new(retained_replayed.skipped + sessions_replayed.skipped),
-            state_records_replayed: AtomicU64::new(
-                retained_replayed.records + sessions_replayed.records,
-            ),
-            ..MqttMetrics::default()
-        };
+        let metrics = MqttMetrics::default();
+        metrics
+            .state_unreadable
+            .inc_by(retained_replayed.skipped + sessions_replayed.skipped);
+        metrics
+            .state_records_replayed
+            .set(retained_replayed.records + sessions_replayed.records);
         if retained.len() > 0 || sessions.len() > 0 {
             info!(
                 retained = retained.len(),
@@ -405,12 +572,8 @@ impl MqttServer {
     ) where
         S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send,
     {
-        self.metrics
-            .connections_accepted
-            .fetch_add(1, Ordering::Relaxed);
-        self.metrics
-            .connections_open
-            .fetch_add(1, Ordering::Relaxed);
+        self.metrics.connections_accepted.inc();
+        self.metrics.connections_open.inc();
         let deadlines = self.deadlines();
         if let Err(e) = session::run(
             self,
@@ -425,9 +588,7 @@ impl MqttServer {
         {
             debug!(peer, error = %e, "mqtt connection ended");
         }
-        self.metrics
-            .connections_open
-            .fetch_sub(1, Ordering::Relaxed);
+        self.metrics.connections_open.dec();
     }
 
     /// The deadlines `serve` was given; before it was called, none shorter than an hour.
@@ -467,14 +628,8 @@ impl MqttServer {
                     // The connection's halves move between the session and the fan-out, so
                     // its place under the caps is held here, for as long as the session runs.
                     let _admitted = admitted;
-                    server
-                        .metrics
-                        .connections_accepted
-                        .fetch_add(1, Ordering::Relaxed);
-                    server
-                        .metrics
-                        .connections_open
-                        .fetch_add(1, Ordering::Relaxed);
+                    server.metrics.connections_accepted.inc();
+                    server.metrics.connections_open.inc();
                     let conn = TcpConn::new(stream);
                     if let Err(e) = session::run(
                         &server,
@@ -489,10 +644,7 @@ impl MqttServer {
                     {
                         debug!(%peer, error = %e, "mqtt connection ended");
                     }
-                    server
-                        .metrics
-                        .connections_open
-                        .fetch_sub(1, Ordering::Relaxed);
+                    server.metrics.connections_open.dec();
                 }
             },
         )

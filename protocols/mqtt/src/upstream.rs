@@ -14,10 +14,11 @@ use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
+use sluice_metrics::{Counter, Gauge};
 use sluice_net::{ClientStream, TlsClient};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{mpsc, oneshot, watch};
@@ -32,23 +33,36 @@ const MAX_INFLIGHT: usize = 512;
 const QUEUE: usize = 4096;
 const KEEP_ALIVE: Duration = Duration::from_secs(30);
 
-/// Counters of the link, rendered as `sluice_relay_*` metrics.
+/// Counters of the link, exported by the relay as `sluice_relay_*` metrics through
+/// [`Upstream::stats`].
 #[derive(Debug, Default)]
-pub struct UpstreamMetrics {
+struct UpstreamMetrics {
+    forwarded: Counter,
+    forward_refused: Counter,
+    reconnects: Counter,
+    spliced_open: Gauge,
+    spliced_total: Counter,
+    auth_failures: Counter,
+    connected: AtomicBool,
+}
+
+/// The link's figures at one moment.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct UpstreamStats {
     /// Publishes the upstream acknowledged as durable.
-    pub forwarded: AtomicU64,
+    pub forwarded: u64,
     /// Publishes the upstream refused (its reason code went back to the client).
-    pub forward_refused: AtomicU64,
+    pub forward_refused: u64,
     /// Times the forwarding connection was re-established.
-    pub reconnects: AtomicU64,
+    pub reconnects: u64,
     /// Persistent-session connections spliced to the upstream, open now.
-    pub spliced_open: AtomicU64,
+    pub spliced_open: u64,
     /// Persistent-session connections spliced to the upstream, in all.
-    pub spliced_total: AtomicU64,
+    pub spliced_total: u64,
     /// Times the upstream refused the relay's user name or password.
-    pub auth_failures: AtomicU64,
+    pub auth_failures: u64,
     /// Whether the forwarding connection is up now (a relay is not ready while it is not).
-    pub connected: AtomicBool,
+    pub connected: bool,
 }
 
 /// The upstream of a relay.
@@ -56,7 +70,7 @@ pub struct UpstreamMetrics {
 pub struct Upstream {
     addr: String,
     tx: mpsc::Sender<Forward>,
-    pub metrics: Arc<UpstreamMetrics>,
+    metrics: Arc<UpstreamMetrics>,
     /// TLS for the links to the upstream, spliced sessions included.
     tls: Option<TlsClient>,
 }
@@ -71,6 +85,20 @@ struct Forward {
 }
 
 impl Upstream {
+    /// The link's figures now.
+    pub fn stats(&self) -> UpstreamStats {
+        let m = &self.metrics;
+        UpstreamStats {
+            forwarded: m.forwarded.get(),
+            forward_refused: m.forward_refused.get(),
+            reconnects: m.reconnects.get(),
+            spliced_open: m.spliced_open.get(),
+            spliced_total: m.spliced_total.get(),
+            auth_failures: m.auth_failures.get(),
+            connected: m.connected.load(Ordering::Relaxed),
+        }
+    }
+
     /// Starts the forwarding connection to `addr` (the upstream's MQTT listener), which
     /// reconnects by itself until `stop` turns true. Fails only when the upstream refuses
     /// `credentials` (or their absence): an upstream not reachable yet is tried again later.
@@ -164,8 +192,8 @@ impl Upstream {
     where
         S: AsyncRead + AsyncWrite + Unpin,
     {
-        self.metrics.spliced_total.fetch_add(1, Ordering::Relaxed);
-        self.metrics.spliced_open.fetch_add(1, Ordering::Relaxed);
+        self.metrics.spliced_total.inc();
+        self.metrics.spliced_open.inc();
         // Either side that stops taking bytes ends the splice, as any connection's writes end
         // at the write deadline: neither can hold the other's buffers for good.
         let mut client = sluice_net::WriteDeadline::new(client, write_deadline);
@@ -174,7 +202,7 @@ impl Upstream {
             r = tokio::io::copy_bidirectional(&mut client, &mut up) => r.map(|_| ()),
             () = stopped(shutdown) => Ok(()),
         };
-        self.metrics.spliced_open.fetch_sub(1, Ordering::Relaxed);
+        self.metrics.spliced_open.dec();
         r
     }
 }
@@ -215,7 +243,7 @@ async fn forward_loop(
             Ok(c) => c,
             Err(e) => {
                 if e.kind() == std::io::ErrorKind::PermissionDenied {
-                    metrics.auth_failures.fetch_add(1, Ordering::Relaxed);
+                    metrics.auth_failures.inc();
                     warn!(upstream = addr, error = %e, "relay: upstream MQTT refused the relay's user");
                     refuse_waiting(&mut inflight, &mut rx, &metrics);
                 } else {
@@ -230,7 +258,7 @@ async fn forward_loop(
             }
         };
         if connected_before {
-            metrics.reconnects.fetch_add(1, Ordering::Relaxed);
+            metrics.reconnects.inc();
             info!(upstream = addr, "relay: upstream MQTT connection restored");
         }
         connected_before = true;
@@ -263,7 +291,7 @@ fn refuse_waiting(
 ) {
     let queued = std::iter::from_fn(|| rx.try_recv().ok());
     for f in inflight.drain(..).map(|(_, f)| f).chain(queued) {
-        metrics.forward_refused.fetch_add(1, Ordering::Relaxed);
+        metrics.forward_refused.inc();
         let _ = f.done.send(Err(reason::NOT_AUTHORIZED));
     }
 }
@@ -419,10 +447,10 @@ async fn serve(
                             {
                                 // 0x10 "no matching subscribers" is a success in MQTT 5.
                                 let result = if code < 0x80 {
-                                    metrics.forwarded.fetch_add(1, Ordering::Relaxed);
+                                    metrics.forwarded.inc();
                                     Ok(())
                                 } else {
-                                    metrics.forward_refused.fetch_add(1, Ordering::Relaxed);
+                                    metrics.forward_refused.inc();
                                     Err(code)
                                 };
                                 let _ = f.done.send(result);

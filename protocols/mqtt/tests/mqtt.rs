@@ -2,7 +2,6 @@
 #![allow(clippy::unwrap_used)]
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -432,12 +431,7 @@ async fn the_will_is_published_when_a_client_vanishes() {
     polite.disconnect().await.unwrap();
     // Wait until the server has closed the polite connection, then send a marker: had a will
     // been published, it would arrive before the marker.
-    let open = || {
-        gw.server
-            .metrics
-            .connections_open
-            .load(std::sync::atomic::Ordering::Relaxed)
-    };
+    let open = || exported(&gw.server, "sluice_mqtt_connections_open");
     let deadline = tokio::time::Instant::now() + PATIENCE;
     while open() > 1 {
         assert!(
@@ -478,13 +472,7 @@ async fn a_second_connection_with_the_same_client_id_takes_over() {
         .await
         .unwrap()
         .unwrap();
-    assert_eq!(
-        gw.server
-            .metrics
-            .takeovers
-            .load(std::sync::atomic::Ordering::Relaxed),
-        1
-    );
+    assert_eq!(exported(&gw.server, "sluice_mqtt_takeovers_total"), 1);
     gw.stop().await;
 }
 
@@ -535,13 +523,7 @@ async fn malformed_packets_close_only_their_connection() {
             .unwrap()
             .ok();
     }
-    assert!(
-        gw.server
-            .metrics
-            .bad_packets
-            .load(std::sync::atomic::Ordering::Relaxed)
-            >= 5
-    );
+    assert!(exported(&gw.server, "sluice_mqtt_bad_packets_total") >= 5);
     healthy
         .publish("ok/still", QoS::AtMostOnce, false, "serving")
         .await
@@ -596,12 +578,7 @@ async fn a_persistent_session_gets_what_was_published_while_away_even_across_a_r
         .unwrap();
     subscribed(&mut car_rx).await;
     car.disconnect().await.unwrap();
-    let open = || {
-        gw.server
-            .metrics
-            .connections_open
-            .load(std::sync::atomic::Ordering::Relaxed)
-    };
+    let open = || exported(&gw.server, "sluice_mqtt_connections_open");
     let deadline = tokio::time::Instant::now() + PATIENCE;
     while open() > 0 {
         assert!(tokio::time::Instant::now() < deadline);
@@ -701,7 +678,7 @@ async fn a_session_whose_connection_a_crash_ended_expires_from_the_restart_on_ti
     })
     .await;
     assert_eq!(
-        gw.server.metrics.sessions_expired.load(Ordering::Relaxed),
+        exported(&gw.server, "sluice_mqtt_sessions_expired_total"),
         1
     );
     gw.stop().await;
@@ -1025,7 +1002,7 @@ async fn user_names_and_passwords_are_checked_when_configured() {
     // No credentials, with users configured: not authorized (3.1.1: 5; 5: 0x87).
     assert_eq!(connack_code(gw.port, false, "anon", None).await, 5);
     assert_eq!(connack_code(gw.port, true, "anon", None).await, 0x87);
-    assert_eq!(gw.server.metrics.auth_failures.load(Ordering::Relaxed), 6);
+    assert_eq!(exported(&gw.server, "sluice_mqtt_auth_failures_total"), 6);
     gw.stop().await;
 }
 
@@ -1040,7 +1017,7 @@ async fn a_user_cannot_take_over_another_users_client_id() {
     // Anonymous clients (allowed here) may not use ids a user owns either.
     assert_eq!(connack_code(gw.port, true, "alice", None).await, 0x87);
     assert_eq!(connack_code(gw.port, true, "sensor-7", None).await, 0);
-    assert_eq!(gw.server.metrics.authz_denied.load(Ordering::Relaxed), 3);
+    assert_eq!(exported(&gw.server, "sluice_mqtt_authz_denied_total"), 3);
     gw.stop().await;
 }
 
@@ -1102,13 +1079,7 @@ async fn a_publisher_past_its_rate_is_slowed_and_loses_nothing() {
     for i in 0..100 {
         assert_eq!(sub.next_publish().await, format!("rated/{i}"));
     }
-    assert!(
-        gw.server
-            .metrics
-            .publishes_throttled
-            .load(Ordering::Relaxed)
-            > 0
-    );
+    assert!(exported(&gw.server, "sluice_mqtt_publishes_throttled_total") > 0);
     gw.stop().await;
 }
 
@@ -1161,7 +1132,7 @@ async fn access_rules_refuse_subscriptions_and_publishes_in_mqtt_terms() {
         assert_eq!(c.next_publish().await, "users/alice/b");
         assert_eq!(c.next_publish().await, "test/other");
     }
-    assert_eq!(gw.server.metrics.authz_denied.load(Ordering::Relaxed), 8);
+    assert_eq!(exported(&gw.server, "sluice_mqtt_authz_denied_total"), 8);
     // A wildcard that covers a denied topic in part is granted, and delivers only what the
     // rules allow under it (as a per-message check does in Mosquitto).
     for v5 in [false, true] {
@@ -1379,12 +1350,12 @@ async fn a_flooding_publisher_is_held_at_the_pending_budget_and_loses_nothing() 
     });
 
     // The disk is stopped, so the connection must stop reading at its budget.
-    let m = &server.metrics;
+    let m = &server;
     until("the connection stops reading", || {
-        m.reads_paused.load(Ordering::Relaxed) >= 1
+        exported(m, "sluice_mqtt_reads_paused_total") >= 1
     })
     .await;
-    let pending = m.pending_publish_bytes.load(Ordering::Relaxed) as usize;
+    let pending = exported(m, "sluice_mqtt_pending_publish_bytes") as usize;
     // At least the budget; beyond it at most what one read of the socket had already brought.
     assert!(pending >= 64 << 20, "{pending}");
     assert!(pending <= (64 << 20) + 4 * IMAGE, "{pending}");
@@ -1402,7 +1373,7 @@ async fn a_flooding_publisher_is_held_at_the_pending_budget_and_loses_nothing() 
         let [hi, lo] = pkid.to_be_bytes();
         assert_eq!(puback, [0x40, 2, hi, lo]);
     }
-    assert_eq!(m.pending_publish_bytes.load(Ordering::Relaxed), 0);
+    assert_eq!(exported(m, "sluice_mqtt_pending_publish_bytes"), 0);
     let stats = engine.metrics();
     let stored: u64 = stats
         .partitions
@@ -1420,15 +1391,15 @@ async fn a_flooding_publisher_is_held_at_the_pending_budget_and_loses_nothing() 
 /// Writes `bytes` in `parts` pieces, each once the server has read everything before it, so
 /// the server sees the packet arrive piece by piece (its head first, then the payload in
 /// several reads).
-async fn trickle(s: &mut TcpStream, server: &MqttServer, bytes: &[u8], parts: usize) {
-    let m = &server.metrics;
+async fn trickle(s: &mut TcpStream, server: &Arc<MqttServer>, bytes: &[u8], parts: usize) {
+    let m = server;
     let step = bytes.len().div_ceil(parts);
     for piece in bytes.chunks(step) {
-        let before = m.bytes_in.load(Ordering::Relaxed);
+        let before = exported(m, "sluice_mqtt_received_bytes_total");
         s.write_all(piece).await.unwrap();
         let want = before + piece.len() as u64;
         until("the server read the piece", || {
-            m.bytes_in.load(Ordering::Relaxed) >= want
+            exported(m, "sluice_mqtt_received_bytes_total") >= want
         })
         .await;
     }
@@ -1454,7 +1425,7 @@ async fn start_direct(dir: &std::path::Path) -> (Gateway, Arc<sluice_core::Direc
 async fn large_publishes_land_in_their_batch_and_are_stored_like_any_other() {
     let dir = tempfile::tempdir().unwrap();
     let (gw, direct) = start_direct(dir.path()).await;
-    let m = &gw.server.metrics;
+    let m = &gw.server;
     let mut s = raw_client(gw.port, "cam-9").await;
 
     // A retained image first, read whole the usual way: the room it took in the connection's
@@ -1480,7 +1451,7 @@ async fn large_publishes_land_in_their_batch_and_are_stored_like_any_other() {
     assert_eq!(puback, [0x40, 2, 0, 1]);
     trickle(&mut s, &gw.server, &packet[..packet.len() - 1], 5).await;
     assert_eq!(
-        m.publishes_in.load(Ordering::Relaxed),
+        exported(m, "sluice_mqtt_publishes_received_total"),
         2,
         "one byte short, the image is not a publish yet"
     );
@@ -1496,8 +1467,8 @@ async fn large_publishes_land_in_their_batch_and_are_stored_like_any_other() {
         assert_eq!(puback, [0x40, 2, 0, pkid]);
     }
 
-    assert_eq!(m.publishes_in.load(Ordering::Relaxed), 5);
-    assert_eq!(m.publishes_landed.load(Ordering::Relaxed), 2);
+    assert_eq!(exported(m, "sluice_mqtt_publishes_received_total"), 5);
+    assert_eq!(exported(m, "sluice_mqtt_publishes_landed_total"), 2);
     let mut records = stored(&gw.engine, "mqtt").await;
     assert_eq!(records.remove(0).value.as_deref(), Some(&kept[..]));
     let values: Vec<&[u8]> = records
@@ -1515,7 +1486,7 @@ async fn large_publishes_land_in_their_batch_and_are_stored_like_any_other() {
     assert!(records.windows(2).all(|w| w[0].timestamp <= w[1].timestamp));
     // The images went to the disk from their own pages: their batches were laid out for their
     // places.
-    let in_place = direct.in_place_bytes.load(Ordering::Relaxed);
+    let in_place = direct_in_place(&direct);
     assert!(in_place >= 290_000 + 2_190_000, "{in_place}");
     gw.stop().await;
 }
@@ -1541,10 +1512,10 @@ async fn a_publisher_that_vanishes_mid_image_leaves_nothing_and_no_gap_behind() 
     assert_eq!(records.len(), 1);
     assert_eq!(records[0].value.as_deref(), Some(&next[..]));
     assert_eq!(
-        gw.server.metrics.publishes_landed.load(Ordering::Relaxed),
+        exported(&gw.server, "sluice_mqtt_publishes_landed_total"),
         1
     );
-    let in_place = direct.in_place_bytes.load(Ordering::Relaxed);
+    let in_place = direct_in_place(&direct);
     assert!(in_place >= 990_000, "{in_place}");
     gw.stop().await;
 }
@@ -1555,7 +1526,7 @@ async fn large_publishes_that_cannot_land_take_the_usual_path() {
     use rumqttc::v5::{AsyncClient as Client5, Event as Event5, MqttOptions as Options5};
     let dir = tempfile::tempdir().unwrap();
     let gw = start(dir.path()).await;
-    let m = &gw.server.metrics;
+    let m = &gw.server;
 
     // Retained: the retained store keeps its own copy, so it is read whole.
     let mut s = raw_client(gw.port, "keeper").await;
@@ -1565,7 +1536,7 @@ async fn large_publishes_that_cannot_land_take_the_usual_path() {
     let mut puback = [0u8; 4];
     s.read_exact(&mut puback).await.unwrap();
     assert_eq!(puback, [0x40, 2, 0, 1]);
-    assert_eq!(m.publishes_landed.load(Ordering::Relaxed), 0);
+    assert_eq!(exported(m, "sluice_mqtt_publishes_landed_total"), 0);
 
     // MQTT 5: a publish with properties lands; one that sets a topic alias is left to the
     // usual path.
@@ -1600,7 +1571,7 @@ async fn large_publishes_that_cannot_land_take_the_usual_path() {
             .unwrap()
             .unwrap();
     }
-    assert_eq!(m.publishes_landed.load(Ordering::Relaxed), 1);
+    assert_eq!(exported(m, "sluice_mqtt_publishes_landed_total"), 1);
 
     let records = stored(&gw.engine, "mqtt").await;
     assert_eq!(records.len(), 3);
@@ -1874,7 +1845,7 @@ async fn news_viewer(port: u16) -> TcpStream {
 async fn an_idle_qos0_subscriber_is_written_to_by_the_fan_out_and_still_answers_its_own_packets() {
     let dir = tempfile::tempdir().unwrap();
     let gw = start(dir.path()).await;
-    let m = &gw.server.metrics;
+    let m = &gw.server;
     let mut viewer = news_viewer(gw.port).await;
     let mut publisher = raw_client(gw.port, "publisher").await;
 
@@ -1890,7 +1861,7 @@ async fn an_idle_qos0_subscriber_is_written_to_by_the_fan_out_and_still_answers_
     }
     // Counted just after the write, so possibly after the client has read it.
     until("a delivery written by the fan-out", || {
-        m.direct_deliveries.load(Ordering::Relaxed) > 0
+        exported(m, "sluice_mqtt_direct_deliveries_total") > 0
     })
     .await;
 
@@ -1924,7 +1895,7 @@ async fn an_idle_qos0_subscriber_is_written_to_by_the_fan_out_and_still_answers_
     // Back to one feed: the fan-out writes again, and nothing of the old one comes.
     viewer.write_all(&unsubscribe(3, "alerts/#")).await.unwrap();
     assert_eq!(read_packet(&mut viewer).await, (0xB0, vec![0, 3]));
-    let before = m.direct_deliveries.load(Ordering::Relaxed);
+    let before = exported(m, "sluice_mqtt_direct_deliveries_total");
     for i in 0..20u16 {
         publish_stored(&mut publisher, 200 + i, "alerts/x", b"ignored").await;
         let payload = format!("later {i}");
@@ -1935,7 +1906,7 @@ async fn an_idle_qos0_subscriber_is_written_to_by_the_fan_out_and_still_answers_
         );
     }
     until("more deliveries written by the fan-out", || {
-        m.direct_deliveries.load(Ordering::Relaxed) > before
+        exported(m, "sluice_mqtt_direct_deliveries_total") > before
     })
     .await;
     gw.stop().await;
@@ -1947,7 +1918,7 @@ async fn a_qos0_subscriber_that_stops_reading_gets_every_message_whole_and_in_or
     const SIZE: usize = 16 * 1024;
     let dir = tempfile::tempdir().unwrap();
     let gw = start(dir.path()).await;
-    let m = &gw.server.metrics;
+    let m = &gw.server;
     let mut viewer = news_viewer(gw.port).await;
 
     // 16 MB, more than the viewer's socket holds, while it reads nothing: the fan-out meets a
@@ -1981,11 +1952,14 @@ async fn a_qos0_subscriber_that_stops_reading_gets_every_message_whole_and_in_or
     }
     // Counted just after each write, so possibly after the client has read it.
     until("every delivery counted", || {
-        m.deliveries.load(Ordering::Relaxed) >= u64::from(MESSAGES)
+        exported(m, "sluice_mqtt_deliveries_total") >= u64::from(MESSAGES)
     })
     .await;
-    assert!(m.direct_deliveries.load(Ordering::Relaxed) > 0);
-    assert_eq!(m.deliveries.load(Ordering::Relaxed), u64::from(MESSAGES));
+    assert!(exported(m, "sluice_mqtt_direct_deliveries_total") > 0);
+    assert_eq!(
+        exported(m, "sluice_mqtt_deliveries_total"),
+        u64::from(MESSAGES)
+    );
     // Nothing more: a PINGRESP is the next packet.
     viewer.write_all(&[0xC0, 0]).await.unwrap();
     assert_eq!(read_packet(&mut viewer).await, (0xD0, Vec::new()));
@@ -2037,7 +2011,7 @@ async fn records_the_fan_out_cannot_write_as_they_are_reach_an_idle_subscriber_f
 {
     let dir = tempfile::tempdir().unwrap();
     let gw = start(dir.path()).await;
-    let m = &gw.server.metrics;
+    let m = &gw.server;
     let mut viewer = raw_client_v5(gw.port, "viewer5").await;
     viewer
         .write_all(&subscribe_at(5, 1, "news/#", 0))
@@ -2083,12 +2057,12 @@ async fn records_the_fan_out_cannot_write_as_they_are_reach_an_idle_subscriber_f
 
     // Counted just after each write, so possibly after the client has read it.
     until("the deliveries counted", || {
-        m.deliveries.load(Ordering::Relaxed) >= 4
-            && m.direct_deliveries.load(Ordering::Relaxed) >= 1
+        exported(m, "sluice_mqtt_deliveries_total") >= 4
+            && exported(m, "sluice_mqtt_direct_deliveries_total") >= 1
     })
     .await;
-    assert_eq!(m.deliveries.load(Ordering::Relaxed), 4);
-    let direct = m.direct_deliveries.load(Ordering::Relaxed);
+    assert_eq!(exported(m, "sluice_mqtt_deliveries_total"), 4);
+    let direct = exported(m, "sluice_mqtt_direct_deliveries_total");
     assert!(direct <= 2, "{direct} written by the fan-out");
     gw.stop().await;
 }
@@ -2109,7 +2083,7 @@ async fn read_qos1_v5(s: &mut TcpStream) -> (u16, Vec<u8>) {
 async fn an_idle_qos1_subscriber_is_written_to_by_the_fan_out_within_its_receive_maximum() {
     let dir = tempfile::tempdir().unwrap();
     let gw = start(dir.path()).await;
-    let m = &gw.server.metrics;
+    let m = &gw.server;
     // MQTT 5, receive maximum 3.
     let mut connect = vec![0, 4, b'M', b'Q', b'T', b'T', 5, 0x02, 0, 60, 3, 0x21, 0, 3];
     connect.extend_from_slice(&(6u16).to_be_bytes());
@@ -2150,7 +2124,7 @@ async fn an_idle_qos1_subscriber_is_written_to_by_the_fan_out_within_its_receive
         }
     }
     until("a delivery written by the fan-out", || {
-        m.direct_deliveries.load(Ordering::Relaxed) > 0
+        exported(m, "sluice_mqtt_direct_deliveries_total") > 0
     })
     .await;
 
@@ -2204,10 +2178,10 @@ async fn a_retained_message_becomes_current_only_once_durable() {
     let mut retained = publish(1, 1, "status/x", b"pending");
     retained[0] |= 1;
     s.write_all(&retained).await.unwrap();
-    let m = &gw.server.metrics;
+    let m = &gw.server;
     // Counted once queue() returned, which queues the data and the retained record both.
     until("the publish is queued", || {
-        m.pending_publish_bytes.load(Ordering::Relaxed) > 0
+        exported(m, "sluice_mqtt_pending_publish_bytes") > 0
     })
     .await;
     assert_eq!(
@@ -2257,7 +2231,7 @@ async fn a_subscriber_that_stops_reading_and_a_packet_left_half_way_are_closed()
         0,
     )
     .await;
-    let timeouts = &gw.server.metrics.timeouts;
+    let server = &gw.server;
     // A subscriber with a small window that never reads what it is sent.
     let socket = tokio::net::TcpSocket::new_v4().unwrap();
     socket.set_recv_buffer_size(4096).unwrap();
@@ -2284,12 +2258,12 @@ async fn a_subscriber_that_stops_reading_and_a_packet_left_half_way_are_closed()
             .unwrap();
         let mut puback = [0u8; 4];
         publisher.read_exact(&mut puback).await.unwrap();
-        if timeouts.write.load(Ordering::Relaxed) > 0 {
+        if exported(server, r#"sluice_mqtt_timeouts_total{deadline="write"}"#) > 0 {
             break;
         }
     }
     until("the stuck subscriber's write deadline", || {
-        timeouts.write.load(Ordering::Relaxed) == 1
+        exported(server, r#"sluice_mqtt_timeouts_total{deadline="write"}"#) == 1
     })
     .await;
     closed(&mut stuck).await;
@@ -2300,12 +2274,37 @@ async fn a_subscriber_that_stops_reading_and_a_packet_left_half_way_are_closed()
         .await
         .unwrap();
     closed(&mut half).await;
-    assert_eq!(timeouts.packet.load(Ordering::Relaxed), 1);
-    assert_eq!(timeouts.keep_alive.load(Ordering::Relaxed), 0);
+    assert_eq!(
+        exported(server, r#"sluice_mqtt_timeouts_total{deadline="packet"}"#),
+        1
+    );
+    assert_eq!(
+        exported(
+            server,
+            r#"sluice_mqtt_timeouts_total{deadline="keep_alive"}"#
+        ),
+        0
+    );
     // The publisher, between packets, is still served.
     publisher.write_all(&[0xC0, 0]).await.unwrap();
     let mut pingresp = [0u8; 2];
     publisher.read_exact(&mut pingresp).await.unwrap();
     assert_eq!(pingresp, [0xD0, 0]);
     gw.stop().await;
+}
+
+/// One of the MQTT listener's exported series, read as a scrape of `/metrics` reads it.
+fn exported(server: &Arc<MqttServer>, series: &str) -> u64 {
+    let mut registry = sluice_metrics::Registry::default();
+    server.register_metrics(&mut registry);
+    sluice_metrics::sample(&sluice_metrics::encode(&registry), series).expect(series) as u64
+}
+
+/// The bytes written with O_DIRECT straight from a batch's own memory, as exported.
+fn direct_in_place(direct: &sluice_core::DirectStats) -> u64 {
+    let mut registry = sluice_metrics::Registry::default();
+    direct.register(&mut registry);
+    let text = sluice_metrics::encode(&registry);
+    sluice_metrics::sample(&text, "sluice_storage_direct_in_place_bytes_total").expect("exported")
+        as u64
 }

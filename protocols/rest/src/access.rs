@@ -8,7 +8,6 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use axum::extract::{ConnectInfo, Request, State};
 use axum::http::{HeaderValue, Method, StatusCode, header};
@@ -16,6 +15,7 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use base64::Engine as _;
 use sluice_core::auth::{Action, AuthError, Principal, Resource, SecurityHandle};
+use sluice_metrics::{Counter, RegisterExt, Registry};
 
 use crate::problem::Problem;
 
@@ -61,13 +61,24 @@ impl std::fmt::Debug for Access {
     }
 }
 
-/// Refusals, for `/metrics`.
+/// Refusals, registered by [`AccessMetrics::register`].
 #[derive(Debug, Default)]
 pub struct AccessMetrics {
     /// 401s: missing or bad credentials.
-    pub unauthenticated: AtomicU64,
+    unauthenticated: Counter,
     /// 403s: the rules refused.
-    pub forbidden: AtomicU64,
+    forbidden: Counter,
+}
+
+impl AccessMetrics {
+    pub fn register(&self, registry: &mut Registry) {
+        registry.register_counter("sluice_http_unauthenticated_total", "HTTP requests answered 401: no credentials where anonymous clients are refused, or bad ones.", &self.unauthenticated);
+        registry.register_counter(
+            "sluice_http_forbidden_total",
+            "HTTP requests answered 403 by the access rules.",
+            &self.forbidden,
+        );
+    }
 }
 
 /// What the request at `method` `path` needs.
@@ -175,10 +186,7 @@ pub async fn guard(State(access): State<Access>, mut req: Request, next: Next) -
             p
         }
         Err(why) => {
-            access
-                .metrics
-                .unauthenticated
-                .fetch_add(1, Ordering::Relaxed);
+            access.metrics.unauthenticated.inc();
             if let (Some(ip), AuthError::BadCredentials) = (source, why) {
                 tokio::time::sleep(ids.throttle().failed(ip)).await;
             }
@@ -207,7 +215,7 @@ pub async fn guard(State(access): State<Access>, mut req: Request, next: Next) -
         Need::Cluster(action) => security.allows(&principal, *action, Resource::Cluster),
     };
     if !allowed {
-        access.metrics.forbidden.fetch_add(1, Ordering::Relaxed);
+        access.metrics.forbidden.inc();
         tracing::debug!(user = principal.name(), method = %req.method(), path = req.uri().path(), "http request refused by the access rules");
         return problem(
             StatusCode::FORBIDDEN,

@@ -2,7 +2,6 @@
 //! API's own open streams and attached consumers.
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 
 use axum::Json;
 use axum::extract::State;
@@ -44,7 +43,7 @@ pub(crate) async fn connections(State(api): State<Arc<RestApi>>) -> Json<Connect
     ] {
         protocols.push(ProtocolConnections {
             protocol: protocol.to_owned(),
-            open: gauge.load(Ordering::Relaxed),
+            open: gauge.get(),
             clients: Vec::new(),
         });
     }

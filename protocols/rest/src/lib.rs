@@ -17,13 +17,14 @@ mod subscriptions;
 mod topics;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use axum::Router;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
 use sluice_core::Engine;
+use sluice_metrics::{Counter, Gauge, RegisterExt, Registry};
 use tokio::sync::watch;
 use utoipa::OpenApi;
 use utoipa_axum::router::OpenApiRouter;
@@ -34,35 +35,114 @@ pub use problem::{PROBLEM_TYPE_PREFIX, Problem};
 pub use records::RECORD_HEADER_PREFIX;
 pub use subscriptions::DEFAULT_MAX_CONSUMERS;
 
-/// Counters of the REST API.
+/// Counters of the REST API, registered by [`RestApi::register_metrics`].
 #[derive(Debug, Default)]
-pub struct RestMetrics {
-    pub records_produced: AtomicU64,
+pub(crate) struct RestMetrics {
+    pub(crate) records_produced: Counter,
     /// Records whose body was read straight into its ledger batch (64 KiB or more, with a
     /// Content-Length).
-    pub records_landed: AtomicU64,
-    pub bytes_produced: AtomicU64,
-    pub fetches: AtomicU64,
+    pub(crate) records_landed: Counter,
+    pub(crate) bytes_produced: Counter,
+    pub(crate) fetches: Counter,
     /// Fetches parked in a long-poll right now.
-    pub long_polls_waiting: AtomicU64,
+    pub(crate) long_polls_waiting: Gauge,
     /// Consumers attached to named subscriptions through this API right now.
-    pub subscription_consumers: AtomicU64,
+    pub(crate) subscription_consumers: Gauge,
     /// Consumers detached because their client stopped calling for longer than its idle timeout.
-    pub consumers_expired: AtomicU64,
-    pub messages_delivered: AtomicU64,
+    pub(crate) consumers_expired: Counter,
+    pub(crate) messages_delivered: Counter,
     /// WebSocket streams open right now.
-    pub websocket_streams: AtomicU64,
+    pub(crate) websocket_streams: Gauge,
     /// Server-Sent Events streams open right now.
-    pub sse_streams: AtomicU64,
+    pub(crate) sse_streams: Gauge,
     /// Records sent on WebSocket and SSE streams.
-    pub records_streamed: AtomicU64,
+    pub(crate) records_streamed: Counter,
     /// Batches a stream skipped because they cannot be decoded here (compressed by a Kafka
     /// producer).
-    pub stream_batches_skipped: AtomicU64,
+    pub(crate) stream_batches_skipped: Counter,
     /// Fetches that asked for more than the server's `max_fetch_bytes` and got that much.
-    pub fetches_capped: AtomicU64,
+    pub(crate) fetches_capped: Counter,
     /// WebSocket handshakes (live streams and MQTT over WebSocket) refused for their `Origin`.
-    pub websocket_origins_refused: AtomicU64,
+    pub(crate) websocket_origins_refused: Counter,
+}
+
+impl RestMetrics {
+    fn register(&self, registry: &mut Registry) {
+        registry.register_counters(&[
+            (
+                "sluice_rest_records_produced_total",
+                "Records produced over REST.",
+                &self.records_produced,
+            ),
+            (
+                "sluice_rest_produced_bytes_total",
+                "Value bytes produced over REST.",
+                &self.bytes_produced,
+            ),
+            (
+                "sluice_rest_records_landed_total",
+                "Records of 64 KiB or more with a Content-Length, read from the body straight into their ledger batch.",
+                &self.records_landed,
+            ),
+            (
+                "sluice_rest_fetches_total",
+                "Fetch requests over REST.",
+                &self.fetches,
+            ),
+            (
+                "sluice_rest_consumers_expired_total",
+                "REST consumers detached after their idle timeout.",
+                &self.consumers_expired,
+            ),
+            (
+                "sluice_rest_messages_delivered_total",
+                "Subscription messages handed to REST consumers.",
+                &self.messages_delivered,
+            ),
+            (
+                "sluice_rest_records_streamed_total",
+                "Records sent on WebSocket and SSE streams.",
+                &self.records_streamed,
+            ),
+            (
+                "sluice_rest_stream_batches_skipped_total",
+                "Batches a stream skipped because they cannot be decoded (compressed).",
+                &self.stream_batches_skipped,
+            ),
+            (
+                "sluice_rest_fetches_capped_total",
+                "REST fetches whose max_bytes was over http.max_fetch_bytes and were capped to it.",
+                &self.fetches_capped,
+            ),
+            (
+                "sluice_http_websocket_origins_refused_total",
+                "WebSocket handshakes (live streams, MQTT over WebSocket) refused with 403 for their Origin.",
+                &self.websocket_origins_refused,
+            ),
+        ]);
+        registry.register_gauges(&[
+            (
+                "sluice_rest_long_polls_waiting",
+                "REST fetches parked in a long-poll.",
+                &self.long_polls_waiting,
+            ),
+            (
+                "sluice_rest_subscription_consumers",
+                "Consumers attached to named subscriptions over REST.",
+                &self.subscription_consumers,
+            ),
+            (
+                "sluice_rest_websocket_streams",
+                "WebSocket streams open.",
+                &self.websocket_streams,
+            ),
+            (
+                "sluice_rest_sse_streams",
+                "Server-Sent Events streams open.",
+                &self.sse_streams,
+            ),
+        ]);
+    }
 }
 
 /// Most bytes one fetch reads from the log, unless [`RestApi::limit_fetch_bytes`] says
@@ -72,7 +152,7 @@ pub const DEFAULT_MAX_FETCH_BYTES: usize = 50 << 20;
 /// What the handlers share.
 pub struct RestApi {
     pub engine: Engine,
-    pub metrics: RestMetrics,
+    pub(crate) metrics: RestMetrics,
     /// Turns true when the gateway begins to stop: streams end and long waits return.
     stop: watch::Receiver<bool>,
     /// Keeps `stop` open when no gateway drives it (a router built alone, in tests and benches).
@@ -94,6 +174,11 @@ impl std::fmt::Debug for RestApi {
 }
 
 impl RestApi {
+    /// Registers the REST API's metrics.
+    pub fn register_metrics(&self, registry: &mut Registry) {
+        self.metrics.register(registry);
+    }
+
     /// An API that never sees a shutdown signal and lists only its own streams as connections.
     pub fn new(engine: Engine) -> Arc<Self> {
         let (tx, rx) = watch::channel(false);
@@ -139,7 +224,7 @@ impl RestApi {
     pub(crate) fn fetch_bytes(&self, asked: usize) -> usize {
         let max = self.max_fetch_bytes.load(Ordering::Relaxed);
         if asked > max {
-            self.metrics.fetches_capped.fetch_add(1, Ordering::Relaxed);
+            self.metrics.fetches_capped.inc();
         }
         asked.min(max)
     }
@@ -158,9 +243,7 @@ impl RestApi {
         if origin::allowed(headers, listed) {
             return None;
         }
-        self.metrics
-            .websocket_origins_refused
-            .fetch_add(1, Ordering::Relaxed);
+        self.metrics.websocket_origins_refused.inc();
         Some(Problem::new(
             StatusCode::FORBIDDEN,
             "origin-not-allowed",

@@ -1,7 +1,6 @@
 //! Producing and reading records.
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use axum::Json;
@@ -126,7 +125,7 @@ pub(crate) async fn produce(
             .open_record(&topic, choice, key.as_deref(), len, &record_headers)
             .await?;
         read_body_into(body, open.value()).await?;
-        api.metrics.records_landed.fetch_add(1, Ordering::Relaxed);
+        api.metrics.records_landed.inc();
         (engine.produce_open(open).await?.await?, len as u64)
     } else {
         let value = read_body(body, announced, max).await?;
@@ -139,10 +138,8 @@ pub(crate) async fn produce(
         };
         (engine.produce(&topic, choice, &[record]).await?, size)
     };
-    api.metrics.records_produced.fetch_add(1, Ordering::Relaxed);
-    api.metrics
-        .bytes_produced
-        .fetch_add(size, Ordering::Relaxed);
+    api.metrics.records_produced.inc();
+    api.metrics.bytes_produced.inc_by(size);
     Ok(Json(Produced {
         topic,
         partition: ack.partition,
@@ -292,9 +289,8 @@ pub(crate) async fn produce_batch(
         });
     }
     let m = &api.metrics;
-    m.records_produced
-        .fetch_add(offsets.len() as u64, Ordering::Relaxed);
-    m.bytes_produced.fetch_add(bytes, Ordering::Relaxed);
+    m.records_produced.inc_by(offsets.len() as u64);
+    m.bytes_produced.inc_by(bytes);
     Ok(Json(BatchProduced { topic, offsets }))
 }
 
@@ -514,20 +510,16 @@ pub(crate) async fn read(
     let engine = &api.engine;
     let max_bytes = api.fetch_bytes(limits.max_bytes);
     let mut fetched = engine.fetch(topic, partition, offset, max_bytes).await?;
-    api.metrics.fetches.fetch_add(1, Ordering::Relaxed);
+    api.metrics.fetches.inc();
     if fetched.data.is_empty() && limits.wait_ms > 0 {
-        api.metrics
-            .long_polls_waiting
-            .fetch_add(1, Ordering::Relaxed);
+        api.metrics.long_polls_waiting.inc();
         let wait = Duration::from_millis(limits.wait_ms);
         // A shutdown ends the wait early with what is there (nothing), not with an error.
         let waited = tokio::select! {
             w = engine.wait_for_data(topic, partition, offset, wait) => w.map(|_| ()),
             () = api.stopped() => Ok(()),
         };
-        api.metrics
-            .long_polls_waiting
-            .fetch_sub(1, Ordering::Relaxed);
+        api.metrics.long_polls_waiting.dec();
         waited?;
         fetched = engine.fetch(topic, partition, offset, max_bytes).await?;
     }

@@ -7,7 +7,6 @@
 use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use axum::extract::rejection::{PathRejection, QueryRejection};
 use axum::extract::ws::rejection::WebSocketUpgradeRejection;
@@ -23,6 +22,7 @@ use serde::{Deserialize, Serialize};
 use sluice_core::{
     CoreError, DecodedRecord, LiveItem, LiveOptions, LiveRecords, SlowPolicy, StartAt,
 };
+use sluice_metrics::Gauge;
 use tokio::sync::mpsc;
 use utoipa::IntoParams;
 
@@ -67,18 +67,18 @@ type Delivery = (u32, Result<LiveItem, CoreError>);
 const QUEUED_ITEMS: usize = 16;
 
 /// Decrements an open-streams gauge when the stream ends, however it ends.
-struct Open<'a>(&'a AtomicU64);
+struct Open<'a>(&'a Gauge);
 
 impl<'a> Open<'a> {
-    fn new(gauge: &'a AtomicU64) -> Self {
-        gauge.fetch_add(1, Ordering::Relaxed);
+    fn new(gauge: &'a Gauge) -> Self {
+        gauge.inc();
         Self(gauge)
     }
 }
 
 impl Drop for Open<'_> {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
+        self.0.dec();
     }
 }
 
@@ -143,9 +143,7 @@ fn records(api: &RestApi, item: &LiveItem) -> Option<LiveRecords> {
     match item.records() {
         Ok(r) => Some(r),
         Err(e) => {
-            api.metrics
-                .stream_batches_skipped
-                .fetch_add(1, Ordering::Relaxed);
+            api.metrics.stream_batches_skipped.inc();
             tracing::debug!(error = %e, "a stream skipped a batch it cannot decode");
             None
         }
@@ -239,7 +237,7 @@ async fn serve_websocket(
                     if socket.send(Message::Binary(value)).await.is_err() {
                         return;
                     }
-                    api.metrics.records_streamed.fetch_add(1, Ordering::Relaxed);
+                    api.metrics.records_streamed.inc();
                 }
             }
             incoming = socket.recv() => match incoming {
@@ -273,7 +271,7 @@ pub(crate) async fn events(
     let topic = path(p)?;
     let q = query(q)?;
     let rx = attach(&api, &topic, &q).await?;
-    api.metrics.sse_streams.fetch_add(1, Ordering::Relaxed);
+    api.metrics.sse_streams.inc();
     let state = SseState {
         api,
         rx,
@@ -296,7 +294,7 @@ struct SseState {
 
 impl Drop for SseState {
     fn drop(&mut self) {
-        self.api.metrics.sse_streams.fetch_sub(1, Ordering::Relaxed);
+        self.api.metrics.sse_streams.dec();
     }
 }
 
@@ -314,7 +312,7 @@ impl SseState {
                     Some((partition, Ok(item))) => {
                         for r in records(&self.api, &item).iter().flat_map(|r| r.iter()) {
                             self.pending.push_back(sse_event(partition, r));
-                            self.api.metrics.records_streamed.fetch_add(1, Ordering::Relaxed);
+                            self.api.metrics.records_streamed.inc();
                         }
                     }
                     Some((_, Err(e))) => self.end(&e.to_string()),

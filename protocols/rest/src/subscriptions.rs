@@ -99,12 +99,8 @@ fn start_sweeper(api: &Arc<RestApi>) {
                     let keep = c.in_flight.load(Ordering::Acquire) > 0
                         || idle <= c.idle_timeout.as_millis() as u64;
                     if !keep {
-                        api.metrics
-                            .consumers_expired
-                            .fetch_add(1, Ordering::Relaxed);
-                        api.metrics
-                            .subscription_consumers
-                            .fetch_sub(1, Ordering::Relaxed);
+                        api.metrics.consumers_expired.inc();
+                        api.metrics.subscription_consumers.dec();
                         tracing::info!(topic = %c.topic, subscription = %c.subscription,
                             "REST consumer detached after its idle timeout");
                     }
@@ -308,9 +304,7 @@ pub(crate) async fn attach(
             in_flight: AtomicUsize::new(0),
         }),
     );
-    api.metrics
-        .subscription_consumers
-        .fetch_add(1, Ordering::Relaxed);
+    api.metrics.subscription_consumers.inc();
     Ok((
         StatusCode::CREATED,
         Json(Attachment {
@@ -335,9 +329,7 @@ pub(crate) async fn detach(
     let (topic, name, id) = path(p)?;
     drop(find(&api, &topic, &name, &id)?);
     if api.consumers.by_id.remove(&id).is_some() {
-        api.metrics
-            .subscription_consumers
-            .fetch_sub(1, Ordering::Relaxed);
+        api.metrics.subscription_consumers.dec();
     }
     Ok(StatusCode::NO_CONTENT)
 }
@@ -390,9 +382,7 @@ pub(crate) async fn receive(
         m = using.c.consumer.receive(q.max_records, wait) => m?,
         () = api.stopped() => Vec::new(),
     };
-    api.metrics
-        .messages_delivered
-        .fetch_add(messages.len() as u64, Ordering::Relaxed);
+    api.metrics.messages_delivered.inc_by(messages.len() as u64);
     Ok(Json(Received {
         messages: messages
             .into_iter()

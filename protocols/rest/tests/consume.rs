@@ -4,9 +4,7 @@
 
 mod common;
 
-use std::sync::atomic::Ordering;
-
-use common::{Server, assert_problem, json_of, start, until};
+use common::{Server, assert_problem, exported, json_of, start, until};
 use serde_json::{Value, json};
 
 async fn produce(s: &Server, topic: &str, values: &[&str]) {
@@ -135,10 +133,7 @@ async fn a_named_subscription_redelivers_after_nack_and_acks_clear_the_backlog()
     assert_problem(resp, 409, "consumer-busy").await;
     let resp = s.http.delete(&base).send().await.unwrap();
     assert_eq!(resp.status(), 204);
-    assert_eq!(
-        s.api.metrics.subscription_consumers.load(Ordering::Relaxed),
-        0
-    );
+    assert_eq!(exported(&s.api, "sluice_rest_subscription_consumers"), 0);
     let resp = s.http.get(format!("{base}/messages")).send().await.unwrap();
     assert_problem(resp, 404, "unknown-consumer").await;
     let resp = s.delete("/topics/orders/subscriptions/billing").await;
@@ -224,7 +219,7 @@ async fn a_consumer_whose_client_goes_away_expires_and_its_messages_go_to_anothe
         .unwrap()
         .to_owned();
     until("the idle consumer expires", || {
-        s.api.metrics.consumers_expired.load(Ordering::Relaxed) == 1
+        exported(&s.api, "sluice_rest_consumers_expired_total") == 1
     })
     .await;
     let again = receive(&s, "jobs", "workers", &b).await;

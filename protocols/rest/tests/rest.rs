@@ -4,9 +4,7 @@
 
 mod common;
 
-use std::sync::atomic::Ordering;
-
-use common::{assert_problem, image, json_of, start};
+use common::{assert_problem, exported, image, json_of, start};
 use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -258,7 +256,7 @@ async fn a_long_poll_fetch_wakes_when_a_record_arrives() {
         async move { json_of(http.get(url).send().await.unwrap()).await }
     });
     // Produced only once the fetch is parked in its long-poll, so the wake-up is what answers.
-    while s.api.metrics.long_polls_waiting.load(Ordering::Relaxed) == 0 {
+    while exported(&s.api, "sluice_rest_long_polls_waiting") == 0 {
         assert!(
             !waiting.is_finished(),
             "the fetch answered before any record existed"
@@ -445,10 +443,10 @@ async fn a_large_body_of_known_length_is_read_into_its_batch() {
     for body in [small.clone(), large.clone()] {
         assert_eq!(post(body).await.unwrap().status(), 200);
     }
-    assert_eq!(s.api.metrics.records_landed.load(Ordering::Relaxed), 1);
-    assert_eq!(s.api.metrics.records_produced.load(Ordering::Relaxed), 2);
+    assert_eq!(exported(&s.api, "sluice_rest_records_landed_total"), 1);
+    assert_eq!(exported(&s.api, "sluice_rest_records_produced_total"), 2);
     assert_eq!(
-        s.api.metrics.bytes_produced.load(Ordering::Relaxed),
+        exported(&s.api, "sluice_rest_produced_bytes_total"),
         (small.len() + large.len()) as u64
     );
 
@@ -471,7 +469,7 @@ Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
     let mut answer = Vec::new();
     conn.read_to_end(&mut answer).await.unwrap();
     assert!(answer.starts_with(b"HTTP/1.1 200"));
-    assert_eq!(s.api.metrics.records_landed.load(Ordering::Relaxed), 1);
+    assert_eq!(exported(&s.api, "sluice_rest_records_landed_total"), 1);
 
     let fetched = s.engine.fetch("frames", 0, 0, 8 << 20).await.unwrap();
     let mut records = Vec::new();
@@ -516,7 +514,7 @@ Content-Length: 200000\r\n\r\n"
         "{}",
         String::from_utf8_lossy(&answer)
     );
-    assert_eq!(s.api.metrics.records_landed.load(Ordering::Relaxed), 0);
+    assert_eq!(exported(&s.api, "sluice_rest_records_landed_total"), 0);
 
     let whole = image(200_000);
     let resp = s

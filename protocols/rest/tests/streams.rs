@@ -5,9 +5,7 @@
 
 mod common;
 
-use std::sync::atomic::Ordering;
-
-use common::{Server, assert_problem, image, json_of, start, until};
+use common::{Server, assert_problem, exported, image, json_of, start, until};
 use futures_util::StreamExt;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
@@ -53,7 +51,7 @@ async fn a_websocket_stream_reaches_several_clients_with_values_unchanged() {
     }
     let mut with_meta = ws(&s, "/topics/cam/ws?meta=true").await;
     until("four streams attached", || {
-        s.api.metrics.websocket_streams.load(Ordering::Relaxed) == 4
+        exported(&s.api, "sluice_rest_websocket_streams") == 4
     })
     .await;
     let listed = json_of(s.get("/connections").await).await;
@@ -80,7 +78,7 @@ async fn a_websocket_stream_reaches_several_clients_with_values_unchanged() {
     assert_eq!(meta["partition"], 0);
     assert_eq!(meta["headers"][0][0], "content-type");
     assert!(frame(&mut with_meta).await == Message::Binary(img.into()));
-    assert!(s.api.metrics.records_streamed.load(Ordering::Relaxed) >= 8);
+    assert!(exported(&s.api, "sluice_rest_records_streamed_total") >= 8);
 }
 
 #[tokio::test]
@@ -186,8 +184,8 @@ async fn server_sent_events_carry_text_and_both_streams_end_cleanly_at_shutdown(
     );
     let mut socket = ws(&s, "/topics/signs/ws").await;
     until("both streams attached", || {
-        s.api.metrics.sse_streams.load(Ordering::Relaxed) == 1
-            && s.api.metrics.websocket_streams.load(Ordering::Relaxed) == 1
+        exported(&s.api, "sluice_rest_sse_streams") == 1
+            && exported(&s.api, "sluice_rest_websocket_streams") == 1
     })
     .await;
 
@@ -223,8 +221,8 @@ async fn server_sent_events_carry_text_and_both_streams_end_cleanly_at_shutdown(
     };
     assert_eq!(close.code, CloseCode::Away);
     until("both streams closed", || {
-        s.api.metrics.sse_streams.load(Ordering::Relaxed) == 0
-            && s.api.metrics.websocket_streams.load(Ordering::Relaxed) == 0
+        exported(&s.api, "sluice_rest_sse_streams") == 0
+            && exported(&s.api, "sluice_rest_websocket_streams") == 0
     })
     .await;
 }

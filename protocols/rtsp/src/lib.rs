@@ -15,6 +15,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use sluice_core::{CoreError, Engine};
+use sluice_metrics::{RegisterExt, Registry};
 use tokio::sync::watch;
 use tracing::{info, warn};
 use utoipa::ToSchema;
@@ -335,6 +336,71 @@ impl Cameras {
         }
         info!(camera = name, "camera removed");
         Ok(())
+    }
+
+    /// Registers a collector of every camera's figures, labelled with its name (one label set
+    /// per configured or added camera, bounded by `rtsp.max_cameras`).
+    pub fn register_metrics(self: &Arc<Self>, registry: &mut Registry) {
+        let cameras = self.clone();
+        registry.register_with(move |s| {
+            let list = cameras.list();
+            let camera = |c: &CameraStatus| [("camera", c.name.clone())];
+            type Count = fn(&CameraStatus) -> u64;
+            let counters: [(&str, &str, Count); 6] = [
+                (
+                    "sluice_camera_frames_total",
+                    "Frames appended to the camera's topic and durable.",
+                    |c| c.frames,
+                ),
+                (
+                    "sluice_camera_keyframes_total",
+                    "Keyframes appended.",
+                    |c| c.keyframes,
+                ),
+                (
+                    "sluice_camera_bytes_total",
+                    "Bytes of the frames appended.",
+                    |c| c.bytes,
+                ),
+                (
+                    "sluice_camera_frames_lost_total",
+                    "RTP packets the camera sent that never arrived.",
+                    |c| c.frames_lost,
+                ),
+                (
+                    "sluice_camera_frames_dropped_total",
+                    "Frames not stored: incomplete, larger than rtsp.max_frame_bytes or the topic's limit, or the ledger behind by rtsp.queue_bytes.",
+                    |c| c.frames_dropped,
+                ),
+                (
+                    "sluice_camera_reconnects_total",
+                    "Sessions started after the first (failures, stalls, camera restarts).",
+                    |c| c.reconnects,
+                ),
+            ];
+            for (name, help, value) in counters {
+                s.counters(name, help, list.iter().map(|c| (camera(c), value(c))))?;
+            }
+            type Level = fn(&CameraStatus) -> f64;
+            let gauges: [(&str, &str, Level); 4] = [
+                ("sluice_camera_fps", "Frames per second received over the last 5 seconds.", |c| c.fps),
+                ("sluice_camera_bitrate_bits_per_second", "Bits per second received over the last 5 seconds.", |c| c.bitrate_bps),
+                (
+                    "sluice_camera_last_frame_age_seconds",
+                    "Seconds since the camera's last frame (-1 before the first).",
+                    |c| c.last_frame_age_ms.map_or(-1.0, |ms| ms as f64 / 1e3),
+                ),
+                (
+                    "sluice_camera_up",
+                    "1 while the camera's session is playing.",
+                    |c| f64::from(u8::from(c.state == CameraState::Playing)),
+                ),
+            ];
+            for (name, help, value) in gauges {
+                s.gauges(name, help, list.iter().map(|c| (camera(c), value(c))))?;
+            }
+            Ok(())
+        });
     }
 
     pub fn list(&self) -> Vec<CameraStatus> {

@@ -1,6 +1,5 @@
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -51,10 +50,7 @@ pub(crate) async fn handle(
             || Instant::now() >= deadline
         {
             if read.capped {
-                server
-                    .metrics
-                    .fetch_responses_capped
-                    .fetch_add(1, Ordering::Relaxed);
+                server.metrics.fetch_responses_capped.inc();
             }
             return read.response;
         }

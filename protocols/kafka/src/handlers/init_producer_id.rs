@@ -1,5 +1,3 @@
-use std::sync::atomic::Ordering;
-
 use kafka_protocol::messages::{InitProducerIdRequest, InitProducerIdResponse, ProducerId};
 
 use crate::errors;
@@ -32,10 +30,7 @@ pub(crate) fn handle(server: &KafkaServer, req: InitProducerIdRequest) -> InitPr
             r.producer_epoch = epoch;
         }
         None => {
-            server
-                .metrics
-                .producer_ids_refused
-                .fetch_add(1, Ordering::Relaxed);
+            server.metrics.producer_ids_refused.inc();
             r.error_code = errors::COORDINATOR_LOAD_IN_PROGRESS;
         }
     }

@@ -1,5 +1,4 @@
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use kafka_protocol::messages::join_group_response::JoinGroupResponseMember;
@@ -47,7 +46,7 @@ pub(crate) async fn handle(
         _ => None,
     };
     if let Some(counter) = refused {
-        counter.fetch_add(1, Ordering::Relaxed);
+        counter.inc();
     }
     let mut r = JoinGroupResponse::default();
     r.error_code = out.error;

@@ -10,7 +10,6 @@ use crate::server::{Conn, KafkaServer};
 use sluice_core::auth::Action;
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 
 /// Appends each partition's batches (partitions in parallel, batches of a partition in order)
 /// and answers once they are durable per the topic's policy. `acks = 0` gets no response.
@@ -22,10 +21,7 @@ pub(crate) async fn handle(
 ) -> Option<ProduceResponse> {
     if server.read_only {
         // A relay's copy is no place for a write: it would never reach the upstream.
-        server
-            .metrics
-            .writes_refused
-            .fetch_add(1, Ordering::Relaxed);
+        server.metrics.writes_refused.inc();
         return respond_all(req, errors::POLICY_VIOLATION);
     }
     if req.transactional_id.is_some() {
@@ -146,10 +142,7 @@ async fn append(
             Verdict::Duplicate(base) => base,
             Verdict::Reject(code) => return (code, -1, -1),
             Verdict::NoRoom(code) => {
-                server
-                    .metrics
-                    .producer_ids_refused
-                    .fetch_add(1, Ordering::Relaxed);
+                server.metrics.producer_ids_refused.inc();
                 return (code, -1, -1);
             }
             Verdict::Append => {

@@ -31,7 +31,7 @@ pub(super) async fn reject<S: AsyncWrite + Unpin>(
     version: Version,
     code: u8,
 ) -> std::io::Result<()> {
-    server.metrics.bad_packets.fetch_add(1, Ordering::Relaxed);
+    server.metrics.bad_packets.inc();
     let mut out = BytesMut::new();
     codec::connack(
         version,
@@ -79,7 +79,7 @@ pub(super) async fn authenticate(
             p
         }
         Err(why) => {
-            server.metrics.auth_failures.fetch_add(1, Ordering::Relaxed);
+            server.metrics.auth_failures.inc();
             if let Some(unlogged) = server.refusals.admit() {
                 warn!(peer, user = ?c.username, ?why, unlogged, "mqtt sign-in refused");
             }
@@ -103,7 +103,7 @@ pub(super) async fn authenticate(
         )
     });
     if !security.may_use_client_id(&principal, &c.client_id) || will_denied {
-        server.metrics.authz_denied.fetch_add(1, Ordering::Relaxed);
+        server.metrics.authz_denied.inc();
         if let Some(unlogged) = server.refusals.admit() {
             warn!(
                 peer,
@@ -171,7 +171,7 @@ impl<S: Conn> Session<'_, S> {
             .as_ref()
             .is_some_and(|w| w.payload.len() > settings.max_will_bytes)
         {
-            refusals.will_bytes.fetch_add(1, Ordering::Relaxed);
+            refusals.will_bytes.inc();
             self.write_connack(false, reason::PACKET_TOO_LARGE, None)
                 .await?;
             return Ok(false);
@@ -193,7 +193,7 @@ impl<S: Conn> Session<'_, S> {
             {
                 Some(place) => Some(place),
                 None => {
-                    refusals.sessions.fetch_add(1, Ordering::Relaxed);
+                    refusals.sessions.inc();
                     self.write_connack(false, reason::QUOTA_EXCEEDED, None)
                         .await?;
                     return Ok(false);
@@ -278,10 +278,7 @@ impl<S: Conn> Session<'_, S> {
         };
         old.kick.notify_one();
         let mut ended = old.ended;
-        self.server
-            .metrics
-            .takeovers
-            .fetch_add(1, Ordering::Relaxed);
+        self.server.metrics.takeovers.inc();
         let _ = tokio::time::timeout(TAKEOVER_WAIT, async {
             while ended.changed().await.is_ok() {}
         })
@@ -392,10 +389,7 @@ impl<S: Conn> Session<'_, S> {
             .await;
             match stored.await {
                 Ok(()) => {
-                    server
-                        .metrics
-                        .wills_published
-                        .fetch_add(1, Ordering::Relaxed);
+                    server.metrics.wills_published.inc();
                 }
                 Err(code) => warn!(
                     client = client_id,

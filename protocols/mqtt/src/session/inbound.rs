@@ -136,7 +136,7 @@ pub(super) fn count_retained_refusal(server: &MqttServer, cap: Cap) {
         Cap::Messages => &refusals.retained_messages,
         Cap::Bytes => &refusals.retained_bytes,
     };
-    counter.fetch_add(1, Ordering::Relaxed);
+    counter.inc();
 }
 
 /// Resolves once a queued publish (and its retained copy, if any) is stored: the reason code
@@ -176,10 +176,7 @@ pub(super) fn stored(
 impl<S: Conn> Session<'_, S> {
     /// Stores a publish; `Some` when it broke the protocol and the connection ends.
     pub(super) async fn publish(&mut self, mut p: Publish) -> std::io::Result<Option<End>> {
-        self.server
-            .metrics
-            .publishes_in
-            .fetch_add(1, Ordering::Relaxed);
+        self.server.metrics.publishes_in.inc();
         // MQTT 5 topic aliases: an alias with a name sets it, an alias alone uses it. Both
         // errors end the connection (MQTT 5 section 3.3.2.3.4).
         if let Some(alias) = p.topic_alias {
@@ -275,11 +272,7 @@ impl<S: Conn> Session<'_, S> {
     /// the server would hold until its PUBREL, and the connection closes; QoS 1 ones are only
     /// read more slowly (reads wait while the window is full), so they never come here.
     pub(super) async fn receive_maximum_exceeded(&mut self, qos: u8) -> std::io::Result<End> {
-        self.server
-            .metrics
-            .refusals
-            .receive_maximum
-            .fetch_add(1, Ordering::Relaxed);
+        self.server.metrics.refusals.receive_maximum.inc();
         if let Some(unlogged) = self.server.refusals.admit() {
             warn!(
                 peer = self.peer,
@@ -308,7 +301,7 @@ impl<S: Conn> Session<'_, S> {
         self.server
             .metrics
             .pending_publish_bytes
-            .fetch_add(bytes as u64, Ordering::Relaxed);
+            .inc_by(bytes as u64);
         self.pending.push_back(PendingPublish {
             pkid,
             qos,
@@ -406,10 +399,7 @@ impl<S: Conn> Session<'_, S> {
         };
         let wait = rate.take(bytes);
         if !wait.is_zero() {
-            self.server
-                .metrics
-                .publishes_throttled
-                .fetch_add(1, Ordering::Relaxed);
+            self.server.metrics.publishes_throttled.inc();
             tokio::time::sleep(wait).await;
         }
     }
@@ -419,8 +409,8 @@ impl<S: Conn> Session<'_, S> {
         self.within_rate(l.payload_len).await;
         let metrics = &self.server.metrics;
         metrics.packets_in.add(l.first);
-        metrics.publishes_in.fetch_add(1, Ordering::Relaxed);
-        metrics.publishes_landed.fetch_add(1, Ordering::Relaxed);
+        metrics.publishes_in.inc();
+        metrics.publishes_landed.inc();
         let topic = l.record.topic().to_owned();
         let queued = self.server.engine.produce_open(l.record).await;
         let done = stored(&topic, queued, None);
@@ -437,7 +427,7 @@ impl<S: Conn> Session<'_, S> {
         self.server
             .metrics
             .pending_publish_bytes
-            .fetch_sub(done.bytes as u64, Ordering::Relaxed);
+            .dec_by(done.bytes as u64);
         let kind = match (done.result, done.qos) {
             (Ok(()), 1) => Ack::Puback,
             (Ok(()), 2) => Ack::Pubrec,
@@ -498,10 +488,7 @@ impl<S: Conn> Session<'_, S> {
     /// Counts a refused publish and writes its refusal into `out`: MQTT 5 says why in the
     /// PUBACK / PUBREC; 3.1.1 cannot, so the connection ends (`Err`).
     pub(super) fn refusal(&mut self, pkid: u16, qos: u8, code: u8) -> std::io::Result<()> {
-        self.server
-            .metrics
-            .publishes_refused
-            .fetch_add(1, Ordering::Relaxed);
+        self.server.metrics.publishes_refused.inc();
         match (self.version, qos) {
             (_, 0) => {}
             (Version::V5, 1) => codec::ack(self.version, Ack::Puback, pkid, code, &mut self.out),

@@ -25,7 +25,6 @@ use std::io::IoSlice;
 use std::os::fd::RawFd;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use bytes::{Buf, Bytes, BytesMut};
@@ -174,7 +173,7 @@ impl<S> Drop for Session<'_, S> {
         self.server
             .metrics
             .pending_publish_bytes
-            .fetch_sub(self.pending_bytes as u64, Ordering::Relaxed);
+            .dec_by(self.pending_bytes as u64);
     }
 }
 
@@ -247,7 +246,7 @@ pub(crate) async fn run<S: Conn>(
                     .await;
                 }
                 Err(_) => {
-                    server.metrics.bad_packets.fetch_add(1, Ordering::Relaxed);
+                    server.metrics.bad_packets.inc();
                     return Ok(());
                 }
             }
@@ -255,7 +254,7 @@ pub(crate) async fn run<S: Conn>(
         let read = tokio::select! {
             r = stream.read_buf(&mut inbuf) => r?,
             _ = tokio::time::sleep_until(connect_deadline) => {
-                server.metrics.timeouts.connect.fetch_add(1, Ordering::Relaxed);
+                server.metrics.timeouts.connect.inc();
                 return Ok(());
             }
             () = stopped(&mut shutdown) => return Ok(()),
@@ -263,10 +262,7 @@ pub(crate) async fn run<S: Conn>(
         if read == 0 {
             return Ok(());
         }
-        server
-            .metrics
-            .bytes_in
-            .fetch_add(read as u64, Ordering::Relaxed);
+        server.metrics.bytes_in.inc_by(read as u64);
     };
     server.metrics.packets_in.add(0x10);
     // MQTT 5 enhanced authentication (AUTH exchanges) is not offered: a client asking for a
@@ -298,7 +294,7 @@ pub(crate) async fn run<S: Conn>(
     let _user_slot = match server.settings.security.admit(&principal) {
         Ok(slot) => slot,
         Err(too_many) => {
-            server.metrics.authz_denied.fetch_add(1, Ordering::Relaxed);
+            server.metrics.authz_denied.inc();
             if let Some(unlogged) = server.refusals.admit() {
                 warn!(
                     peer,
@@ -523,7 +519,7 @@ async fn write_within<S: AsyncWrite + Unpin>(
     if r.as_ref()
         .is_err_and(|e| e.kind() == std::io::ErrorKind::TimedOut)
     {
-        metrics.timeouts.write.fetch_add(1, Ordering::Relaxed);
+        metrics.timeouts.write.inc();
     }
     r
 }
@@ -561,8 +557,7 @@ impl<S: Conn> Session<'_, S> {
         for first in codec::first_bytes(&self.out) {
             m.packets_out.add(first);
         }
-        m.bytes_out
-            .fetch_add(self.out.len() as u64, Ordering::Relaxed);
+        m.bytes_out.inc_by(self.out.len() as u64);
         self.out.clear();
         Ok(())
     }
@@ -606,10 +601,7 @@ impl<S: Conn> Session<'_, S> {
                         break;
                     }
                     Err(e) => {
-                        self.server
-                            .metrics
-                            .bad_packets
-                            .fetch_add(1, Ordering::Relaxed);
+                        self.server.metrics.bad_packets.inc();
                         warn!(peer = self.peer, client = self.client_id, error = %e, "bad mqtt packet; closing the connection");
                         let code = match e {
                             DecodeError::TooLarge { .. } => reason::PACKET_TOO_LARGE,
@@ -638,10 +630,7 @@ impl<S: Conn> Session<'_, S> {
                 && (self.version == Version::V5
                     || self.qos1_in < usize::from(self.server.settings.receive_maximum));
             if !can_read && !self.paused {
-                self.server
-                    .metrics
-                    .reads_paused
-                    .fetch_add(1, Ordering::Relaxed);
+                self.server.metrics.reads_paused.inc();
             }
             self.paused = !can_read;
             // The clock runs from the read that brought a packet's first bytes, and not while
@@ -720,7 +709,7 @@ impl<S: Conn> Session<'_, S> {
                     if n == 0 {
                         return Ok(End::Abrupt("connection closed without DISCONNECT".into()));
                     }
-                    self.server.metrics.bytes_in.fetch_add(n as u64, Ordering::Relaxed);
+                    self.server.metrics.bytes_in.inc_by(n as u64);
                     read_size = next_read_size(read_size, offered, n);
                     if let Some(landed) = self
                         .landing
@@ -768,7 +757,7 @@ impl<S: Conn> Session<'_, S> {
                     } else {
                         continue;
                     };
-                    timeouts.fetch_add(1, Ordering::Relaxed);
+                    timeouts.inc();
                     // MQTT 5 has no code of its own for a packet that stalls half-way; 0x8D
                     // (keep alive timeout) says the same: no whole packet came in time.
                     codec::disconnect(self.version, reason::KEEP_ALIVE_TIMEOUT, &mut self.out);
@@ -1036,10 +1025,7 @@ impl<S: Conn> Session<'_, S> {
     /// Ends the connection over a protocol violation: counted, DISCONNECT with `code` (MQTT 5;
     /// 3.1.1 can only close), and the will is published.
     async fn protocol_violation(&mut self, code: u8, why: String) -> std::io::Result<End> {
-        self.server
-            .metrics
-            .bad_packets
-            .fetch_add(1, Ordering::Relaxed);
+        self.server.metrics.bad_packets.inc();
         codec::disconnect(self.version, code, &mut self.out);
         self.flush().await?;
         Ok(End::Abrupt(why))
@@ -1062,10 +1048,7 @@ impl<S: Conn> Session<'_, S> {
     /// Counts and logs (a line per interval at most: a client repeating a refused request must
     /// not flood the log) a request the access rules refused.
     fn denied(&self, what: &'static str, topic: &str) {
-        self.server
-            .metrics
-            .authz_denied
-            .fetch_add(1, Ordering::Relaxed);
+        self.server.metrics.authz_denied.inc();
         if let Some(unlogged) = self.server.refusals.admit() {
             warn!(
                 peer = self.peer,
@@ -1085,10 +1068,7 @@ impl<S: Conn> Session<'_, S> {
         };
         let waiting = held.read_waiting(inbuf)?;
         if let Waiting::Read(n) = waiting {
-            self.server
-                .metrics
-                .bytes_in
-                .fetch_add(n as u64, Ordering::Relaxed);
+            self.server.metrics.bytes_in.inc_by(n as u64);
         }
         Ok(waiting)
     }

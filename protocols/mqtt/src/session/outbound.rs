@@ -117,9 +117,7 @@ impl RecordShare {
 /// Counts headers left out of a delivery because no MQTT 5 property could hold them.
 pub(super) fn count_dropped_properties(metrics: &MqttMetrics, dropped: usize) {
     if dropped > 0 {
-        metrics
-            .properties_dropped
-            .fetch_add(dropped as u64, Ordering::Relaxed);
+        metrics.properties_dropped.inc_by(dropped as u64);
     }
 }
 
@@ -601,11 +599,7 @@ impl<S: Conn> Session<'_, S> {
             };
             let is_new = !self.subs.contains_key(&f.filter);
             if is_new && self.subs.len() >= self.server.settings.max_subscriptions_per_connection {
-                self.server
-                    .metrics
-                    .refusals
-                    .subscriptions
-                    .fetch_add(1, Ordering::Relaxed);
+                self.server.metrics.refusals.subscriptions.inc();
                 codes.push(reason::QUOTA_EXCEEDED);
                 continue;
             }
@@ -830,7 +824,7 @@ impl<S: Conn> Session<'_, S> {
         if let Some(expiry) = props.message_expiry {
             let age = (self.server.engine.now_ms() - d.record.record.timestamp).max(0) / 1000;
             if age >= i64::from(expiry) {
-                self.server.metrics.expired.fetch_add(1, Ordering::Relaxed);
+                self.server.metrics.expired.inc();
                 if let Some(a) = d.ack {
                     a.ack();
                 }
@@ -898,10 +892,7 @@ impl<S: Conn> Session<'_, S> {
             // MQTT 5: a server must not send a packet larger than the client's maximum. An
             // alias this one would have set is left for the next PUBLISH of the name.
             self.out_aliases.unset(naming, name);
-            self.server
-                .metrics
-                .deliveries_too_large
-                .fetch_add(1, Ordering::Relaxed);
+            self.server.metrics.deliveries_too_large.inc();
             if let Some(a) = d.ack {
                 a.ack();
             }
@@ -937,9 +928,9 @@ impl<S: Conn> Session<'_, S> {
             a.ack();
         }
         let m = &self.server.metrics;
-        m.deliveries.fetch_add(1, Ordering::Relaxed);
+        m.deliveries.inc();
         m.packets_out.add(0x30);
-        m.bytes_out.fetch_add(size as u64, Ordering::Relaxed);
+        m.bytes_out.inc_by(size as u64);
         Ok(())
     }
 }

@@ -103,3 +103,10 @@ pub(crate) fn image(len: usize) -> Vec<u8> {
     v[..4].copy_from_slice(&[0xFF, 0xD8, 0xFF, 0xE0]);
     v
 }
+
+/// One of the REST API's exported series, read as a scrape of `/metrics` reads it.
+pub(crate) fn exported(api: &RestApi, series: &str) -> u64 {
+    let mut registry = sluice_metrics::Registry::default();
+    api.register_metrics(&mut registry);
+    sluice_metrics::sample(&sluice_metrics::encode(&registry), series).expect(series) as u64
+}
