@@ -1,6 +1,8 @@
 //! Runs the `sluice` binary as a child process and reads its log, for the end-to-end tests.
 #![allow(clippy::unwrap_used, dead_code)]
 
+pub(crate) mod relay;
+
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
