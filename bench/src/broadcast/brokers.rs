@@ -39,10 +39,10 @@ pub(crate) fn peer(args: PeerArgs) -> anyhow::Result<()> {
                 let (port, e, stop) = crate::mqtt::start_sluice(
                     &args.dir,
                     sluice_core::Durability::Fsync,
-                    crate::ledger::segment_storage(args.direct_write_min_bytes),
+                    crate::ledger::segment_storage(args.storage.direct_write_min_bytes),
                     sluice_core::WriterSettings {
-                        live_ring_bytes: args.live_ring_bytes,
-                        live_ring_lag_bytes: args.live_ring_lag_bytes,
+                        live_ring_bytes: args.storage.live_ring_bytes,
+                        live_ring_lag_bytes: args.storage.live_ring_lag_bytes,
                         ..Default::default()
                     },
                 )
@@ -118,7 +118,7 @@ pub(super) struct Broker {
 pub(super) fn spawn_gateway(
     bin: &std::path::Path,
     args: &[String],
-    storage: &BroadcastArgs,
+    run: &BroadcastArgs,
 ) -> anyhow::Result<(Child, std::collections::HashMap<String, SocketAddr>)> {
     let mut child = Command::new(bin)
         .args(args)
@@ -128,14 +128,17 @@ pub(super) fn spawn_gateway(
             [
                 (
                     "SLUICE_STORAGE__DIRECT_WRITE_MIN_BYTES",
-                    storage.direct_write_min_bytes,
+                    run.storage.direct_write_min_bytes,
                 ),
-                ("SLUICE_STORAGE__LIVE_RING_BYTES", storage.live_ring_bytes),
+                (
+                    "SLUICE_STORAGE__LIVE_RING_BYTES",
+                    run.storage.live_ring_bytes,
+                ),
                 (
                     "SLUICE_STORAGE__LIVE_RING_LAG_BYTES",
-                    storage.live_ring_lag_bytes,
+                    run.storage.live_ring_lag_bytes,
                 ),
-                ("SLUICE_RUNTIME__WORKER_THREADS", storage.worker_threads),
+                ("SLUICE_RUNTIME__WORKER_THREADS", run.worker_threads),
                 // The load generator puts this many clients on each loopback address, past the
                 // gateway's default cap per source address (meant for real clients).
                 (
@@ -381,11 +384,11 @@ impl Broker {
             .args(["--max-connections", &max_connections.to_string()])
             .args([
                 "--direct-write-min-bytes",
-                &args.direct_write_min_bytes.to_string(),
+                &args.storage.direct_write_min_bytes.to_string(),
                 "--live-ring-bytes",
-                &args.live_ring_bytes.to_string(),
+                &args.storage.live_ring_bytes.to_string(),
                 "--live-ring-lag-bytes",
-                &args.live_ring_lag_bytes.to_string(),
+                &args.storage.live_ring_lag_bytes.to_string(),
             ])
             .args(extra)
             .stdin(Stdio::piped())

@@ -142,6 +142,15 @@ pub(crate) struct BroadcastArgs {
     /// Data directory for Sluice (emptied first).
     #[arg(long, default_value = "target/bench-broadcast")]
     dir: PathBuf,
+    #[command(flatten)]
+    storage: StorageArgs,
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+/// Sluice's storage settings a run sets, on the coordinator and on each broker process.
+#[derive(Debug, Clone, Copy, clap::Args)]
+pub(crate) struct StorageArgs {
     /// Sluice's `storage.direct_write_min_bytes`: appends of at least this many bytes are
     /// written with O_DIRECT; 0 writes everything through the page cache.
     #[arg(long, default_value_t = sluice_core::DirectFsStorage::DEFAULT_MIN_BYTES)]
@@ -155,8 +164,6 @@ pub(crate) struct BroadcastArgs {
     /// for QoS 1 subscribers that still need it; 0 keeps each ring at its size.
     #[arg(long, default_value_t = sluice_core::WriterSettings::default().live_ring_lag_bytes)]
     live_ring_lag_bytes: usize,
-    #[arg(long)]
-    json: Option<PathBuf>,
 }
 
 /// A broker process for one case, as `broadcast-peer` runs it.
@@ -171,15 +178,8 @@ pub(crate) struct PeerArgs {
     /// Most connections (rumqttd's router limit).
     #[arg(long, default_value_t = 120_000)]
     max_connections: usize,
-    /// Sluice's `storage.direct_write_min_bytes` (0: page cache only).
-    #[arg(long, default_value_t = sluice_core::DirectFsStorage::DEFAULT_MIN_BYTES)]
-    direct_write_min_bytes: usize,
-    /// Sluice's `storage.live_ring_bytes`.
-    #[arg(long, default_value_t = sluice_core::WriterSettings::default().live_ring_bytes)]
-    live_ring_bytes: usize,
-    /// Sluice's `storage.live_ring_lag_bytes`.
-    #[arg(long, default_value_t = sluice_core::WriterSettings::default().live_ring_lag_bytes)]
-    live_ring_lag_bytes: usize,
+    #[command(flatten)]
+    storage: StorageArgs,
     /// Floor only: follow the floor at this address (one subscription) and forward what it
     /// sends, as a relay.
     #[arg(long)]
@@ -510,8 +510,8 @@ pub(crate) fn run(args: BroadcastArgs) -> anyhow::Result<()> {
         args.rate,
         args.messages,
         args.per_worker,
-        args.live_ring_bytes >> 20,
-        args.live_ring_lag_bytes >> 20,
+        args.storage.live_ring_bytes >> 20,
+        args.storage.live_ring_lag_bytes >> 20,
         if args.size >= DISK_YARDSTICK_MIN {
             format!(
                 " \"disk MB/s\" is the disk's fsync'd sequential write speed measured right before and right after each case, the higher of the two (each time the best of four loops of 800 MB: writes of the payload size and of 16 MB, through the page cache with O_APPEND and with O_DIRECT, fdatasync after each, in {}); \"in % of disk\" is in msg/s × payload ÷ that.",
@@ -643,8 +643,8 @@ pub(crate) fn run(args: BroadcastArgs) -> anyhow::Result<()> {
         let doc = json!({
             "loopback_gb_per_s": loopback,
             "worker_threads": args.worker_threads,
-            "live_ring_bytes": args.live_ring_bytes,
-            "live_ring_lag_bytes": args.live_ring_lag_bytes,
+            "live_ring_bytes": args.storage.live_ring_bytes,
+            "live_ring_lag_bytes": args.storage.live_ring_lag_bytes,
             "publishers": args.publishers,
             "rest_connections": args.rest_connections,
             "middle_relays": args.middle_relays,
