@@ -26,46 +26,23 @@ cargo test --workspace --locked 2>&1 | tee "$log"
 passed=$(grep -Eo '^test result: .* ([0-9]+) passed' "$log" | grep -Eo '[0-9]+ passed' | awk '{s+=$1} END {print s+0}')
 failed=$(grep -Eo '^test result: .* ([0-9]+) failed' "$log" | grep -Eo '[0-9]+ failed' | awk '{s+=$1} END {print s+0}')
 
-echo "==> Kafka clients end to end (librdkafka, kafka-python, kcat against target/debug/sluice)"
+# Runs one end-to-end pytest suite against target/debug/sluice and adds its passes to the count.
+suite() {
+  echo "==> $2"
+  target/pyenv/bin/python -m pytest -q -p no:cacheprovider "$1" 2>&1 | tee "$log"
+  py_passed=$(grep -Eo '[0-9]+ passed' "$log" | tail -1 | grep -Eo '[0-9]+' || echo 0)
+  passed=$((passed + py_passed))
+}
+
 cargo build --quiet --locked -p sluice
-target/pyenv/bin/python -m pytest -q -p no:cacheprovider tests/kafka 2>&1 | tee "$log"
-py_passed=$(grep -Eo '[0-9]+ passed' "$log" | tail -1 | grep -Eo '[0-9]+' || echo 0)
-passed=$((passed + py_passed))
-
-echo "==> MQTT clients end to end (paho 3.1.1/5, mosquitto_pub/sub, WebSocket, MQTT -> Kafka)"
-target/pyenv/bin/python -m pytest -q -p no:cacheprovider tests/mqtt 2>&1 | tee "$log"
-py_passed=$(grep -Eo '[0-9]+ passed' "$log" | tail -1 | grep -Eo '[0-9]+' || echo 0)
-passed=$((passed + py_passed))
-
-echo "==> REST end to end (REST -> Kafka round trip, schemathesis against /openapi.json)"
-target/pyenv/bin/python -m pytest -q -p no:cacheprovider tests/rest 2>&1 | tee "$log"
-py_passed=$(grep -Eo '[0-9]+ passed' "$log" | tail -1 | grep -Eo '[0-9]+' || echo 0)
-passed=$((passed + py_passed))
-
-echo "==> hostile input end to end (bad batches, oversized requests, internal topics, restarts)"
-target/pyenv/bin/python -m pytest -q -p no:cacheprovider tests/abuse 2>&1 | tee "$log"
-py_passed=$(grep -Eo '[0-9]+ passed' "$log" | tail -1 | grep -Eo '[0-9]+' || echo 0)
-passed=$((passed + py_passed))
-
-echo "==> RTSP cameras end to end (GStreamer RTSP server, ffprobe)"
-target/pyenv/bin/python -m pytest -q -p no:cacheprovider tests/rtsp 2>&1 | tee "$log"
-py_passed=$(grep -Eo '[0-9]+ passed' "$log" | tail -1 | grep -Eo '[0-9]+' || echo 0)
-passed=$((passed + py_passed))
-
-echo "==> deployment (docker-compose config, Dockerfile, Prometheus scraping the gateway, the Grafana dashboard's queries)"
-target/pyenv/bin/python -m pytest -q -p no:cacheprovider tests/deploy 2>&1 | tee "$log"
-py_passed=$(grep -Eo '[0-9]+ passed' "$log" | tail -1 | grep -Eo '[0-9]+' || echo 0)
-passed=$((passed + py_passed))
-
-echo "==> tiered storage end to end (sealed segments offloaded to s3s-fs, read back over Kafka and REST; S3 outages; Prometheus)"
-target/pyenv/bin/python -m pytest -q -p no:cacheprovider tests/offload 2>&1 | tee "$log"
-py_passed=$(grep -Eo '[0-9]+ passed' "$log" | tail -1 | grep -Eo '[0-9]+' || echo 0)
-passed=$((passed + py_passed))
-
-echo "==> access control and TLS end to end (users, ACLs, TLS listeners, client certificates, SIGHUP reloads; mosquitto, paho, librdkafka, kcat, curl)"
-target/pyenv/bin/python -m pytest -q -p no:cacheprovider tests/security 2>&1 | tee "$log"
-py_passed=$(grep -Eo '[0-9]+ passed' "$log" | tail -1 | grep -Eo '[0-9]+' || echo 0)
-passed=$((passed + py_passed))
+suite tests/kafka "Kafka clients end to end (librdkafka, kafka-python, kcat against target/debug/sluice)"
+suite tests/mqtt "MQTT clients end to end (paho 3.1.1/5, mosquitto_pub/sub, WebSocket, MQTT -> Kafka)"
+suite tests/rest "REST end to end (REST -> Kafka round trip, schemathesis against /openapi.json)"
+suite tests/abuse "hostile input end to end (bad batches, oversized requests, internal topics, restarts)"
+suite tests/rtsp "RTSP cameras end to end (GStreamer RTSP server, ffprobe)"
+suite tests/deploy "deployment (docker-compose config, Dockerfile, Prometheus scraping the gateway, the Grafana dashboard's queries)"
+suite tests/offload "tiered storage end to end (sealed segments offloaded to s3s-fs, read back over Kafka and REST; S3 outages; Prometheus)"
+suite tests/security "access control and TLS end to end (users, ACLs, TLS listeners, client certificates, SIGHUP reloads; mosquitto, paho, librdkafka, kcat, curl)"
 
 echo "==> benchmark smoke run (tiny sizes; real figures come from docs/BENCHMARKS.md's commands)"
 cargo run --quiet --locked -p sluice-bench -- ledger \
