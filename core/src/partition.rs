@@ -231,7 +231,7 @@ impl Partition {
             engine: engine.counters.clone(),
             max_group_bytes: settings.max_group_bytes,
             default_ring_bytes: settings.live_ring_bytes,
-            last_sync: Instant::now(),
+            last_sync: tokio::time::Instant::now(),
             tail: tail.clone(),
             tiered: engine.tiered,
         };
@@ -344,7 +344,8 @@ struct Writer {
     max_group_bytes: usize,
     /// The ring size of topics whose policy leaves it to the engine.
     default_ring_bytes: usize,
-    last_sync: Instant,
+    /// On the runtime's clock, which the flush deadline is set on (and tests can pause).
+    last_sync: tokio::time::Instant,
     tail: Arc<TailHint>,
     /// The engine offloads: retention of offloading topics is the tier's.
     tiered: bool,
@@ -388,11 +389,8 @@ impl Writer {
 
     fn flush_deadline(&self) -> Option<tokio::time::Instant> {
         let dirty = self.log.as_ref().is_some_and(PartitionLog::is_dirty);
-        (self.policy.durability == Durability::Interval && dirty).then(|| {
-            tokio::time::Instant::from_std(
-                self.last_sync + Duration::from_millis(self.policy.flush_interval_ms),
-            )
-        })
+        (self.policy.durability == Durability::Interval && dirty)
+            .then(|| self.last_sync + Duration::from_millis(self.policy.flush_interval_ms))
     }
 
     /// Handles one message plus whatever appends are already queued behind it.
@@ -525,7 +523,7 @@ impl Writer {
             Some(Ok((infos, high_watermark, fsync_took, committed))) => {
                 if sync {
                     self.engine.fsync.observe(fsync_took);
-                    self.last_sync = Instant::now();
+                    self.last_sync = tokio::time::Instant::now();
                 }
                 c.records.fetch_add(records, Ordering::Relaxed);
                 c.bytes.fetch_add(bytes, Ordering::Relaxed);
@@ -566,7 +564,7 @@ impl Writer {
         match synced {
             Some(Ok(took)) => {
                 self.engine.fsync.observe(took);
-                self.last_sync = Instant::now();
+                self.last_sync = tokio::time::Instant::now();
             }
             Some(Err(e)) => {
                 warn!(topic = self.topic, partition = self.id, error = %e, "interval fsync failed");

@@ -407,13 +407,15 @@ async fn queued_appends_share_group_commits() {
     );
 }
 
-#[tokio::test]
+/// Runs on the paused clock: the interval's minute passes in no time, and the test shows the
+/// flush comes when it is due, not before.
+#[tokio::test(start_paused = true)]
 async fn relaxed_durability_modes_acknowledge_and_flush() {
     let dir = tempfile::tempdir().unwrap();
     let engine = open(dir.path()).await;
     let interval = TopicPolicy {
         durability: Durability::Interval,
-        flush_interval_ms: 20,
+        flush_interval_ms: 60_000,
         ..Default::default()
     };
     let none = TopicPolicy {
@@ -442,9 +444,13 @@ async fn relaxed_durability_modes_acknowledge_and_flush() {
         )
         .await
         .unwrap();
-    // The interval writer fsyncs within its interval without further produces.
+    // The interval writer fsyncs once its interval has passed, without further produces.
+    let fsyncs = || exported(&engine, "sluice_fsync_duration_seconds_count") as u64;
+    tokio::time::sleep(Duration::from_secs(59)).await;
+    assert_eq!(fsyncs(), 0, "no flush before the interval is up");
+    tokio::time::sleep(Duration::from_secs(2)).await;
     let mut waited = 0;
-    while exported(&engine, "sluice_fsync_duration_seconds_count") as u64 == 0 {
+    while fsyncs() == 0 {
         assert!(waited < 500, "interval flush never happened");
         tokio::time::sleep(Duration::from_millis(10)).await;
         waited += 1;

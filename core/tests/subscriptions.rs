@@ -133,26 +133,34 @@ async fn shared_splits_messages_between_consumers() {
     assert_eq!(d.consumers, 2);
 }
 
-#[tokio::test]
+/// On the paused clock: the ack timeout is a realistic 30 s and passes in no time.
+#[tokio::test(start_paused = true)]
 async fn unacknowledged_messages_are_redelivered_after_the_ack_timeout() {
     let dir = tempfile::tempdir().unwrap();
     let engine = open(dir.path()).await;
     engine.create_topic("t", 1, None).await.unwrap();
     produce(&engine, "t", &["a"], 5).await;
     let opts = SubscribeOptions {
-        ack_timeout: Some(Duration::from_millis(200)),
+        ack_timeout: Some(Duration::from_secs(30)),
         ..options(SubscriptionType::Shared)
     };
     let c = engine.subscribe("t", "s", opts).await.unwrap();
     let first = receive_n(&c, 5).await;
     assert!(first.iter().all(|m| m.redelivery_count == 0));
-    // Not acknowledged: the same messages come back once the timeout passes.
+    // Not acknowledged: nothing comes back before the timeout...
+    assert!(
+        c.receive(5, Duration::from_secs(29))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    // ...and the same messages come back once it has passed.
     let again = receive_n(&c, 5).await;
     assert_eq!(offsets(&again), offsets(&first));
     assert!(again.iter().all(|m| m.redelivery_count == 1));
     c.ack(&ids(&again)).unwrap();
     assert!(
-        c.receive(5, Duration::from_millis(400))
+        c.receive(5, Duration::from_secs(60))
             .await
             .unwrap()
             .is_empty()
