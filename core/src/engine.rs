@@ -19,6 +19,7 @@ mod offload;
 mod produce;
 mod read;
 mod subscriptions;
+mod topics;
 
 use crate::error::{CoreError, Result};
 use crate::groups::{CommittedOffset, GroupOffsets, OffsetCommit};
@@ -396,75 +397,6 @@ impl Engine {
         Ok(engine)
     }
 
-    /// Opens the topic's partitions; a new partition `id` starts at `first_offsets[id]` (0 when
-    /// not given).
-    async fn open_topic(&self, meta: TopicMeta, first_offsets: &[u64]) -> Result<Arc<Topic>> {
-        let inner = &self.inner;
-        let mut partitions: Vec<Partition> = Vec::with_capacity(meta.partitions as usize);
-        let data = Arc::new(tokio::sync::Notify::new());
-        for id in 0..meta.partitions {
-            let dir = inner.store.partition_dir(&meta.name, id);
-            let storage = inner.storage.clone();
-            let clock = inner.clock.clone();
-            let log_config = meta.policy.log_config(inner.config.tier.is_some());
-            let first = first_offsets.get(id as usize).copied().unwrap_or(0);
-            let opened = tokio::task::spawn_blocking(move || {
-                if first > 0 {
-                    PartitionLog::create_at(storage.as_ref(), &dir, first)?;
-                }
-                PartitionLog::open(storage, &dir, log_config, clock)
-            })
-            .await
-            .map_err(|_| CoreError::ShuttingDown)
-            .and_then(|r| r.map_err(|e| CoreError::storage(&meta.name, id, e)));
-            let (log, report) = match opened {
-                Ok(opened) => opened,
-                Err(e) => {
-                    // The partitions opened so far hold files (and writers) that nothing
-                    // else would release.
-                    for p in &partitions {
-                        p.shutdown().await;
-                    }
-                    return Err(e);
-                }
-            };
-            if report.truncated_bytes > 0 {
-                info!(
-                    topic = meta.name,
-                    partition = id,
-                    bytes = report.truncated_bytes,
-                    "recovery truncated a partition tail"
-                );
-            }
-            let tier = inner.config.tier.as_ref().map(|tier| {
-                PartitionTier::open(
-                    tier.clone(),
-                    &meta.name,
-                    id,
-                    meta.created_at_ms,
-                    &log.reader(),
-                )
-            });
-            let mut partition = Partition::spawn(
-                &meta.name,
-                id,
-                log,
-                meta.policy.clone(),
-                &inner.config.writer,
-                &inner.shared,
-                data.clone(),
-            );
-            partition.tier = tier;
-            partitions.push(partition);
-        }
-        Ok(Arc::new(Topic {
-            meta: parking_lot::RwLock::new(meta),
-            partitions,
-            round_robin: AtomicU32::new(0),
-            data,
-        }))
-    }
-
     /// The same engine, allowed to write internal topics: for the gateway's own state (MQTT
     /// retained messages and sessions) and a relay's copies, never for a client's request.
     pub fn system(&self) -> Engine {
@@ -472,38 +404,6 @@ impl Engine {
             inner: self.inner.clone(),
             system: true,
         }
-    }
-
-    /// Refuses a new topic of `partitions` that would take the engine past its topic or
-    /// partition caps (counted). Called under the admin lock, so two creations cannot both
-    /// take the last room.
-    fn check_room(&self, partitions: u32) -> Result<()> {
-        let config = &self.inner.config;
-        let topics = self.inner.topics.len();
-        let held: usize = self.inner.topics.iter().map(|t| t.partitions.len()).sum();
-        let refused = if topics >= config.max_topics {
-            Some(("topics", config.max_topics, "topics.max_topics"))
-        } else if held + partitions as usize > config.max_partitions {
-            Some(("partitions", config.max_partitions, "topics.max_partitions"))
-        } else {
-            None
-        };
-        if let Some((what, limit, key)) = refused {
-            self.inner.shared.counters.refused_topics.inc();
-            return Err(CoreError::LimitReached { what, limit, key });
-        }
-        Ok(())
-    }
-
-    /// Refuses a change to an internal topic through a client's handle.
-    fn check_writable(&self, name: &str) -> Result<()> {
-        if is_internal_topic(name) && !self.system {
-            self.inner.shared.counters.refused_internal.inc();
-            return Err(CoreError::InternalTopic {
-                topic: name.to_owned(),
-            });
-        }
-        Ok(())
     }
 
     pub fn config(&self) -> &EngineConfig {
@@ -515,142 +415,6 @@ impl Engine {
         self.inner.clock.now_ms()
     }
 
-    /// Creates a topic; `policy` defaults to the configured default policy.
-    pub async fn create_topic(
-        &self,
-        name: &str,
-        partitions: u32,
-        policy: Option<TopicPolicy>,
-    ) -> Result<TopicDescription> {
-        self.create_topic_at(name, partitions, policy, &[]).await
-    }
-
-    /// Creates a topic whose partition `i` gives its first record the offset
-    /// `first_offsets[i]` (0 when not given): a copy of another node's topic that keeps that
-    /// node's offsets, as a relay's does.
-    pub async fn create_topic_at(
-        &self,
-        name: &str,
-        partitions: u32,
-        policy: Option<TopicPolicy>,
-        first_offsets: &[u64],
-    ) -> Result<TopicDescription> {
-        validate_topic_name(name)?;
-        self.check_writable(name)?;
-        let max = if self.system {
-            MAX_PARTITIONS
-        } else {
-            self.inner
-                .config
-                .max_partitions_per_topic
-                .min(MAX_PARTITIONS)
-        };
-        if partitions == 0 || partitions > max {
-            return Err(CoreError::InvalidPartitionCount {
-                requested: partitions,
-                max,
-            });
-        }
-        let policy = policy.unwrap_or_else(|| self.inner.config.default_policy.clone());
-        policy.validate()?;
-        check_tiered(&self.inner.config, &policy)?;
-        self.check_open()?;
-        let _admin = self.inner.admin.lock().await;
-        if self.inner.topics.contains_key(name) {
-            return Err(CoreError::TopicExists {
-                topic: name.to_owned(),
-            });
-        }
-        if !self.system {
-            self.check_room(partitions)?;
-        }
-        let meta = TopicMeta::new(name, partitions, policy, self.now_ms());
-        let store = self.inner.store.clone();
-        let saved = meta.clone();
-        tokio::task::spawn_blocking(move || store.save_topic(&saved))
-            .await
-            .map_err(|_| CoreError::ShuttingDown)??;
-        let topic = match self.open_topic(meta, first_offsets).await {
-            Ok(topic) => topic,
-            Err(e) => {
-                // Nothing of a topic that could not be opened stays behind, so the name is
-                // free again and a restart does not try to recover it.
-                warn!(topic = name, partitions, error = %e, "topic not created");
-                let store = self.inner.store.clone();
-                let owned = name.to_owned();
-                if let Ok(Err(undo)) =
-                    tokio::task::spawn_blocking(move || store.delete_topic(&owned)).await
-                {
-                    warn!(topic = name, error = %undo, "a topic that was not created left files behind");
-                }
-                return Err(e);
-            }
-        };
-        self.inner.topics.insert(name.to_owned(), topic);
-        info!(topic = name, partitions, "topic created");
-        self.describe_topic(name)
-    }
-
-    /// Deletes a topic and all its data. Appends in flight finish or fail first.
-    pub async fn delete_topic(&self, name: &str) -> Result<()> {
-        self.check_writable(name)?;
-        let _admin = self.inner.admin.lock().await;
-        let (_, topic) = self
-            .inner
-            .topics
-            .remove(name)
-            .ok_or_else(|| CoreError::UnknownTopic {
-                topic: name.to_owned(),
-            })?;
-        for p in &topic.partitions {
-            p.shutdown().await;
-        }
-        if let Some(tier) = self.inner.config.tier.clone() {
-            let (owned, incarnation) = (name.to_owned(), topic.meta.read().created_at_ms);
-            let deleting = tier.clone();
-            tier.spawn(async move { deleting.delete_topic(&owned, incarnation).await });
-        }
-        let store = self.inner.store.clone();
-        let owned = name.to_owned();
-        tokio::task::spawn_blocking(move || store.delete_topic(&owned))
-            .await
-            .map_err(|_| CoreError::ShuttingDown)??;
-        self.inner.groups.delete_topic(name).await?;
-        self.inner.subscriptions.retain(|(t, _), sub| {
-            if t == name {
-                sub.mark_deleted();
-            }
-            t != name
-        });
-        let dir = self.subscriptions_dir().join(name);
-        let storage = self.inner.storage.clone();
-        let _ = tokio::task::spawn_blocking(move || storage.remove_dir_all(&dir)).await;
-        info!(topic = name, "topic deleted");
-        Ok(())
-    }
-
-    /// Replaces a topic's policy; it applies to the next append, roll and retention pass.
-    pub async fn set_policy(&self, name: &str, policy: TopicPolicy) -> Result<TopicDescription> {
-        self.check_writable(name)?;
-        policy.validate()?;
-        check_tiered(&self.inner.config, &policy)?;
-        let _admin = self.inner.admin.lock().await;
-        let topic = self.topic(name)?;
-        let mut meta = topic.meta.read().clone();
-        meta.policy = policy.clone();
-        let store = self.inner.store.clone();
-        let saved = meta.clone();
-        tokio::task::spawn_blocking(move || store.save_topic(&saved))
-            .await
-            .map_err(|_| CoreError::ShuttingDown)??;
-        *topic.meta.write() = meta;
-        for p in &topic.partitions {
-            p.set_policy(policy.clone()).await;
-        }
-        self.describe_topic(name)
-    }
-
-    /// Names of all topics, sorted.
     /// The saved resources of `kind` (see [`MetadataStore::load_resources`]).
     pub async fn load_resources(&self, kind: &str) -> Result<Vec<Vec<u8>>> {
         let (store, kind) = (self.inner.store.clone(), kind.to_owned());
@@ -675,113 +439,11 @@ impl Engine {
             .map_err(|_| CoreError::ShuttingDown)?
     }
 
-    pub fn list_topics(&self) -> Vec<String> {
-        let mut names: Vec<String> = self.inner.topics.iter().map(|e| e.key().clone()).collect();
-        names.sort();
-        names
-    }
-
-    pub fn describe_topic(&self, name: &str) -> Result<TopicDescription> {
-        let topic = self.topic(name)?;
-        let meta = topic.meta.read().clone();
-        Ok(TopicDescription {
-            name: meta.name,
-            created_at_ms: meta.created_at_ms,
-            policy: meta.policy,
-            partitions: topic
-                .partitions
-                .iter()
-                .map(|p| {
-                    let s = p.reader.stats();
-                    let remote = p.tier.as_ref().map(|t| t.manifest());
-                    let (remote_start, remote_end) = remote
-                        .as_ref()
-                        .map_or((s.local_start, s.local_start), |m| m.range());
-                    PartitionDescription {
-                        partition: p.id,
-                        log_start: s.log_start,
-                        high_watermark: s.high_watermark,
-                        segments: s.segments,
-                        bytes: s.bytes,
-                        poisoned: p.reader.is_poisoned(),
-                        local_start: s.local_start,
-                        remote_start,
-                        remote_end,
-                        remote_segments: remote.as_ref().map_or(0, |m| m.segments.len()),
-                        remote_bytes: remote.as_ref().map_or(0, |m| m.bytes()),
-                    }
-                })
-                .collect(),
-        })
-    }
-
     fn check_open(&self) -> Result<()> {
         if self.inner.closing.load(Ordering::Acquire) {
             return Err(CoreError::ShuttingDown);
         }
         Ok(())
-    }
-
-    fn topic(&self, name: &str) -> Result<Arc<Topic>> {
-        self.inner
-            .topics
-            .get(name)
-            .map(|t| t.value().clone())
-            .ok_or_else(|| CoreError::UnknownTopic {
-                topic: name.to_owned(),
-            })
-    }
-
-    /// The topic, created with the default policy when it is unknown and auto-creation is on.
-    async fn topic_for_write(&self, name: &str) -> Result<Arc<Topic>> {
-        match self.topic(name) {
-            Err(CoreError::UnknownTopic { .. }) if self.inner.topic_source.get().is_some() => {
-                self.provide(name).await
-            }
-            Err(CoreError::UnknownTopic { .. }) if self.inner.config.auto_create_topics => {
-                match self
-                    .create_topic(name, self.inner.config.default_partitions, None)
-                    .await
-                {
-                    Ok(_) | Err(CoreError::TopicExists { .. }) => self.topic(name),
-                    Err(e) => Err(e),
-                }
-            }
-            other => other,
-        }
-    }
-
-    async fn provide(&self, name: &str) -> Result<Arc<Topic>> {
-        if let Some(source) = self.inner.topic_source.get() {
-            match source.clone().provide(name.to_owned()).await {
-                Ok(()) | Err(CoreError::TopicExists { .. }) => {}
-                Err(e) => return Err(e),
-            }
-        }
-        self.topic(name)
-    }
-
-    /// Makes the engine ask `source` for topics it does not have instead of auto-creating
-    /// them (set once, before serving; later calls are ignored).
-    pub fn set_topic_source(&self, source: Arc<dyn TopicSource>) {
-        let _ = self.inner.topic_source.set(source);
-    }
-
-    /// A topic to read from: its partition count, after asking the topic source (if any) for
-    /// a topic the engine does not have. Never auto-creates.
-    pub async fn readable_topic(&self, name: &str) -> Result<u32> {
-        let topic = match self.topic(name) {
-            Err(CoreError::UnknownTopic { .. }) => self.provide(name).await?,
-            other => other?,
-        };
-        Ok(topic.partitions.len() as u32)
-    }
-
-    /// Makes sure a topic exists, creating it if auto-creation is on; returns its partition
-    /// count. For protocol metadata requests that create topics as Kafka brokers do.
-    pub async fn ensure_topic(&self, name: &str) -> Result<u32> {
-        let topic = self.topic_for_write(name).await?;
-        Ok(topic.partitions.len() as u32)
     }
 
     /// Deletes the sealed segments of a partition that hold only offsets below `offset` (whole

@@ -1,0 +1,179 @@
+//! The read side: [`LogReader`], over the local segments and the offloaded part.
+
+use std::path::Path;
+
+use super::*;
+use crate::error::StorageError;
+use crate::index::SegmentMeta;
+use crate::remote::SealedSegmentFiles;
+
+impl LogReader {
+    pub fn high_watermark(&self) -> u64 {
+        self.shared.high_watermark.load(Ordering::Acquire)
+    }
+
+    /// The first offset of the log: of its offloaded part when that reaches the local
+    /// segments, else of the local segments.
+    pub fn log_start(&self) -> u64 {
+        let local = self.local_start();
+        let remote = self.shared.remote.read();
+        if remote.log.is_some() && remote.start < local && remote.end >= local {
+            remote.start
+        } else {
+            local
+        }
+    }
+
+    /// The first offset of the local segments.
+    pub fn local_start(&self) -> u64 {
+        self.shared.log_start.load(Ordering::Acquire)
+    }
+
+    /// Attaches the offloaded part of the log: offsets below the local segments are read
+    /// through `log` while they lie in the range [`Self::set_remote_range`] gives.
+    pub fn set_remote(&self, log: Arc<dyn RemoteLog>) {
+        self.shared.remote.write().log = Some(log);
+    }
+
+    /// The offsets `start..end` the offloaded part holds (empty when `start == end`). A range
+    /// that ends before the local segments start leaves a gap and is not read.
+    pub fn set_remote_range(&self, start: u64, end: u64) {
+        let mut remote = self.shared.remote.write();
+        remote.start = start;
+        remote.end = end.max(start);
+    }
+
+    /// The offloaded part, when it is what serves offsets below the local segments.
+    fn remote_below_local(&self) -> Option<Arc<dyn RemoteLog>> {
+        let local = self.local_start();
+        let remote = self.shared.remote.read();
+        (remote.start < local && remote.end >= local)
+            .then(|| remote.log.clone())
+            .flatten()
+    }
+
+    pub fn is_poisoned(&self) -> bool {
+        self.shared.poisoned.load(Ordering::Acquire)
+    }
+
+    pub fn stats(&self) -> LogStats {
+        let segments = self.shared.segments.read();
+        LogStats {
+            segments: segments.len(),
+            bytes: segments.iter().map(|s| s.size()).sum(),
+            log_start: self.log_start(),
+            local_start: self.local_start(),
+            high_watermark: self.high_watermark(),
+        }
+    }
+
+    /// The files of every sealed local segment, oldest first, for an uploader. A sealed
+    /// segment's files never change; retention may delete them.
+    pub fn sealed_segment_files(&self) -> Vec<SealedSegmentFiles> {
+        self.shared
+            .segments
+            .read()
+            .iter()
+            .filter_map(|s| {
+                s.sealed.get().map(|meta| SealedSegmentFiles {
+                    meta: *meta,
+                    log: s.paths.log.clone(),
+                    index: s.paths.index.clone(),
+                    time_index: s.paths.time_index.clone(),
+                    seal: s.paths.seal.clone(),
+                })
+            })
+            .collect()
+    }
+
+    /// The directory of this log's files.
+    pub fn dir(&self) -> &Path {
+        &self.shared.dir
+    }
+
+    /// Metadata of every sealed segment, oldest first.
+    pub fn sealed_segments(&self) -> Vec<SegmentMeta> {
+        self.shared
+            .segments
+            .read()
+            .iter()
+            .filter_map(|s| s.sealed.get().copied())
+            .collect()
+    }
+
+    /// Segments from the one that may hold `offset` onwards.
+    fn segments_from(&self, offset: u64) -> Vec<Arc<Segment>> {
+        let segments = self.shared.segments.read();
+        let i = segments
+            .partition_point(|s| s.base_offset <= offset)
+            .saturating_sub(1);
+        segments[i..].to_vec()
+    }
+
+    /// Whole batches from the one holding `offset`, up to `max_bytes` but always at least one
+    /// batch. At the high watermark the answer is empty; outside the log it is an error.
+    pub fn read(&self, offset: u64, max_bytes: usize) -> Result<Fetched> {
+        let high_watermark = self.high_watermark();
+        let log_start = self.log_start();
+        if offset < log_start || offset > high_watermark {
+            return Err(StorageError::OffsetOutOfRange {
+                offset,
+                log_start,
+                high_watermark,
+            });
+        }
+        if offset < self.local_start()
+            && let Some(remote) = self.remote_below_local()
+        {
+            let (data, next_offset) = remote.read(offset, max_bytes)?;
+            return Ok(Fetched {
+                data,
+                next_offset,
+                high_watermark,
+                log_start,
+            });
+        }
+        let empty = Fetched {
+            data: Bytes::new(),
+            next_offset: offset,
+            high_watermark,
+            log_start,
+        };
+        if offset == high_watermark {
+            return Ok(empty);
+        }
+        for segment in self.segments_from(offset) {
+            if let Some(chunk) = segment.read_from(offset, max_bytes, high_watermark)? {
+                debug_assert!(chunk.first_offset <= offset);
+                return Ok(Fetched {
+                    data: chunk.data,
+                    next_offset: chunk.next_offset,
+                    high_watermark,
+                    log_start,
+                });
+            }
+        }
+        Ok(empty)
+    }
+
+    /// The first offset whose record timestamp is at or after `timestamp` (with that record's
+    /// timestamp), or `None` when every record is older.
+    pub fn offset_for_timestamp(&self, timestamp: i64) -> Result<Option<(u64, i64)>> {
+        let high_watermark = self.high_watermark();
+        if let Some(remote) = self.remote_below_local()
+            && let Some(found) = remote.offset_for_timestamp(timestamp)?
+        {
+            return Ok(Some(found));
+        }
+        let segments = self.segments_from(self.local_start());
+        for segment in segments {
+            if segment.max_timestamp.load(Ordering::Acquire) < timestamp {
+                continue;
+            }
+            if let Some(offset) = segment.offset_for_timestamp(timestamp, high_watermark)? {
+                return Ok(Some(offset));
+            }
+        }
+        Ok(None)
+    }
+}
