@@ -411,12 +411,7 @@ impl Group {
             }
         }
         self.phase = Phase::PreparingRebalance;
-        let timeout = self
-            .members
-            .values()
-            .map(|m| m.rebalance_timeout)
-            .max()
-            .unwrap_or_default();
+        let timeout = self.rebalance_timeout();
         self.deadline = Some(now + timeout);
         self.initial_delay_until = (from_empty && !settings.initial_rebalance_delay.is_zero())
             .then(|| (now + settings.initial_rebalance_delay).min(now + timeout));
@@ -467,13 +462,16 @@ impl Group {
                 }
             }
         }
-        let timeout = self
-            .members
+        self.deadline = Some(now + self.rebalance_timeout());
+    }
+
+    /// How long a rebalance phase may take: the longest rebalance timeout of the members.
+    fn rebalance_timeout(&self) -> Duration {
+        self.members
             .values()
             .map(|m| m.rebalance_timeout)
             .max()
-            .unwrap_or_default();
-        self.deadline = Some(now + timeout);
+            .unwrap_or_default()
     }
 
     /// The first protocol of the leader (or of any member) that every member supports.
