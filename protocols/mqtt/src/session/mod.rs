@@ -1,9 +1,13 @@
 //! One MQTT connection: CONNECT, then a loop that reads packets, writes deliveries and watches
 //! the keep-alive, a takeover by the same client id and the gateway's shutdown. This file is
-//! the connection and its loop; the rest is in three files along the two data paths:
+//! the connection and its loop; the rest is in files along the two data paths:
 //! - `connect`: signing in, taking a client id over, the session resumed, saved or ended, wills;
+//! - `dispatch`: each packet read after CONNECT, handled or refused;
 //! - `inbound`: the publish path, PUBLISH → ledger → PUBACK/PUBREC once durable;
-//! - `outbound`: the delivery path, subscriptions, feeds and PUBLISHes written to the client.
+//! - `subscribe`, `feeds`, `outbound`: the delivery path, SUBSCRIBE, the subscriptions' feeds,
+//!   and PUBLISHes written to the client;
+//! - `park`: the write half lent to a live feed's writer while the connection sleeps;
+//! - `wire`: reads and writes on the stream, under the write deadline.
 //!
 //! Publishes are appended to the ledger and acknowledged (PUBACK, PUBREC) only once durable
 //! under the topic's policy. Each subscription draws from every ledger topic its filter may
@@ -57,13 +61,20 @@ use crate::session_store::{AwaitingRelease, SavedSession, SavedSub};
 use crate::topic;
 
 mod connect;
+mod dispatch;
+mod feeds;
 mod inbound;
 mod outbound;
+mod park;
+mod subscribe;
+mod wire;
 
 pub(crate) use connect::delete_cursors;
 use connect::*;
+pub(crate) use feeds::*;
 use inbound::*;
 pub(crate) use outbound::*;
+use wire::*;
 
 /// Why the connection ends.
 #[derive(Debug)]
@@ -459,109 +470,12 @@ pub(crate) async fn run<S: Conn>(
     Ok(())
 }
 
-/// The connection's own writer back from its live subscriber (only a [`DirectWriter`] is ever
-/// parked there), with what it held returned: the write half to `stream`, the packet ids it
-/// did not use to the window (`inflight`), the receive mark's state to `held`, and the topic
-/// aliases to `aliases`.
-fn writer_home<S: Conn>(
-    sink: Box<dyn sluice_core::DirectSink>,
-    stream: &mut S,
-    inflight: &mut HashMap<u16, (bool, Option<Acker>)>,
-    held: &mut Option<HeldAcks>,
-    aliases: &mut OutAliases,
-) -> Box<DirectWriter> {
-    let mut sink: Box<DirectWriter> = sink
-        .into_any()
-        .downcast()
-        .expect("a connection parks only its DirectWriter");
-    if let Some(w) = sink.writer.take() {
-        stream.restore(w);
-    }
-    *aliases = std::mem::take(&mut sink.aliases);
-    for pkid in sink.pkids.drain(..) {
-        inflight.remove(&pkid);
-    }
-    if let (Some(hold), Some(held)) = (sink.hold.take(), held.as_mut()) {
-        held.assume(hold.mark());
-    }
-    sink
-}
-
 /// Resolves once the gateway begins to stop (without holding the watch's guard).
 async fn stopped(shutdown: &mut watch::Receiver<bool>) {
     let _ = shutdown.wait_for(|&s| s).await;
 }
 
-/// Reads what has arrived: into the landing batch while one is open (never past its payload),
-/// else into the connection's buffer. Cancel-safe, as `read_buf` is.
-async fn read_some<S: AsyncRead + Unpin>(
-    stream: &mut S,
-    inbuf: &mut BytesMut,
-    landing: &mut Option<Landing>,
-) -> std::io::Result<usize> {
-    match landing {
-        Some(l) => stream.read_buf(&mut l.record.value().value_buf()).await,
-        None => stream.read_buf(inbuf).await,
-    }
-}
-
-/// Writes `head` then `body` as [`write_all_vectored`] does, failing once the peer has taken
-/// nothing of them for `limit` (the listener runtime's write deadline, counted). No DISCONNECT
-/// follows such a failure: the socket takes nothing, and a PUBLISH may be cut short in it.
-async fn write_within<S: AsyncWrite + Unpin>(
-    stream: &mut S,
-    limit: Duration,
-    metrics: &MqttMetrics,
-    head: &[u8],
-    body: &[u8],
-) -> std::io::Result<()> {
-    let r = write_all_vectored(&mut WriteDeadline::new(stream, limit), head, body).await;
-    if r.as_ref()
-        .is_err_and(|e| e.kind() == std::io::ErrorKind::TimedOut)
-    {
-        metrics.timeouts.write.inc();
-    }
-    r
-}
-
-/// Writes `head` then `body` completely, with vectored writes and no copy of `body`.
-async fn write_all_vectored<S: AsyncWrite + Unpin>(
-    stream: &mut S,
-    head: &[u8],
-    body: &[u8],
-) -> std::io::Result<()> {
-    let total = head.len() + body.len();
-    let mut written = 0;
-    while written < total {
-        let n = if written < head.len() {
-            let slices = [IoSlice::new(&head[written..]), IoSlice::new(body)];
-            stream.write_vectored(&slices).await?
-        } else {
-            stream.write(&body[written - head.len()..]).await?
-        };
-        if n == 0 {
-            return Err(std::io::ErrorKind::WriteZero.into());
-        }
-        written += n;
-    }
-    stream.flush().await
-}
-
 impl<S: Conn> Session<'_, S> {
-    async fn flush(&mut self) -> std::io::Result<()> {
-        if self.out.is_empty() {
-            return Ok(());
-        }
-        let m = &self.server.metrics;
-        write_within(&mut self.stream, self.deadlines.write, m, &self.out, &[]).await?;
-        for first in codec::first_bytes(&self.out) {
-            m.packets_out.add(first);
-        }
-        m.bytes_out.inc_by(self.out.len() as u64);
-        self.out.clear();
-        Ok(())
-    }
-
     async fn serve(
         &mut self,
         mut inbuf: BytesMut,
@@ -785,250 +699,9 @@ impl<S: Conn> Session<'_, S> {
         }
     }
 
-    /// Handles the whole packets that have arrived, without waiting for more: those in `inbuf`
-    /// and what the socket holds now. `Some` when one ended the connection.
-    async fn handle_arrived(&mut self, inbuf: &mut BytesMut) -> std::io::Result<Option<End>> {
-        if self.landing.is_none() {
-            while inbuf.len() < self.max_packet {
-                inbuf.reserve(INBUF_READ);
-                match self.stream.read_buf(inbuf).now_or_never() {
-                    Some(Ok(n)) if n > 0 => {}
-                    _ => break,
-                }
-            }
-        }
-        while let Some(&first) = inbuf.first() {
-            match codec::read(inbuf, self.version, self.max_packet) {
-                Ok(packet) => {
-                    self.server.metrics.packets_in.add(first);
-                    if let Some(end) = self.handle(packet).await? {
-                        return Ok(Some(end));
-                    }
-                }
-                Err(_) => break,
-            }
-        }
-        Ok(None)
-    }
-
-    /// Lends the stream's write half to the one live feed's writer, parked in its subscriber's
-    /// slot, when that is all the connection follows, the feed suits the writer and is up to
-    /// date, and nothing else is owed: until the connection wakes, the ring's fan-out task
-    /// writes its deliveries (see `parked`). A QoS 1 feed's writer gets packet ids reserved in
-    /// the window, as many as a wake-up reads PUBACKs for (`acks::READ_AT`), and raises the
-    /// socket's receive mark (`acks`) as it uses them. The caller knows the live queue is empty
-    /// and the window open, and has set the mark for what is owed. Whether the connection now
-    /// waits for a QoS 1 writer, whose PUBACKs it must read by the hold's end.
-    fn park(&mut self) -> bool {
-        if self.forwarded.is_some()
-            || !self.pending.is_empty()
-            || self.landing.is_some()
-            || self.qos2_out > 0
-        {
-            return false;
-        }
-        let Some(held) = &self.held else {
-            return false;
-        };
-        let mut lives = self.subs.values_mut().flat_map(|s| s.lives.iter_mut());
-        let (Some(feed), None) = (lives.next(), lives.next()) else {
-            return false;
-        };
-        if feed.ended || !feed.live.caught_up() || !DirectWriter::suits(&feed.feed) {
-            return false;
-        }
-        let Some(writer) = self.stream.lend() else {
-            return false;
-        };
-        let mut sink = feed.direct.take().unwrap_or_else(|| {
-            Box::new(DirectWriter::new(
-                feed.feed.clone(),
-                self.version,
-                self.client_max_packet,
-            ))
-        });
-        sink.writer = Some(writer);
-        sink.aliases = std::mem::take(&mut self.out_aliases);
-        let qos1 = feed.feed.sub.qos == 1;
-        if qos1 {
-            let owed = self.inflight.len();
-            let room = acks::READ_AT.min(self.receive_max).saturating_sub(owed);
-            for _ in 0..room {
-                self.next_pkid = next_free_pkid(self.next_pkid, &self.inflight);
-                self.inflight.insert(self.next_pkid, (false, None));
-                sink.pkids.push_back(self.next_pkid);
-            }
-            sink.hold = Some(acks::Hold::new(held, owed, self.receive_max));
-        }
-        match feed.live.park(sink) {
-            Ok(()) => {
-                feed.parked = true;
-                self.parked = true;
-                qos1
-            }
-            Err(sink) => {
-                let home = writer_home(
-                    sink,
-                    &mut self.stream,
-                    &mut self.inflight,
-                    &mut self.held,
-                    &mut self.out_aliases,
-                );
-                feed.direct = Some(home);
-                false
-            }
-        }
-    }
-
-    /// Takes back the parked writer and the stream's write half, and writes first what the
-    /// fan-out left of a PUBLISH. Every wake-up of the loop starts here: nothing else writes
-    /// while the half is lent.
-    async fn unpark(&mut self) -> std::io::Result<()> {
-        if !std::mem::take(&mut self.parked) {
-            return Ok(());
-        }
-        let mut rest = None;
-        for feed in self.subs.values_mut().flat_map(|s| s.lives.iter_mut()) {
-            if !std::mem::take(&mut feed.parked) {
-                continue;
-            }
-            if let Some(sink) = feed.live.unpark() {
-                let mut home = writer_home(
-                    sink,
-                    &mut self.stream,
-                    &mut self.inflight,
-                    &mut self.held,
-                    &mut self.out_aliases,
-                );
-                rest = home.rest.take();
-                feed.direct = Some(home);
-            }
-        }
-        match rest {
-            Some((head, body)) => {
-                let m = &self.server.metrics;
-                write_within(&mut self.stream, self.deadlines.write, m, &head, &body).await
-            }
-            None => Ok(()),
-        }
-    }
-
     /// One and a half keep-alive periods after the last packet (none when keep-alive is 0).
     fn keep_alive_deadline(&self) -> Option<Instant> {
         (!self.keep_alive.is_zero()).then(|| Instant::now() + self.keep_alive * 3 / 2)
-    }
-
-    async fn handle(&mut self, packet: In) -> std::io::Result<Option<End>> {
-        match packet {
-            In::Publish(p) => {
-                if let Some(end) = Box::pin(self.publish(p)).await? {
-                    return Ok(Some(end));
-                }
-            }
-            In::PubAck(pkid) | In::PubComp(pkid) => self.acknowledged(pkid),
-            In::PubRec(pkid) => {
-                codec::ack(
-                    self.version,
-                    Ack::Pubrel,
-                    pkid,
-                    reason::SUCCESS,
-                    &mut self.out,
-                );
-                self.flush().await?;
-            }
-            In::PubRel(pkid) => {
-                let known = self.qos2_in.lock().remove(&pkid);
-                let code = if known {
-                    reason::SUCCESS
-                } else {
-                    reason::PACKET_ID_NOT_FOUND
-                };
-                codec::ack(self.version, Ack::Pubcomp, pkid, code, &mut self.out);
-                self.flush().await?;
-            }
-            In::Subscribe {
-                pkid,
-                filters,
-                id,
-                start_keyframe,
-            } => {
-                // MQTT 5 §3.8.2.1.2 and §3.8.3.1: both end the connection, not just the filter.
-                let why = if id == Some(0) {
-                    Some("a subscription identifier of 0")
-                } else if filters
-                    .iter()
-                    .any(|f| f.no_local && f.filter.starts_with("$share/"))
-                {
-                    Some("no local on a shared subscription")
-                } else {
-                    None
-                };
-                if let Some(why) = why {
-                    return self
-                        .protocol_violation(reason::PROTOCOL_ERROR, format!("SUBSCRIBE with {why}"))
-                        .await
-                        .map(Some);
-                }
-                Box::pin(self.subscribe(pkid, filters, id, start_keyframe)).await?;
-            }
-            In::Unsubscribe { pkid, filters } => {
-                for f in &filters {
-                    self.subs.remove(f);
-                }
-                if self.persistent {
-                    Box::pin(self.save_session(None)).await;
-                }
-                codec::unsuback(self.version, pkid, filters.len(), &mut self.out);
-                self.flush().await?;
-            }
-            In::PingReq => {
-                codec::pingresp(self.version, &mut self.out);
-                self.flush().await?;
-            }
-            In::Disconnect(d) => {
-                if let Some(expiry) = d.session_expiry {
-                    // MQTT 5 §3.14.2.2.2: a session that was to end with its connection
-                    // cannot be given a life after it.
-                    if self.connect_expiry == 0 && expiry > 0 {
-                        return self
-                            .protocol_violation(
-                                reason::PROTOCOL_ERROR,
-                                "DISCONNECT set a session expiry after CONNECT set none".into(),
-                            )
-                            .await
-                            .map(Some);
-                    }
-                    self.expiry_secs = expiry;
-                }
-                return Ok(Some(if d.with_will {
-                    End::Abrupt("DISCONNECT with will message (0x04)".into())
-                } else {
-                    End::Graceful
-                }));
-            }
-            In::Connect(_) => {
-                return self
-                    .protocol_violation(reason::PROTOCOL_ERROR, "second CONNECT".into())
-                    .await
-                    .map(Some);
-            }
-            In::Unexpected(what) => {
-                return self
-                    .protocol_violation(reason::PROTOCOL_ERROR, format!("a client sent {what}"))
-                    .await
-                    .map(Some);
-            }
-        }
-        Ok(None)
-    }
-
-    /// Ends the connection over a protocol violation: counted, DISCONNECT with `code` (MQTT 5;
-    /// 3.1.1 can only close), and the will is published.
-    async fn protocol_violation(&mut self, code: u8, why: String) -> std::io::Result<End> {
-        self.server.metrics.bad_packets.inc();
-        codec::disconnect(self.version, code, &mut self.out);
-        self.flush().await?;
-        Ok(End::Abrupt(why))
     }
 
     /// Whether the access rules let this client do `action` on the MQTT name or filter
@@ -1059,18 +732,6 @@ impl<S: Conn> Session<'_, S> {
                 "mqtt {what} not authorized"
             );
         }
-    }
-
-    /// Reads what waits in the socket below its receive mark (PUBACKs held for this wake-up).
-    fn read_held(&mut self, inbuf: &mut BytesMut) -> std::io::Result<Waiting> {
-        let Some(held) = self.held.as_mut().filter(|h| h.holding()) else {
-            return Ok(Waiting::Nothing);
-        };
-        let waiting = held.read_waiting(inbuf)?;
-        if let Waiting::Read(n) = waiting {
-            self.server.metrics.bytes_in.inc_by(n as u64);
-        }
-        Ok(waiting)
     }
 }
 
