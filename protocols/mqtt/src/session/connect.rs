@@ -1,7 +1,289 @@
-//! CONNECT and the session behind a connection: signing in, taking a client id over, resuming,
-//! saving or ending the persistent session when the connection ends, and the will.
+//! A connection from CONNECT to its end, and the session behind it: signing in, taking a
+//! client id over, resuming, saving or ending the persistent session, and the will.
 
 use super::*;
+
+/// Serves one connection (TCP or WebSocket) to its end.
+/// `fd` is the socket of a TCP connection (none for other streams): its PUBACKs may wait in it
+/// (see `acks`).
+pub(crate) async fn run<S: Conn>(
+    server: &Arc<MqttServer>,
+    mut stream: S,
+    fd: Option<RawFd>,
+    deadlines: Deadlines,
+    peer: String,
+    certified: Option<Principal>,
+    mut shutdown: watch::Receiver<bool>,
+) -> std::io::Result<()> {
+    let max = server.settings.max_packet_bytes;
+    let mut inbuf = BytesMut::with_capacity(INBUF_START);
+    let connect_deadline =
+        Instant::now() + Duration::from_millis(server.settings.connect_timeout_ms);
+    // CONNECT first: its protocol level picks the codec.
+    let (version, connect, head) = loop {
+        if !inbuf.is_empty() {
+            match codec::connect_version(&inbuf) {
+                Ok(v) => {
+                    // A relay may pass the connection on to its upstream: the bytes read so
+                    // far, CONNECT included, go along.
+                    let head = server
+                        .upstream
+                        .as_ref()
+                        .map(|_| Bytes::copy_from_slice(&inbuf));
+                    match codec::read(&mut inbuf, v, max) {
+                        Ok(In::Connect(c)) => break (v, c, head),
+                        Ok(_) => {
+                            return reject(
+                                server,
+                                &mut stream,
+                                deadlines,
+                                v,
+                                reason::PROTOCOL_ERROR,
+                            )
+                            .await;
+                        }
+                        Err(DecodeError::Incomplete(_)) => {}
+                        Err(DecodeError::TooLarge { .. }) => {
+                            return reject(
+                                server,
+                                &mut stream,
+                                deadlines,
+                                v,
+                                reason::PACKET_TOO_LARGE,
+                            )
+                            .await;
+                        }
+                        Err(_) => {
+                            return reject(server, &mut stream, deadlines, v, reason::MALFORMED)
+                                .await;
+                        }
+                    }
+                }
+                Err(DecodeError::Incomplete(_)) => {}
+                Err(DecodeError::UnsupportedProtocol(_)) => {
+                    // Answered in the oldest form every client version understands.
+                    return reject(
+                        server,
+                        &mut stream,
+                        deadlines,
+                        Version::V4,
+                        reason::UNSUPPORTED_VERSION,
+                    )
+                    .await;
+                }
+                Err(_) => {
+                    server.metrics.bad_packets.inc();
+                    return Ok(());
+                }
+            }
+        }
+        let read = tokio::select! {
+            r = stream.read_buf(&mut inbuf) => r?,
+            _ = tokio::time::sleep_until(connect_deadline) => {
+                server.metrics.timeouts.connect.inc();
+                return Ok(());
+            }
+            () = stopped(&mut shutdown) => return Ok(()),
+        };
+        if read == 0 {
+            return Ok(());
+        }
+        server.metrics.bytes_in.inc_by(read as u64);
+    };
+    server.metrics.packets_in.add(0x10);
+    // MQTT 5 enhanced authentication (AUTH exchanges) is not offered: a client asking for a
+    // method is refused with the reason made for it (§4.12), not let in unauthenticated.
+    if connect.auth_method.is_some() {
+        return reject(
+            server,
+            &mut stream,
+            deadlines,
+            version,
+            reason::BAD_AUTHENTICATION_METHOD,
+        )
+        .await;
+    }
+    // Who the client is, and whether it may use its client id and will, before anything
+    // else: a relay passes nothing upstream for a client it would refuse.
+    let security = server.settings.security.current();
+    let principal = match authenticate(server, &security, &connect, &peer, certified).await {
+        Ok(p) => p,
+        Err(code) => {
+            let mut out = BytesMut::new();
+            codec::connack(version, false, code, max_packet_only(max), &mut out);
+            server.metrics.packets_out.add(0x20);
+            return write_within(&mut stream, deadlines.write, &server.metrics, &out, &[]).await;
+        }
+    };
+    // A user's connections are capped (MQTT and Kafka together); the place is held for as
+    // long as this connection lives, spliced or not.
+    let _user_slot = match server.settings.security.admit(&principal) {
+        Ok(slot) => slot,
+        Err(too_many) => {
+            server.metrics.authz_denied.inc();
+            if let Some(unlogged) = server.refusals.admit() {
+                warn!(
+                    peer,
+                    user = principal.name(),
+                    max = too_many.max,
+                    unlogged,
+                    "mqtt connection refused: the user holds its most connections (auth.max_connections_per_user)"
+                );
+            }
+            let mut out = BytesMut::new();
+            codec::connack(
+                version,
+                false,
+                reason::QUOTA_EXCEEDED,
+                max_packet_only(max),
+                &mut out,
+            );
+            server.metrics.packets_out.add(0x20);
+            return write_within(&mut stream, deadlines.write, &server.metrics, &out, &[]).await;
+        }
+    };
+    if let (Some(upstream), Some(head)) = (&server.upstream, head)
+        && wants_persistent_session(&connect)
+    {
+        // The upstream keeps the session and its durable cursor; the relay keeps nothing.
+        return match upstream.open_splice(&head).await {
+            Ok(up) => {
+                upstream
+                    .splice(&mut stream, up, deadlines.write, &mut shutdown)
+                    .await
+            }
+            Err(e) => {
+                warn!(peer, upstream = upstream.addr(), error = %e, "relay: upstream unreachable for a persistent session");
+                reject(
+                    server,
+                    &mut stream,
+                    deadlines,
+                    version,
+                    reason::SERVER_UNAVAILABLE,
+                )
+                .await
+            }
+        };
+    }
+    // A client asking for a longer keep-alive than the server's maximum, or for none, is held
+    // to the maximum: told so in CONNACK (MQTT 5), or not (3.1.1, which cannot say it).
+    let max_keep_alive = server.settings.max_keep_alive_s;
+    let (keep_alive, server_keep_alive) =
+        if max_keep_alive > 0 && (connect.keep_alive == 0 || connect.keep_alive > max_keep_alive) {
+            (
+                max_keep_alive,
+                (version == Version::V5).then_some(max_keep_alive),
+            )
+        } else {
+            (connect.keep_alive, None)
+        };
+    let keep_alive = Duration::from_secs(u64::from(keep_alive));
+    let mut s = Session {
+        server,
+        stream,
+        peer,
+        principal,
+        security,
+        rate: sluice_net::RateLimit::new(sluice_net::Rates {
+            messages_per_second: server.settings.max_publish_rate,
+            bytes_per_second: server.settings.max_publish_bytes_rate,
+        }),
+        version,
+        client_id: String::new(),
+        keep_alive,
+        will: None,
+        persistent: false,
+        expiry_secs: 0,
+        connect_expiry: connect.session_expiry,
+        server_keep_alive,
+        max_packet: max,
+        client_max_packet: connect.max_packet_size.map(|m| m as usize),
+        receive_max: usize::from(connect.receive_max.max(1)),
+        deadlines,
+        subs: HashMap::new(),
+        forwarded: None,
+        inflight: HashMap::new(),
+        qos2_out: 0,
+        held: fd.map(|fd| HeldAcks::new(fd, keep_alive)),
+        next_pkid: 0,
+        qos2_in: AwaitingRelease::default(),
+        aliases: HashMap::new(),
+        out_aliases: OutAliases::new(connect.topic_alias_max),
+        qos1_in: 0,
+        pending: VecDeque::new(),
+        pending_bytes: 0,
+        paused: false,
+        live_queue: VecDeque::new(),
+        parked: false,
+        out: BytesMut::with_capacity(256),
+        landing: None,
+    };
+    let connection = server.connection_id();
+    let kick = Arc::new(Notify::new());
+    // Dropped when this function returns, after the session is saved or ended and the will
+    // handled: a connection taking this one over waits for that.
+    let (_ended, ended) = watch::channel(());
+    let me = Registered {
+        connection,
+        kick: kick.clone(),
+        ended,
+    };
+    // Boxed, like the other rare or publisher-only steps below: a future holds room for its
+    // largest step for as long as it lives, and an idle subscriber's connection should not
+    // carry those steps' kilobytes.
+    let accepted = Box::pin(s.accept(connect, me)).await;
+    if !matches!(accepted, Ok(true)) {
+        // Refused (or failed) after it may have registered: the client id is free again.
+        server
+            .clients
+            .remove_if(&s.client_id, |_, r| r.connection == connection);
+        return accepted.map(|_| ());
+    }
+    let end = s.serve(inbuf, &kick, &mut shutdown).await;
+    let taken_over = server
+        .clients
+        .get(&s.client_id)
+        .is_none_or(|r| r.connection != connection);
+    // The expiry in force now governs the session (MQTT 5 §3.1.2.11.2): kept, or ended with
+    // the connection. Also after a takeover: the new connection waits for this before it
+    // reads the session. The client id stays registered to this connection meanwhile, so a
+    // connection that comes now waits too rather than read the session half way.
+    if s.persistent && s.expiry_secs > 0 {
+        s.save_session(Some(server.engine.now_ms())).await;
+        // Dropping the subscriptions stops their feeds; durable ones keep their cursors.
+        s.subs.clear();
+    } else if s.persistent {
+        let ended = s.saved_now(None);
+        s.detach_all().await;
+        s.discard_session(&ended).await;
+    } else {
+        s.subs.clear();
+        // A new connection holds the set now.
+        if !taken_over {
+            server.sessions.forget_awaiting_release(&s.client_id);
+        }
+    }
+    match end {
+        Ok(End::Graceful | End::Shutdown) => {}
+        Ok(End::Abrupt(why)) => {
+            debug!(
+                peer = s.peer,
+                client = s.client_id,
+                why,
+                "mqtt connection lost"
+            );
+            s.publish_will();
+        }
+        Err(e) => {
+            debug!(peer = s.peer, client = s.client_id, error = %e, "mqtt connection failed");
+            s.publish_will();
+        }
+    }
+    server
+        .clients
+        .remove_if(&s.client_id, |_, r| r.connection == connection);
+    Ok(())
+}
 
 /// How long a connection taking a client id over waits for the old connection to end.
 pub(super) const TAKEOVER_WAIT: Duration = Duration::from_secs(5);

@@ -372,8 +372,6 @@ impl<S: Conn> Session<'_, S> {
         }
     }
 
-    /// A publish that cannot be stored: MQTT 5 answers with a reason code; MQTT 3.1.1 has none
-    /// for QoS 1/2, so the connection closes and the client will resend.
     /// The per-delivery check a subscription to `filter` needs, if the rules treat names
     /// under it differently.
     pub(super) fn delivery_check(&self, filter: &str) -> Option<Arc<DeliveryCheck>> {

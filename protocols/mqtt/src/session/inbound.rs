@@ -473,6 +473,8 @@ impl<S: Conn> Session<'_, S> {
         self.flush().await
     }
 
+    /// A publish that cannot be stored: MQTT 5 answers with a reason code; MQTT 3.1.1 has none
+    /// for QoS 1/2, so the connection closes and the client will resend.
     pub(super) async fn refuse(&mut self, p: &Publish, code: u8) -> std::io::Result<()> {
         warn!(
             peer = self.peer,
