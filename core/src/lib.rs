@@ -37,15 +37,23 @@ pub use metrics::{EngineMetrics, PartitionMetrics};
 pub use partition::WriterSettings;
 pub use policy::{Durability, MAX_LIVE_RING_BYTES, MIN_SEGMENT_BYTES, TopicPolicy};
 pub use sluice_storage::{
-    BatchError, BatchHeader, Clock, DecodedRecord, DirectFsStorage, DirectStats, Faults,
-    FaultyStorage, Fetched, FsStorage, ManualClock, MappedBuf, OpenBatch, PLACED_ENCODE_MIN,
-    Record, Storage, SystemClock, decode_records, split_batches,
+    BatchError, BatchHeader, Clock, DecodedRecord, DirectFsStorage, DirectStats, Fetched,
+    FsStorage, MappedBuf, OpenBatch, PLACED_ENCODE_MIN, Record, Storage, SystemClock,
+    decode_records, split_batches,
 };
 pub use subscription::{
     Consumer, InitialPosition, Message, MessageId, SubscribeOptions, SubscriptionBacklog,
     SubscriptionDescription, SubscriptionType,
 };
 pub use tier::{
-    FaultyStore, MANIFEST_FORMAT, Manifest, ManifestSegment, PassOutcome, StoreFaults, StoreSpec,
-    Tier, TierSettings, open_store,
+    MANIFEST_FORMAT, Manifest, ManifestSegment, PassOutcome, StoreSpec, Tier, TierSettings,
+    open_store,
 };
+
+/// Test doubles for the engine's users: storage that tears writes, fails fsyncs or fills up,
+/// a clock the test moves, and an object store that fails or holds its requests. Nothing in
+/// the gateway uses them.
+pub mod testing {
+    pub use crate::tier::{FaultyStore, StoreFaults};
+    pub use sluice_storage::{Faults, FaultyStorage, ManualClock};
+}

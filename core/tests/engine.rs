@@ -7,9 +7,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
+use sluice_core::testing::FaultyStorage;
 use sluice_core::{
-    CoreError, Durability, EngineConfig, FaultyStorage, FsStorage, PartitionChoice, SystemClock,
-    TopicPolicy,
+    CoreError, Durability, EngineConfig, FsStorage, PartitionChoice, SystemClock, TopicPolicy,
 };
 
 #[tokio::test]

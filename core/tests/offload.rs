@@ -10,10 +10,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{exported, now, open_with, read_all, record};
+use sluice_core::testing::{FaultyStore, StoreFaults};
 use sluice_core::{
-    CoreError, Engine, EngineConfig, FaultyStore, FsStorage, InitialPosition, LiveOptions,
-    Manifest, PartitionChoice, SlowPolicy, StartAt, StoreFaults, StoreSpec, SubscribeOptions,
-    SystemClock, Tier, TierSettings, TopicPolicy, open_store,
+    CoreError, Engine, EngineConfig, FsStorage, InitialPosition, LiveOptions, Manifest,
+    PartitionChoice, SlowPolicy, StartAt, StoreSpec, SubscribeOptions, SystemClock, Tier,
+    TierSettings, TopicPolicy, open_store,
 };
 
 const TOPIC: &str = "frames";

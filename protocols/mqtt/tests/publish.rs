@@ -12,7 +12,8 @@ use common::{
     raw_client, read_packet, start, start_on, stored, subscribed, until,
 };
 use rumqttc::{Packet, QoS};
-use sluice_core::{Faults, FaultyStorage, FsStorage};
+use sluice_core::FsStorage;
+use sluice_core::testing::{Faults, FaultyStorage};
 use sluice_mqtt::MqttServer;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
