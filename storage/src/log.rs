@@ -96,14 +96,7 @@ impl ValidatedBatch {
         producer: batch::ProducerInfo,
         place: impl FnOnce(usize) -> Option<u64>,
     ) -> Self {
-        let buf = batch::encode_at(records, producer, place);
-        let header = BatchHeader::parse(&buf).expect("the encoder writes a whole header");
-        let decoded = buf.len();
-        Self {
-            buf,
-            header,
-            decoded,
-        }
+        Self::encoded(batch::encode_at(records, producer, place))
     }
 
     /// A one-record batch built around a value read straight into it, stamped with
@@ -112,7 +105,11 @@ impl ValidatedBatch {
     /// # Panics
     /// While value bytes are missing.
     pub fn from_open(open: batch::OpenBatch, timestamp: i64) -> Self {
-        let buf = open.finish(timestamp);
+        Self::encoded(open.finish(timestamp))
+    }
+
+    /// A batch this crate's encoder wrote: its CRC is right by construction.
+    fn encoded(buf: batch::BatchBuf) -> Self {
         let header = BatchHeader::parse(&buf).expect("the encoder writes a whole header");
         let decoded = buf.len();
         Self {
