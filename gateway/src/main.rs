@@ -418,7 +418,7 @@ async fn serve(mut config: Config, reload: security::LoadConfig) -> anyhow::Resu
             cameras.register_metrics(&mut registry);
         }
         if let Some(relay) = &relay {
-            metrics::register_relay(&mut registry, relay, &engine);
+            relay::register_metrics(&mut registry, relay, &engine);
         }
         Arc::new(std::sync::RwLock::new(registry))
     };

@@ -1,8 +1,8 @@
 //! Running as a relay (`sluice relay`): the links to the upstream node (a Kafka follower that
 //! mirrors the topics subscribers use, and an MQTT link that forwards publishes and persistent
-//! sessions), and the relay's MQTT server once the upstream answers. The rest of the start is
-//! the gateway's own, with the differences written where they are taken (scratch data
-//! directory, no offload, no cameras, a read-only Kafka listener).
+//! sessions), the relay's MQTT server once the upstream answers, and its metrics. The rest of
+//! the start is the gateway's own, with the differences written where they are taken (scratch
+//! data directory, no offload, no cameras, a read-only Kafka listener).
 
 use std::path::Path;
 use std::sync::Arc;
@@ -11,6 +11,7 @@ use std::time::Duration;
 use anyhow::Context;
 use sluice_core::Engine;
 use sluice_kafka::{Mirror, MirrorSettings};
+use sluice_metrics::{RegisterExt, Registry};
 use sluice_mqtt::{MqttServer, Upstream};
 use tracing::{info, warn};
 
@@ -108,4 +109,99 @@ pub(crate) async fn mqtt_server(
         }
         backoff = (backoff * 2).min(Duration::from_secs(2));
     }
+}
+
+/// Registers a relay's metrics: its subscribers, its lag behind the upstream and the state
+/// of its two upstream links. Every series carries the relay's name, so relays sharing a
+/// port can be told apart once scraped.
+pub(crate) fn register_metrics(registry: &mut Registry, relay: &http::Relay, engine: &Engine) {
+    let relay = relay.clone();
+    let engine = engine.clone();
+    registry.register_with(move |s| {
+        let name = relay.name.as_str();
+        let who = [("relay", name)];
+        let m = relay.mirror.stats();
+        let u = relay.upstream.stats();
+        s.gauges(
+            "sluice_relay_info",
+            "This process is a relay; its upstream's Kafka and MQTT addresses.",
+            [(
+                [
+                    ("relay", name),
+                    ("upstream", relay.mirror.upstream()),
+                    ("upstream_mqtt", relay.upstream.addr()),
+                ],
+                1,
+            )],
+        )?;
+        // The relay's own follower of the retained messages is not a subscriber.
+        let subscribers: u64 = engine
+            .metrics()
+            .partitions
+            .iter()
+            .filter(|p| !p.topic.starts_with("__mqtt_"))
+            .map(|p| p.live_subscribers)
+            .sum();
+        s.gauges("sluice_relay_subscribers", "Live subscribers (MQTT, WebSocket, SSE) served by this relay.", [(who, subscribers)])?;
+        let counters = [
+            (
+                "sluice_relay_upstream_reconnects_total",
+                "Upstream connections re-established after a failure (followers and the publish link).",
+                m.upstream_reconnects + u.reconnects,
+            ),
+            (
+                "sluice_relay_upstream_auth_failures_total",
+                "Times the upstream refused the relay's user (relay.username) on either link.",
+                m.auth_failures + u.auth_failures,
+            ),
+            ("sluice_relay_copied_batches_total", "Record batches copied from the upstream.", m.batches),
+            ("sluice_relay_copied_bytes_total", "Bytes copied from the upstream.", m.bytes),
+            ("sluice_relay_position_resets_total", "Times a followed partition's position had left the upstream's log and skipped to its latest offset.", m.resets),
+            (
+                "sluice_relay_forwarded_publishes_total",
+                "Publishes forwarded to the upstream and acknowledged there as durable.",
+                u.forwarded,
+            ),
+            (
+                "sluice_relay_forward_refused_total",
+                "Publishes the upstream refused.",
+                u.forward_refused,
+            ),
+            (
+                "sluice_relay_spliced_sessions_total",
+                "Persistent-session MQTT connections passed through to the upstream.",
+                u.spliced_total,
+            ),
+        ];
+        for (series, help, value) in counters {
+            s.counters(series, help, [(who, value)])?;
+        }
+        s.gauges(
+            "sluice_relay_spliced_sessions",
+            "Persistent-session MQTT connections passed through to the upstream, open now.",
+            [(who, u.spliced_open)],
+        )?;
+        s.gauges(
+            "sluice_relay_upstream_links_down",
+            "Links to the upstream that are down now: the MQTT publish link (link=\"mqtt\") and followed topics' connections (link=\"kafka\"); /readyz answers 503 while any is.",
+            [
+                ([("relay", name), ("link", "mqtt")], u64::from(!u.connected)),
+                ([("relay", name), ("link", "kafka")], m.links_down),
+            ],
+        )?;
+        s.gauges(
+            "sluice_relay_lag_records",
+            "Records the upstream has that this relay has not copied yet, by followed partition.",
+            relay.mirror.lag().into_iter().map(|(topic, partition, lag)| {
+                (
+                    [
+                        ("relay", name.to_owned()),
+                        ("topic", topic),
+                        ("partition", partition.to_string()),
+                    ],
+                    lag,
+                )
+            }),
+        )
+    });
 }
