@@ -2,9 +2,10 @@
 //! client.
 //!
 //! Each crate registers its own metrics on the one [`Registry`] the gateway serves: plain
-//! counters and gauges it updates on its paths ([`RegisterExt`]), and collectors ([`RegisterExt::register_with`]) that derive families from a snapshot at
-//! scrape time where the values live elsewhere (per partition, per group, per camera). The
-//! gateway only encodes the registry ([`encode`]).
+//! counters, gauges and latency histograms it updates on its paths ([`RegisterExt`]), and
+//! collectors ([`RegisterExt::register_with`]) that derive families from a snapshot at scrape
+//! time where the values live elsewhere (per partition, per group, per camera). The gateway
+//! only encodes the registry ([`encode`]).
 //!
 //! Names are written in full, as they are exposed (`sluice_kafka_requests_total`), so a grep
 //! for a name a dashboard uses finds where it is registered; the helpers strip what the library
@@ -20,10 +21,11 @@ use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::{MetricType, TypedMetric};
 
-pub use prometheus_client::collector::Collector;
+use prometheus_client::collector::Collector;
+use prometheus_client::metrics::histogram::Histogram;
+
 pub use prometheus_client::encoding::{EncodeCounterValue, EncodeGaugeValue};
 pub use prometheus_client::metrics::counter::Counter;
-pub use prometheus_client::metrics::histogram::Histogram;
 pub use prometheus_client::registry::Registry;
 
 /// A gauge of whole numbers that never go negative (connections open, bytes queued).
