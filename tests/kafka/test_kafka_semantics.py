@@ -67,6 +67,66 @@ def test_topic_configs_are_applied_described_and_validated(gateway):
     assert bad.topic not in admin.list_topics(timeout=10).topics
 
 
+def test_create_topics_takes_a_replica_assignment_naming_this_node(gateway):
+    """As a one-node Kafka: manual assignments to broker 0 set the partition count; another
+    broker, or a count given beside an assignment, is refused with Kafka's error."""
+    admin = gateway.admin()
+    topic = unique("assigned")
+    # librdkafka sends -1 for the count and the factor when an assignment is given.
+    new = NewTopic(topic, num_partitions=3, replica_assignment=[[0], [0], [0]])
+    admin.create_topics([new], operation_timeout=10)[topic].result(timeout=30)
+    assert len(admin.list_topics(timeout=10).topics[topic].partitions) == 3
+    gateway.produce(topic, [{"key": b"k", "value": b"v", "partition": 2}])
+    assert [m.value() for m in gateway.consume(topic, 1, partitions=(2,))] == [b"v"]
+
+    elsewhere = NewTopic(unique("elsewhere"), num_partitions=1, replica_assignment=[[1]])
+    with pytest.raises(Exception) as e:
+        admin.create_topics([elsewhere], operation_timeout=10)[elsewhere.topic].result(timeout=30)
+    assert e.value.args[0].code() == KafkaError.INVALID_REPLICA_ASSIGNMENT
+    assert "broker 1" in e.value.args[0].str()
+    assert elsewhere.topic not in admin.list_topics(timeout=10).topics
+
+
+def test_create_topics_validate_only_checks_without_creating(gateway):
+    admin = gateway.admin()
+    topic = unique("dry")
+    new = NewTopic(topic, num_partitions=2, replication_factor=1)
+    admin.create_topics([new], operation_timeout=10, validate_only=True)[topic].result(timeout=30)
+    assert topic not in admin.list_topics(timeout=10).topics
+    bad = NewTopic(unique("dry-bad"), num_partitions=1, replication_factor=1,
+                   config={"retention.ms": "not a number"})
+    with pytest.raises(Exception) as e:
+        admin.create_topics([bad], operation_timeout=10, validate_only=True)[bad.topic].result(timeout=30)
+    assert e.value.args[0].code() == KafkaError.INVALID_CONFIG
+
+
+def test_kafka_python_creates_topics_with_defaults_or_an_assignment(gateway):
+    from kafka.admin import KafkaAdminClient
+    from kafka.admin import NewTopic as KNewTopic
+    from kafka.errors import InvalidReplicationAssignmentError, InvalidRequestError
+
+    admin = KafkaAdminClient(bootstrap_servers=[gateway.bootstrap], client_id="kafka-python-admin",
+                             request_timeout_ms=20000)
+    try:
+        defaults, assigned = unique("kpy-defaults"), unique("kpy-assigned")
+        admin.create_topics([
+            KNewTopic(defaults),  # -1 and -1: the gateway's default partitions
+            KNewTopic(assigned, replica_assignments={0: [0], 1: [0]}),
+        ])
+        described = {t["name"]: t for t in admin.describe_topics([defaults, assigned])}
+        assert len(described[assigned]["partitions"]) == 2
+        assert len(described[defaults]["partitions"]) >= 1
+        assert all(p["leader_id"] == 0 and p["replica_nodes"] == [0]
+                   for t in described.values() for p in t["partitions"])
+        with pytest.raises(InvalidReplicationAssignmentError):
+            admin.create_topics([KNewTopic(unique("kpy-two"), replica_assignments={0: [0, 1]})])
+        with pytest.raises(InvalidRequestError):
+            admin.create_topics([KNewTopic(unique("kpy-both"), num_partitions=2,
+                                           replica_assignments={0: [0]})])
+    finally:
+        admin.close()
+
+
 def test_fetching_past_the_end_is_offset_out_of_range(gateway):
     topic = unique("range")
     gateway.produce(topic, [{"value": b"only"}])

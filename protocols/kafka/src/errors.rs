@@ -21,6 +21,7 @@ pub(crate) const ILLEGAL_SASL_STATE: i16 = 34;
 pub(crate) const TOPIC_ALREADY_EXISTS: i16 = 36;
 pub(crate) const INVALID_PARTITIONS: i16 = 37;
 pub(crate) const INVALID_REPLICATION_FACTOR: i16 = 38;
+pub(crate) const INVALID_REPLICA_ASSIGNMENT: i16 = 39;
 pub(crate) const INVALID_CONFIG: i16 = 40;
 pub(crate) const INVALID_REQUEST: i16 = 42;
 pub(crate) const POLICY_VIOLATION: i16 = 44;

@@ -1,3 +1,4 @@
+use kafka_protocol::messages::create_topics_request::CreatableReplicaAssignment;
 use kafka_protocol::messages::create_topics_response::{
     CreatableTopicConfigs, CreatableTopicResult,
 };
@@ -5,7 +6,7 @@ use kafka_protocol::messages::{CreateTopicsRequest, CreateTopicsResponse};
 
 use super::{s, topic_config};
 use crate::errors;
-use crate::server::{Conn, KafkaServer};
+use crate::server::{Conn, KafkaServer, NODE_ID};
 use sluice_core::auth::Action;
 
 pub(crate) async fn handle(
@@ -21,22 +22,21 @@ pub(crate) async fn handle(
         let mut r = CreatableTopicResult::default();
         r.name = topic.name.clone();
         let mut policy = engine.config().default_policy.clone();
-        let partitions = if topic.num_partitions == -1 {
-            engine.config().default_partitions
-        } else {
-            u32::try_from(topic.num_partitions).unwrap_or(0)
-        };
+        let placed = partition_count(
+            topic.num_partitions,
+            topic.replication_factor,
+            &topic.assignments,
+            engine.config().default_partitions,
+        );
+        let partitions = placed.as_ref().copied().unwrap_or(0);
         let mut error: Option<(i16, String)> = None;
         if !conn.may_topic(Action::Admin, &name) {
             error = Some((
                 errors::TOPIC_AUTHORIZATION_FAILED,
                 "not authorized to create this topic".into(),
             ));
-        } else if topic.replication_factor > 1 || !topic.assignments.is_empty() {
-            error = Some((
-                errors::INVALID_REPLICATION_FACTOR,
-                "a single Sluice node keeps one copy; replication factor must be 1 or -1".into(),
-            ));
+        } else if let Err(refused) = placed {
+            error = Some(refused);
         }
         for c in &topic.configs {
             if error.is_some() {
@@ -94,4 +94,180 @@ pub(crate) async fn handle(
         resp.topics.push(r);
     }
     resp
+}
+
+/// The partition count a CreateTopics entry asks for, checked as a one-node Kafka cluster
+/// (KRaft's controller) checks it: either a count and a replication factor (-1: the defaults)
+/// or a manual assignment of replicas to brokers, whose only broker here is this node.
+fn partition_count(
+    num_partitions: i32,
+    replication_factor: i16,
+    assignments: &[CreatableReplicaAssignment],
+    default_partitions: u32,
+) -> Result<u32, (i16, String)> {
+    let refuse = |code, message: String| Err((code, message));
+    if !assignments.is_empty() {
+        if replication_factor != -1 {
+            return refuse(
+                errors::INVALID_REQUEST,
+                "A manual partition assignment was specified, but replication factor was not set to -1.".into(),
+            );
+        }
+        if num_partitions != -1 {
+            return refuse(
+                errors::INVALID_REQUEST,
+                "A manual partition assignment was specified, but numPartitions was not set to -1."
+                    .into(),
+            );
+        }
+        let mut seen = vec![false; assignments.len()];
+        for a in assignments {
+            let brokers: Vec<i32> = a.broker_ids.iter().map(|b| b.0).collect();
+            if brokers.is_empty() {
+                return refuse(
+                    errors::INVALID_REPLICA_ASSIGNMENT,
+                    "The manual partition assignment includes an empty replica list.".into(),
+                );
+            }
+            if let Some(other) = brokers.iter().find(|&&b| b != NODE_ID) {
+                return refuse(
+                    errors::INVALID_REPLICA_ASSIGNMENT,
+                    format!(
+                        "The manual partition assignment includes broker {other}, but no broker \
+                         with that ID is registered (this single Sluice node is broker {NODE_ID})."
+                    ),
+                );
+            }
+            if brokers.len() > 1 {
+                return refuse(
+                    errors::INVALID_REPLICA_ASSIGNMENT,
+                    format!(
+                        "The manual partition assignment includes the broker {NODE_ID} more than once."
+                    ),
+                );
+            }
+            match usize::try_from(a.partition_index)
+                .ok()
+                .and_then(|i| seen.get_mut(i))
+            {
+                Some(slot) if !*slot => *slot = true,
+                Some(_) => {
+                    return refuse(
+                        errors::INVALID_REPLICA_ASSIGNMENT,
+                        format!(
+                            "Found multiple manual partition assignments for partition {}",
+                            a.partition_index
+                        ),
+                    );
+                }
+                None => {
+                    return refuse(
+                        errors::INVALID_REPLICA_ASSIGNMENT,
+                        "partitions should be a consecutive 0-based integer sequence".into(),
+                    );
+                }
+            }
+        }
+        return Ok(assignments.len() as u32);
+    }
+    if replication_factor == 0 || replication_factor < -1 {
+        return refuse(
+            errors::INVALID_REPLICATION_FACTOR,
+            "Replication factor must be larger than 0, or -1 to use the default value.".into(),
+        );
+    }
+    if replication_factor > 1 {
+        return refuse(
+            errors::INVALID_REPLICATION_FACTOR,
+            format!(
+                "Unable to replicate the partition {replication_factor} time(s): the target \
+                 replication factor of {replication_factor} cannot be reached because only 1 \
+                 broker is registered (a single Sluice node keeps one copy)."
+            ),
+        );
+    }
+    match num_partitions {
+        -1 => Ok(default_partitions),
+        n if n > 0 => Ok(n as u32),
+        _ => refuse(
+            errors::INVALID_PARTITIONS,
+            "Number of partitions was set to an invalid non-positive value.".into(),
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kafka_protocol::messages::BrokerId;
+
+    fn assign(partition: i32, brokers: &[i32]) -> CreatableReplicaAssignment {
+        let mut a = CreatableReplicaAssignment::default();
+        a.partition_index = partition;
+        a.broker_ids = brokers.iter().map(|&b| BrokerId(b)).collect();
+        a
+    }
+
+    fn code(r: Result<u32, (i16, String)>) -> i16 {
+        r.err().map_or(errors::NONE, |(code, _)| code)
+    }
+
+    #[test]
+    fn counts_and_factors_follow_kafka_on_one_node() {
+        assert_eq!(partition_count(-1, -1, &[], 4), Ok(4));
+        assert_eq!(partition_count(3, 1, &[], 4), Ok(3));
+        assert_eq!(
+            code(partition_count(0, 1, &[], 4)),
+            errors::INVALID_PARTITIONS
+        );
+        assert_eq!(
+            code(partition_count(-2, 1, &[], 4)),
+            errors::INVALID_PARTITIONS
+        );
+        assert_eq!(
+            code(partition_count(1, 0, &[], 4)),
+            errors::INVALID_REPLICATION_FACTOR
+        );
+        assert_eq!(
+            code(partition_count(1, -2, &[], 4)),
+            errors::INVALID_REPLICATION_FACTOR
+        );
+        assert_eq!(
+            code(partition_count(1, 3, &[], 4)),
+            errors::INVALID_REPLICATION_FACTOR
+        );
+    }
+
+    #[test]
+    fn a_manual_assignment_naming_this_node_sets_the_count() {
+        let three = [assign(1, &[0]), assign(0, &[0]), assign(2, &[0])];
+        assert_eq!(partition_count(-1, -1, &three, 4), Ok(3));
+        let refused = [
+            (partition_count(3, -1, &three, 4), errors::INVALID_REQUEST),
+            (partition_count(-1, 1, &three, 4), errors::INVALID_REQUEST),
+            (
+                partition_count(-1, -1, &[assign(0, &[1])], 4),
+                errors::INVALID_REPLICA_ASSIGNMENT,
+            ),
+            (
+                partition_count(-1, -1, &[assign(0, &[0, 0])], 4),
+                errors::INVALID_REPLICA_ASSIGNMENT,
+            ),
+            (
+                partition_count(-1, -1, &[assign(0, &[])], 4),
+                errors::INVALID_REPLICA_ASSIGNMENT,
+            ),
+            (
+                partition_count(-1, -1, &[assign(0, &[0]), assign(0, &[0])], 4),
+                errors::INVALID_REPLICA_ASSIGNMENT,
+            ),
+            (
+                partition_count(-1, -1, &[assign(0, &[0]), assign(2, &[0])], 4),
+                errors::INVALID_REPLICA_ASSIGNMENT,
+            ),
+        ];
+        for (i, (got, want)) in refused.into_iter().enumerate() {
+            assert_eq!(code(got), want, "case {i}");
+        }
+    }
 }
