@@ -127,6 +127,60 @@ def test_kafka_python_creates_topics_with_defaults_or_an_assignment(gateway):
         admin.close()
 
 
+def topic_configs(admin, topic: str) -> dict[str, str]:
+    described = admin.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, topic)])
+    return {k: v.value for k, v in list(described.values())[0].result(timeout=30).items()}
+
+
+@pytest.mark.filterwarnings("ignore:alter_configs has been deprecated")
+def test_alter_configs_replaces_a_topics_configs_and_takes_effect_at_once(gateway):
+    """AdminClient.alter_configs (AlterConfigs, before KIP-339): the configs given replace the
+    topic's; those left out return to the default. The new limit holds for the next produce."""
+    admin = gateway.admin()
+    topic = unique("altered")
+    new = NewTopic(topic, num_partitions=1, replication_factor=1, config={"segment.bytes": "1048576"})
+    admin.create_topics([new], operation_timeout=10)[topic].result(timeout=30)
+    plain = unique("plain")
+    admin.create_topics([NewTopic(plain, num_partitions=1, replication_factor=1)],
+                        operation_timeout=10)[plain].result(timeout=30)
+    resource = ConfigResource(ConfigResource.Type.TOPIC, topic, set_config={"max.message.bytes": "4096"})
+    admin.alter_configs([resource])[resource].result(timeout=30)
+    configs = topic_configs(admin, topic)
+    assert configs["max.message.bytes"] == "4096"
+    assert configs["segment.bytes"] == topic_configs(admin, plain)["segment.bytes"] != "1048576", \
+        "left out of the request: back to the default"
+
+    p = gateway.producer(**{"message.max.bytes": 1_000_000, "message.timeout.ms": 10000})
+    reports = []
+    p.produce(topic, value=b"x" * 20_000, on_delivery=lambda err, msg: reports.append(err))
+    assert p.flush(30) == 0
+    assert reports[0] is not None and reports[0].code() == KafkaError.MSG_SIZE_TOO_LARGE
+
+    bad = ConfigResource(ConfigResource.Type.TOPIC, topic, set_config={"retention.ms": "soon"})
+    with pytest.raises(Exception) as e:
+        admin.alter_configs([bad])[bad].result(timeout=30)
+    assert e.value.args[0].code() == KafkaError.INVALID_CONFIG
+    assert topic_configs(admin, topic)["max.message.bytes"] == "4096", "a refused change changes nothing"
+
+
+def test_kafka_python_alter_configs_with_the_legacy_request(gateway):
+    from kafka.admin import ConfigResource as KConfigResource
+    from kafka.admin import ConfigResourceType, KafkaAdminClient
+
+    topic = unique("kpy-altered")
+    admin = gateway.admin()
+    admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=1)],
+                        operation_timeout=10)[topic].result(timeout=30)
+    kadmin = KafkaAdminClient(bootstrap_servers=[gateway.bootstrap], client_id="kafka-python-admin",
+                              request_timeout_ms=20000)
+    try:
+        kadmin.alter_configs([KConfigResource(ConfigResourceType.TOPIC, topic,
+                                              configs={"retention.ms": "120000"})], incremental=False)
+    finally:
+        kadmin.close()
+    assert topic_configs(admin, topic)["retention.ms"] == "120000"
+
+
 def test_fetching_past_the_end_is_offset_out_of_range(gateway):
     topic = unique("range")
     gateway.produce(topic, [{"value": b"only"}])

@@ -652,6 +652,9 @@ impl KafkaServer {
             RequestKind::DescribeConfigs(r) => {
                 ResponseKind::DescribeConfigs(handlers::describe_configs::handle(self, conn, r))
             }
+            RequestKind::AlterConfigs(r) => {
+                ResponseKind::AlterConfigs(handlers::alter_configs::handle(self, conn, r).await)
+            }
             RequestKind::IncrementalAlterConfigs(r) => ResponseKind::IncrementalAlterConfigs(
                 handlers::incremental_alter_configs::handle(self, conn, r).await,
             ),

@@ -11,7 +11,7 @@ use crate::errors;
 use crate::server::{Conn, KafkaServer};
 use sluice_core::auth::{Action, Resource};
 
-const TOPIC: i8 = 2;
+pub(super) const TOPIC: i8 = 2;
 const SET: i8 = 0;
 const DELETE: i8 = 1;
 
@@ -53,59 +53,31 @@ pub(crate) async fn handle(
     conn: &Conn,
     req: IncrementalAlterConfigsRequest,
 ) -> IncrementalAlterConfigsResponse {
-    let engine = &server.engine;
     let mut resp = IncrementalAlterConfigsResponse::default();
     for res in req.resources {
         let mut r = AlterConfigsResourceResponse::default();
         r.resource_type = res.resource_type;
         r.resource_name = res.resource_name.clone();
-        let topic = res.resource_name.as_str();
-        let outcome: Result<(), (i16, String)> = if res.resource_type != TOPIC
-            && !conn.may(Action::Admin, Resource::Cluster)
-        {
-            Err((
-                errors::CLUSTER_AUTHORIZATION_FAILED,
-                "not authorized to change broker configs".into(),
-            ))
-        } else if res.resource_type == TOPIC && !conn.may_topic(Action::Admin, topic) {
-            Err((
-                errors::TOPIC_AUTHORIZATION_FAILED,
-                "not authorized to change this topic's configs".into(),
-            ))
-        } else if res.resource_type != TOPIC {
-            Err((
-                errors::INVALID_REQUEST,
-                "only topic configs can be changed; broker settings are in the gateway's config file"
-                    .into(),
-            ))
-        } else {
-            let configs: Vec<(String, i8, Option<String>)> = res
-                .configs
-                .iter()
-                .map(|c| {
-                    (
-                        c.name.to_string(),
-                        c.config_operation,
-                        c.value.as_ref().map(|v| v.to_string()),
-                    )
-                })
-                .collect();
-            match engine.describe_topic(topic) {
-                Err(e) => Err((errors::code(&e), e.to_string())),
-                Ok(d) => match changed(&d.policy, &engine.config().default_policy, &configs) {
-                    Err(reason) => Err((errors::INVALID_CONFIG, reason)),
-                    Ok(policy) => match policy.validate() {
-                        Err(e) => Err((errors::code(&e), e.to_string())),
-                        Ok(()) if req.validate_only => Ok(()),
-                        Ok(()) => engine
-                            .set_policy(topic, policy)
-                            .await
-                            .map(drop)
-                            .map_err(|e| (errors::code(&e), e.to_string())),
-                    },
-                },
-            }
-        };
+        let configs: Vec<(String, i8, Option<String>)> = res
+            .configs
+            .iter()
+            .map(|c| {
+                (
+                    c.name.to_string(),
+                    c.config_operation,
+                    c.value.as_ref().map(|v| v.to_string()),
+                )
+            })
+            .collect();
+        let outcome = alter(
+            server,
+            conn,
+            res.resource_type,
+            res.resource_name.as_str(),
+            req.validate_only,
+            |current, defaults| changed(current, defaults, &configs),
+        )
+        .await;
         if let Err((code, message)) = outcome {
             r.error_code = code;
             r.error_message = Some(s(message));
@@ -113,6 +85,56 @@ pub(crate) async fn handle(
         resp.responses.push(r);
     }
     resp
+}
+
+/// Changes one resource's configs, for both AlterConfigs requests: only topics, with the admin
+/// action; `change` makes the new policy from the topic's and the gateway's defaults; it is
+/// validated, and put in force (persisted, taking effect at once) unless `validate_only`.
+pub(super) async fn alter(
+    server: &KafkaServer,
+    conn: &Conn,
+    resource_type: i8,
+    topic: &str,
+    validate_only: bool,
+    change: impl FnOnce(&TopicPolicy, &TopicPolicy) -> Result<TopicPolicy, String>,
+) -> Result<(), (i16, String)> {
+    let engine = &server.engine;
+    if resource_type != TOPIC && !conn.may(Action::Admin, Resource::Cluster) {
+        return Err((
+            errors::CLUSTER_AUTHORIZATION_FAILED,
+            "not authorized to change broker configs".into(),
+        ));
+    }
+    if resource_type == TOPIC && !conn.may_topic(Action::Admin, topic) {
+        return Err((
+            errors::TOPIC_AUTHORIZATION_FAILED,
+            "not authorized to change this topic's configs".into(),
+        ));
+    }
+    if resource_type != TOPIC {
+        return Err((
+            errors::INVALID_REQUEST,
+            "only topic configs can be changed; broker settings are in the gateway's config file"
+                .into(),
+        ));
+    }
+    let current = engine
+        .describe_topic(topic)
+        .map_err(|e| (errors::code(&e), e.to_string()))?
+        .policy;
+    let policy = change(&current, &engine.config().default_policy)
+        .map_err(|reason| (errors::INVALID_CONFIG, reason))?;
+    policy
+        .validate()
+        .map_err(|e| (errors::code(&e), e.to_string()))?;
+    if validate_only {
+        return Ok(());
+    }
+    engine
+        .set_policy(topic, policy)
+        .await
+        .map(drop)
+        .map_err(|e| (errors::code(&e), e.to_string()))
 }
 
 #[cfg(test)]

@@ -1,6 +1,7 @@
 //! One module per Kafka API. Each turns a decoded request into its response using the engine
 //! and the coordinator; errors become Kafka error codes in the response.
 
+pub(crate) mod alter_configs;
 pub(crate) mod api_versions;
 pub(crate) mod create_topics;
 pub(crate) mod delete_topics;
