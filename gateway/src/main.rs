@@ -422,8 +422,8 @@ async fn serve(mut config: Config, reload: security::LoadConfig) -> anyhow::Resu
         }
         Arc::new(std::sync::RwLock::new(registry))
     };
-    let register = |register: &dyn Fn(&mut sluice_metrics::Registry)| {
-        register(&mut registry.write().unwrap_or_else(|e| e.into_inner()));
+    let register = |add: &dyn Fn(&mut sluice_metrics::Registry)| {
+        add(&mut registry.write().unwrap_or_else(|e| e.into_inner()));
     };
     let app = http::router(http::AppState {
         ready: ready.clone(),
