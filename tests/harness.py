@@ -448,6 +448,22 @@ def close_quietly(consumer) -> None:
         pass
 
 
+def assert_out_of_range(consumer, timeout: float = 30.0) -> None:
+    """Polls until the consumer reports an error, which must be the broker's
+    OFFSET_OUT_OF_RANGE (librdkafka reports it as an auto-offset-reset failure when
+    `auto.offset.reset` is `error`)."""
+    from confluent_kafka import KafkaError
+
+    errors = []
+    deadline = time.monotonic() + timeout
+    while not errors and time.monotonic() < deadline:
+        m = consumer.poll(0.5)
+        if m is not None and m.error():
+            errors.append(m.error())
+    assert errors, f"no error within {timeout} s"
+    assert errors[0].code() in (KafkaError._AUTO_OFFSET_RESET, KafkaError.OFFSET_OUT_OF_RANGE), errors[0]
+
+
 def poll_messages(consumer, count: int, timeout: float, what: str = "") -> list:
     """Polls until `count` records arrived or `timeout` passed (then fails, showing what came)."""
     from confluent_kafka import KafkaError

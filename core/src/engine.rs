@@ -222,6 +222,10 @@ struct Inner {
     sub_counters: Arc<SubscriptionCounters>,
     closing: AtomicBool,
     topic_source: OnceLock<Arc<dyn TopicSource>>,
+    /// Counts topic growths (CreatePartitions), for readers that follow whole topics; the
+    /// signal is raised after each.
+    growths: Arc<std::sync::atomic::AtomicU64>,
+    grown: Arc<tokio::sync::Notify>,
 }
 
 /// Supplies the topics an engine does not have, in place of auto-creation: a relay's engine
@@ -230,6 +234,38 @@ pub trait TopicSource: Send + Sync + std::fmt::Debug + 'static {
     /// Creates `topic` in the engine (for example with its upstream's partition count) and
     /// starts filling it; an error is what the reader asking for the topic gets.
     fn provide(self: Arc<Self>, topic: String) -> Pin<Box<dyn Future<Output = Result<()>> + Send>>;
+}
+
+/// Resolves at the next growth of any topic (CreatePartitions) after it was made
+/// ([`Engine::growth`]). It joins the engine-wide signal at its first poll only: polled again
+/// while nothing grew, it costs one atomic load, so the many connections that keep one in
+/// their event loop do not contend on the signal's lock. Keep it in one task (it wakes the
+/// task that polled it first).
+#[derive(Debug)]
+pub struct Growth {
+    growths: Arc<std::sync::atomic::AtomicU64>,
+    grown: Arc<tokio::sync::Notify>,
+    seen: u64,
+    signal: Option<Pin<Box<tokio::sync::futures::OwnedNotified>>>,
+}
+
+impl Future for Growth {
+    type Output = ();
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<()> {
+        if self.signal.is_none() {
+            // Joined before the count is checked: a growth after the check wakes it.
+            let mut signal = Box::pin(self.grown.clone().notified_owned());
+            if signal.as_mut().poll(cx).is_ready() {
+                return std::task::Poll::Ready(());
+            }
+            self.signal = Some(signal);
+        }
+        if self.growths.load(Ordering::Acquire) != self.seen {
+            return std::task::Poll::Ready(());
+        }
+        std::task::Poll::Pending
+    }
 }
 
 /// Longest metadata string a group offset commit may carry (Kafka's default
@@ -350,6 +386,8 @@ impl Engine {
             },
             closing: AtomicBool::new(false),
             topic_source: OnceLock::new(),
+            growths: Arc::default(),
+            grown: Arc::default(),
         });
         let engine = Self {
             inner,
@@ -464,6 +502,39 @@ impl Engine {
                 topic: topic.to_owned(),
                 partition,
                 source,
+            }),
+            None => Err(CoreError::ShuttingDown),
+        }
+    }
+
+    /// Moves a partition's log start up to `offset` (Kafka's DeleteRecords), after every append
+    /// queued before: reads below it are out of range from then on, and the sealed segments
+    /// wholly below it are deleted. The new start is durable before this returns. An offset at
+    /// or below the log start changes nothing; one past the high watermark is refused
+    /// (out of range). Returns the log start after it.
+    pub async fn delete_records(&self, topic: &str, partition: u32, offset: u64) -> Result<u64> {
+        self.check_writable(topic)?;
+        let t = self.topic_with_partition(topic, partition)?;
+        match t.partitions[partition as usize]
+            .delete_records(offset)
+            .await
+        {
+            Some(Ok(log_start)) => Ok(log_start),
+            Some(Err(source)) => Err(match *source {
+                sluice_storage::StorageError::OffsetOutOfRange {
+                    offset,
+                    log_start,
+                    high_watermark,
+                } => CoreError::OffsetOutOfRange {
+                    offset,
+                    log_start,
+                    high_watermark,
+                },
+                _ => CoreError::Storage {
+                    topic: topic.to_owned(),
+                    partition,
+                    source,
+                },
             }),
             None => Err(CoreError::ShuttingDown),
         }

@@ -20,6 +20,14 @@ pub enum CoreError {
     InvalidPolicy { reason: String },
     #[error("a topic needs between 1 and {max} partitions, not {requested}")]
     InvalidPartitionCount { requested: u32, max: u32 },
+    #[error(
+        "topic {topic:?} has {current} partitions: it can only grow, and {requested} is not more"
+    )]
+    PartitionsNotGrown {
+        topic: String,
+        current: u32,
+        requested: u32,
+    },
     #[error("batch of {size} bytes exceeds the topic's limit of {max} bytes")]
     MessageTooLarge { size: usize, max: usize },
     #[error("invalid record batch: {0}")]

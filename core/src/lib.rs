@@ -15,13 +15,14 @@ mod meta;
 mod metrics;
 mod partition;
 mod partitioner;
+pub use partitioner::partition_for_key;
 mod policy;
 mod subscription;
 mod tier;
 
 pub use ackset::AckSet;
 pub use engine::{
-    Engine, EngineConfig, GroupLag, MAX_COMMIT_METADATA, MAX_PARTITIONS, OffloadMetrics,
+    Engine, EngineConfig, GroupLag, Growth, MAX_COMMIT_METADATA, MAX_PARTITIONS, OffloadMetrics,
     OpenRecord, PartitionChoice, PartitionDescription, PartitionOffload, PendingAck, ProduceAck,
     TopicDescription, TopicOffload, TopicSource, is_internal_topic, validate_group_id,
     validate_topic_name,

@@ -7,7 +7,8 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use sluice_storage::{
-    AppendInfo, DetachedSegments, LogReader, PartitionLog, StorageError, ValidatedBatch,
+    AppendInfo, DetachedSegments, LogReader, PartitionLog, RetentionOutcome, StorageError,
+    ValidatedBatch,
 };
 use tokio::sync::{mpsc, oneshot, watch};
 use tracing::{error, warn};
@@ -28,6 +29,11 @@ enum WriterMsg {
     SetPolicy(TopicPolicy),
     /// Delete the sealed segments wholly below the offset; the reply is the new log start.
     DeleteBefore {
+        offset: u64,
+        reply: oneshot::Sender<Result<u64, Arc<StorageError>>>,
+    },
+    /// Move the log start up to the offset (DeleteRecords); the reply is the new log start.
+    DeleteRecords {
         offset: u64,
         reply: oneshot::Sender<Result<u64, Arc<StorageError>>>,
     },
@@ -166,7 +172,7 @@ impl Drop for Reserved {
 }
 
 /// A partition as the engine sees it.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(crate) struct Partition {
     pub(crate) id: u32,
     pub(crate) reader: LogReader,
@@ -185,6 +191,7 @@ impl std::fmt::Debug for WriterMsg {
             Self::Append { .. } => "Append",
             Self::SetPolicy(_) => "SetPolicy",
             Self::DeleteBefore { .. } => "DeleteBefore",
+            Self::DeleteRecords { .. } => "DeleteRecords",
             Self::DetachCopiedBefore { .. } => "DetachCopiedBefore",
             Self::Shutdown(_) => "Shutdown",
         })
@@ -299,23 +306,33 @@ impl Partition {
         &self,
         offset: u64,
     ) -> Option<Result<u64, Arc<StorageError>>> {
-        let (reply, rx) = oneshot::channel();
-        self.tx
-            .send(WriterMsg::DeleteBefore { offset, reply })
+        self.ask(|reply| WriterMsg::DeleteBefore { offset, reply })
             .await
-            .ok()?;
-        rx.await.ok()
+    }
+
+    /// Has the writer move the log start up to `offset` (DeleteRecords), after every append
+    /// queued before; returns the log start after it (`None`: the writer is gone).
+    pub(crate) async fn delete_records(
+        &self,
+        offset: u64,
+    ) -> Option<Result<u64, Arc<StorageError>>> {
+        self.ask(|reply| WriterMsg::DeleteRecords { offset, reply })
+            .await
     }
 
     /// Has the writer take the offloaded segments wholly below `offset` out of the log, after
     /// every append queued before; their files are the caller's to delete (`None`: the
     /// writer is gone).
     pub(crate) async fn detach_copied_before(&self, offset: u64) -> Option<DetachedSegments> {
-        let (reply, rx) = oneshot::channel();
-        self.tx
-            .send(WriterMsg::DetachCopiedBefore { offset, reply })
+        self.ask(|reply| WriterMsg::DetachCopiedBefore { offset, reply })
             .await
-            .ok()?;
+    }
+
+    /// Sends the writer the message `msg` makes around a reply channel, and waits for the
+    /// reply (`None`: the writer is gone).
+    async fn ask<T>(&self, msg: impl FnOnce(oneshot::Sender<T>) -> WriterMsg) -> Option<T> {
+        let (reply, rx) = oneshot::channel();
+        self.tx.send(msg(reply)).await.ok()?;
         rx.await.ok()
     }
 
@@ -440,29 +457,41 @@ impl Writer {
                 let deleted = self
                     .with_log(move |log| {
                         let outcome = log.delete_segments_before(offset)?;
-                        Ok::<_, StorageError>((outcome, log.reader().log_start()))
+                        Ok::<_, StorageError>((log.reader().log_start(), outcome))
                     })
                     .await;
                 if let Some(result) = deleted {
-                    let _ = reply.send(
-                        result
-                            .map(|(outcome, log_start)| {
-                                self.engine
-                                    .retention_deleted_segments
-                                    .inc_by(outcome.deleted_segments as u64);
-                                self.engine
-                                    .retention_deleted_bytes
-                                    .inc_by(outcome.deleted_bytes);
-                                log_start
-                            })
-                            .map_err(Arc::new),
-                    );
+                    let _ = reply.send(self.count_deleted(result));
+                }
+                ControlFlow::Continue(())
+            }
+            Some(WriterMsg::DeleteRecords { offset, reply }) => {
+                let deleted = self
+                    .with_log(move |log| log.delete_records_before(offset))
+                    .await;
+                if let Some(result) = deleted {
+                    let _ = reply.send(self.count_deleted(result));
                 }
                 ControlFlow::Continue(())
             }
             Some(WriterMsg::Shutdown(ack)) => ControlFlow::Break(Some(ack)),
             _ => ControlFlow::Continue(()),
         }
+    }
+
+    /// Counts the segments a deletion removed; passes on the log start after it.
+    fn count_deleted(
+        &self,
+        result: Result<(u64, RetentionOutcome), StorageError>,
+    ) -> Result<u64, Arc<StorageError>> {
+        let (log_start, outcome) = result.map_err(Arc::new)?;
+        self.engine
+            .retention_deleted_segments
+            .inc_by(outcome.deleted_segments as u64);
+        self.engine
+            .retention_deleted_bytes
+            .inc_by(outcome.deleted_bytes);
+        Ok(log_start)
     }
 
     /// Runs `f` on the log on the blocking pool, so file I/O never stalls the runtime.

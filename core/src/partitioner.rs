@@ -29,7 +29,7 @@ pub(crate) fn murmur2(data: &[u8]) -> i32 {
 }
 
 /// Partition for `key` among `partitions`, as Kafka's `Utils.toPositive(murmur2(key)) % n`.
-pub(crate) fn partition_for_key(key: &[u8], partitions: u32) -> u32 {
+pub fn partition_for_key(key: &[u8], partitions: u32) -> u32 {
     (murmur2(key) & 0x7fff_ffff) as u32 % partitions
 }
 

@@ -190,6 +190,15 @@ fn slot_of(record: &DecodedRecord) -> u16 {
     (murmur2(key) as u32 >> 16) as u16
 }
 
+/// A partition's state before anything is delivered from it: reading from `start`.
+fn new_partition(start: u64) -> PartitionState {
+    PartitionState {
+        acks: AckSet::new(start),
+        read_position: start,
+        ..Default::default()
+    }
+}
+
 /// Validates a subscription name: the same characters as topic names, so it is a safe file
 /// name.
 pub(crate) fn validate_name(name: &str) -> Result<()> {
@@ -226,15 +235,14 @@ impl Subscription {
                         ..Default::default()
                     })
                 })
+                .chain(
+                    starts
+                        .iter()
+                        .skip(p.partitions.len())
+                        .map(|_| Ok(new_partition(0))),
+                )
                 .collect::<Result<_>>()?,
-            None => starts
-                .iter()
-                .map(|&s| PartitionState {
-                    acks: AckSet::new(s),
-                    read_position: s,
-                    ..Default::default()
-                })
-                .collect(),
+            None => starts.iter().map(|&s| new_partition(s)).collect(),
         };
         Ok(Self {
             topic: topic.to_owned(),
@@ -254,6 +262,18 @@ impl Subscription {
             deleted: AtomicBool::new(false),
             counters,
         })
+    }
+
+    /// Follows its topic's growth to `count` partitions: each new one is read from its start,
+    /// so nothing written there is missed.
+    pub(crate) fn grow(&self, count: u32) {
+        let mut st = self.state.lock();
+        while st.partitions.len() < count as usize {
+            st.partitions.push(new_partition(0));
+        }
+        st.dirty = true;
+        drop(st);
+        self.wake.notify_waiters();
     }
 
     pub(crate) fn parse_persisted(bytes: &[u8]) -> Option<Persisted> {

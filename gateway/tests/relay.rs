@@ -250,6 +250,43 @@ async fn a_relay_outlives_an_upstream_restart_and_its_subscribers_keep_receiving
     assert!(metric(&metrics, "sluice_relay_upstream_reconnects_total") >= 1);
 }
 
+/// A topic that grows upstream (CreatePartitions) grows on the relay too, with no restart:
+/// the relay's subscribers receive what lands on the new partitions, and the copy keeps the
+/// upstream's partition count.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_follows_its_upstream_topic_as_it_grows() {
+    let dir = tempfile::tempdir().unwrap();
+    let main = Gateway::start(dir.path(), &[]);
+    let relay = Gateway::relay(&main, "127.0.0.1:0");
+    let (tx, mut notes) = mpsc::unbounded_channel();
+    let names: Vec<String> = (0..12).map(|i| format!("cars/{i}")).collect();
+    let view = subscriber(&relay.mqtt, "view", true, Some("cars/#"), names.len(), tx);
+    wait_for_suback(&mut notes, 1).await;
+    let grown = reqwest::Client::new()
+        .put(format!("{}/topics/mqtt/partitions", main.http))
+        .header("content-type", "application/json")
+        .body(r#"{"count": 4}"#)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(grown.status(), 200);
+    let mut want = Vec::new();
+    for (i, name) in names.iter().enumerate() {
+        publish(&main.mqtt, "p", name, payload(i), || ()).await;
+        want.push((name.clone(), payload(i)));
+    }
+    // Partitions are ordered each on its own, not with each other.
+    let mut got = view.await.unwrap();
+    got.sort_by(|a, b| a.0.cmp(&b.0));
+    want.sort_by(|a, b| a.0.cmp(&b.0));
+    assert_messages(&got, &want, "relay subscriber");
+    let (_, metrics) = get(&format!("{}/metrics", relay.http)).await;
+    assert!(
+        metrics.contains(r#"sluice_partition_high_watermark{topic="mqtt",partition="3"}"#),
+        "{metrics}"
+    );
+}
+
 /// One Kafka request with an empty body (header v1, client id "test") and its answer, or
 /// `None` when the server closed the connection instead.
 fn kafka_call(addr: &str, api_key: i16, version: i16) -> Option<Vec<u8>> {

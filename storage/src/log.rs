@@ -25,6 +25,9 @@ mod read;
 mod recovery;
 mod retention;
 
+/// The file in a partition's directory that keeps the log start DeleteRecords set.
+pub(crate) const LOG_START_FILE: &str = "log-start";
+
 /// Largest segment: index positions are 32-bit.
 pub const MAX_SEGMENT_BYTES: u64 = 2 * 1024 * 1024 * 1024 - 1;
 
@@ -205,6 +208,9 @@ struct Shared {
     high_watermark: AtomicU64,
     /// The first offset of the local segments.
     log_start: AtomicU64,
+    /// The log start a DeleteRecords request set (0 when none, kept in [`LOG_START_FILE`]):
+    /// offsets below it are gone even where a segment still holds them.
+    records_start: AtomicU64,
     poisoned: AtomicBool,
     remote: RwLock<Remote>,
 }

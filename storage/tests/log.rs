@@ -258,6 +258,60 @@ fn segments_wholly_below_an_offset_are_deleted_and_stay_deleted() {
     );
 }
 
+/// DeleteRecords: the log start moves to any offset, inside a segment too; reads below it are
+/// out of range, timestamps never answer below it, the segments wholly below it go, and the
+/// new start survives a restart (it is on disk before anything changes).
+#[test]
+fn delete_records_moves_the_log_start_inside_a_segment_and_it_persists() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = small_segments(4096);
+    let (mut log, _) = open(dir.path(), config.clone());
+    for seed in 0..40u64 {
+        append(&mut log, batch(seed, 2, 300, 10_000 + seed as i64 * 10));
+    }
+    let sealed = log.reader().sealed_segments();
+    assert!(sealed.len() >= 4, "{} segments", sealed.len());
+    // Mid-batch and mid-segment: one past the third segment's first offset, odd so that it
+    // falls inside a two-record batch.
+    let cut = sealed[2].base_offset + 3;
+    let (start, outcome) = log.delete_records_before(cut).unwrap();
+    assert_eq!(start, cut);
+    assert_eq!(outcome.deleted_segments, 2);
+    let reader = log.reader();
+    assert_eq!(reader.log_start(), cut);
+    assert_eq!(reader.stats().log_start, cut);
+    assert!(matches!(
+        reader.read(cut - 1, 1024),
+        Err(StorageError::OffsetOutOfRange { log_start, .. }) if log_start == cut
+    ));
+    let kept = read_all(&reader, 1 << 20);
+    assert_eq!(kept.first().unwrap().offset as u64, cut);
+    assert_eq!(kept.len(), 80 - cut as usize);
+    let (first, _) = reader.offset_for_timestamp(0).unwrap().unwrap();
+    assert_eq!(first, cut, "a timestamp never answers below the log start");
+    // Lower or equal changes nothing; past the high watermark is refused; the high watermark
+    // itself empties the log.
+    assert_eq!(log.delete_records_before(1).unwrap().0, cut);
+    assert!(matches!(
+        log.delete_records_before(81),
+        Err(StorageError::OffsetOutOfRange { .. })
+    ));
+    log.close().unwrap();
+    let (mut log, report) = open(dir.path(), config.clone());
+    assert_eq!(report.next_offset, 80);
+    assert_eq!(
+        log.reader().log_start(),
+        cut,
+        "the start survives a restart"
+    );
+    assert_eq!(read_all(&log.reader(), 1 << 20).len(), 80 - cut as usize);
+    assert_eq!(log.delete_records_before(80).unwrap().0, 80);
+    assert!(read_all(&log.reader(), 1 << 20).is_empty());
+    // Appends go on from the high watermark.
+    assert_eq!(append(&mut log, batch(99, 1, 10, 20_000)), 80);
+    assert_eq!(read_all(&log.reader(), 1 << 20).len(), 1);
+}
+
 /// Only the active segment keeps its file open: sealed ones (a partition may keep thousands)
 /// give theirs up and open it for each read, so segments do not spend the open-file limit
 /// that connections share.

@@ -105,3 +105,40 @@ def test_routes_from_config_file(gateway_factory, uniq, tmp_path):
     assert got == {f"cameras/{cam}/jpeg": b"\xff\xd8jpeg", f"cameras/{cam}/status": b"ok"}
     assert read_keys(gw, "camera-images", {f"cameras/{cam}/jpeg".encode()})[f"cameras/{cam}/jpeg".encode()].value() == b"\xff\xd8jpeg"
     assert f"cameras/{cam}/status".encode() in read_keys(gw, "mqtt", {f"cameras/{cam}/status".encode()})
+
+
+def test_subscribers_follow_the_ledger_topic_as_it_grows(gateway, uniq):
+    """A Kafka admin grows the MQTT ledger topic (CreatePartitions) under connected
+    subscribers: live ones (QoS 0 and 1) and a persistent session's durable one all receive
+    what lands on the new partitions, with no reconnect."""
+    from confluent_kafka.admin import NewPartitions
+
+    prefix = uniq("grown")
+    live0 = gateway.mqtt(4)
+    live0.subscribe(f"{prefix}/#", qos=0)
+    live1 = gateway.mqtt(5)
+    live1.subscribe(f"{prefix}/#", qos=1)
+    durable = gateway.mqtt(5, clean=False, session_expiry=300)
+    durable.subscribe(f"{prefix}/#", qos=1)
+    admin = gateway.admin()
+    before = len(admin.list_topics("mqtt", timeout=10).topics["mqtt"].partitions)
+    admin.create_partitions([NewPartitions("mqtt", before + 3)])["mqtt"].result(timeout=30)
+
+    pub = gateway.mqtt(5)
+    names = [f"{prefix}/{i}" for i in range(24)]
+    for name in names:
+        pub.publish(name, name.encode(), qos=1)
+    # The keys hash over the new count: most names land on the new partitions.
+    found = {}
+    for p in range(before + 3):
+        c = gateway.consumer()
+        c.assign([confluent_kafka.TopicPartition("mqtt", p, confluent_kafka.OFFSET_BEGINNING)])
+        low, high = c.get_watermark_offsets(confluent_kafka.TopicPartition("mqtt", p), timeout=10)
+        if high > low:
+            for m in gateway.poll_messages(c, high - low, 20):
+                found[m.key().decode()] = p
+        c.close()
+    assert any(found.get(n, 0) >= before for n in names), found
+    for client, what in ((live0, "QoS 0 live"), (live1, "QoS 1 live"), (durable, "durable session")):
+        got = client.wait_messages(len(names), what=f"{what}: ")
+        assert sorted(m.topic for m in got) == sorted(names), what

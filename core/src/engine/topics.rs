@@ -11,64 +11,10 @@ impl Engine {
         meta: TopicMeta,
         first_offsets: &[u64],
     ) -> Result<Arc<Topic>> {
-        let inner = &self.inner;
-        let mut partitions: Vec<Partition> = Vec::with_capacity(meta.partitions as usize);
         let data = Arc::new(tokio::sync::Notify::new());
-        for id in 0..meta.partitions {
-            let dir = inner.store.partition_dir(&meta.name, id);
-            let storage = inner.storage.clone();
-            let clock = inner.clock.clone();
-            let log_config = meta.policy.log_config(inner.config.tier.is_some());
-            let first = first_offsets.get(id as usize).copied().unwrap_or(0);
-            let opened = tokio::task::spawn_blocking(move || {
-                if first > 0 {
-                    PartitionLog::create_at(storage.as_ref(), &dir, first)?;
-                }
-                PartitionLog::open(storage, &dir, log_config, clock)
-            })
-            .await
-            .map_err(|_| CoreError::ShuttingDown)
-            .and_then(|r| r.map_err(|e| CoreError::storage(&meta.name, id, e)));
-            let (log, report) = match opened {
-                Ok(opened) => opened,
-                Err(e) => {
-                    // The partitions opened so far hold files (and writers) that nothing
-                    // else would release.
-                    for p in &partitions {
-                        p.shutdown().await;
-                    }
-                    return Err(e);
-                }
-            };
-            if report.truncated_bytes > 0 {
-                info!(
-                    topic = meta.name,
-                    partition = id,
-                    bytes = report.truncated_bytes,
-                    "recovery truncated a partition tail"
-                );
-            }
-            let tier = inner.config.tier.as_ref().map(|tier| {
-                PartitionTier::open(
-                    tier.clone(),
-                    &meta.name,
-                    id,
-                    meta.created_at_ms,
-                    &log.reader(),
-                )
-            });
-            let mut partition = Partition::spawn(
-                &meta.name,
-                id,
-                log,
-                meta.policy.clone(),
-                &inner.config.writer,
-                &inner.shared,
-                data.clone(),
-            );
-            partition.tier = tier;
-            partitions.push(partition);
-        }
+        let partitions = self
+            .open_partitions(&meta, 0..meta.partitions, first_offsets, &data)
+            .await?;
         Ok(Arc::new(Topic {
             meta: parking_lot::RwLock::new(meta),
             partitions,
@@ -77,14 +23,92 @@ impl Engine {
         }))
     }
 
-    /// Refuses a new topic of `partitions` that would take the engine past its topic or
-    /// partition caps (counted). Called under the admin lock, so two creations cannot both
-    /// take the last room.
-    fn check_room(&self, partitions: u32) -> Result<()> {
+    /// Opens (creating when new) partitions `ids` of a topic, each starting at
+    /// `first_offsets[id]` when new (0 when not given). On a failure the ones opened are shut.
+    async fn open_partitions(
+        &self,
+        meta: &TopicMeta,
+        ids: std::ops::Range<u32>,
+        first_offsets: &[u64],
+        data: &Arc<tokio::sync::Notify>,
+    ) -> Result<Vec<Partition>> {
+        let mut partitions: Vec<Partition> = Vec::with_capacity(ids.len());
+        for id in ids {
+            match self.open_partition(meta, id, first_offsets, data).await {
+                Ok(p) => partitions.push(p),
+                Err(e) => {
+                    // The partitions opened so far hold files (and writers) that nothing
+                    // else would release.
+                    for p in &partitions {
+                        p.shutdown().await;
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(partitions)
+    }
+
+    async fn open_partition(
+        &self,
+        meta: &TopicMeta,
+        id: u32,
+        first_offsets: &[u64],
+        data: &Arc<tokio::sync::Notify>,
+    ) -> Result<Partition> {
+        let inner = &self.inner;
+        let dir = inner.store.partition_dir(&meta.name, id);
+        let storage = inner.storage.clone();
+        let clock = inner.clock.clone();
+        let log_config = meta.policy.log_config(inner.config.tier.is_some());
+        let first = first_offsets.get(id as usize).copied().unwrap_or(0);
+        let (log, report) = tokio::task::spawn_blocking(move || {
+            if first > 0 {
+                PartitionLog::create_at(storage.as_ref(), &dir, first)?;
+            }
+            PartitionLog::open(storage, &dir, log_config, clock)
+        })
+        .await
+        .map_err(|_| CoreError::ShuttingDown)
+        .and_then(|r| r.map_err(|e| CoreError::storage(&meta.name, id, e)))?;
+        if report.truncated_bytes > 0 {
+            info!(
+                topic = meta.name,
+                partition = id,
+                bytes = report.truncated_bytes,
+                "recovery truncated a partition tail"
+            );
+        }
+        let tier = inner.config.tier.as_ref().map(|tier| {
+            PartitionTier::open(
+                tier.clone(),
+                &meta.name,
+                id,
+                meta.created_at_ms,
+                &log.reader(),
+            )
+        });
+        let mut partition = Partition::spawn(
+            &meta.name,
+            id,
+            log,
+            meta.policy.clone(),
+            &inner.config.writer,
+            &inner.shared,
+            data.clone(),
+        );
+        partition.tier = tier;
+        Ok(partition)
+    }
+
+    /// Refuses a new topic (`new_topic`) or new partitions of one that would take the engine
+    /// past its topic or partition caps (counted). Called under the admin lock, so two
+    /// creations cannot both take the last room.
+    fn check_room(&self, new_topic: bool, partitions: u32) -> Result<()> {
         let config = &self.inner.config;
         let topics = self.inner.topics.len();
         let held: usize = self.inner.topics.iter().map(|t| t.partitions.len()).sum();
-        let refused = if topics >= config.max_topics {
+        let refused = if new_topic && topics >= config.max_topics {
             Some(("topics", config.max_topics, "topics.max_topics"))
         } else if held + partitions as usize > config.max_partitions {
             Some(("partitions", config.max_partitions, "topics.max_partitions"))
@@ -131,14 +155,7 @@ impl Engine {
     ) -> Result<TopicDescription> {
         validate_topic_name(name)?;
         self.check_writable(name)?;
-        let max = if self.system {
-            MAX_PARTITIONS
-        } else {
-            self.inner
-                .config
-                .max_partitions_per_topic
-                .min(MAX_PARTITIONS)
-        };
+        let max = self.max_partitions_per_topic();
         if partitions == 0 || partitions > max {
             return Err(CoreError::InvalidPartitionCount {
                 requested: partitions,
@@ -156,7 +173,7 @@ impl Engine {
             });
         }
         if !self.system {
-            self.check_room(partitions)?;
+            self.check_room(true, partitions)?;
         }
         let meta = TopicMeta::new(name, partitions, policy, self.now_ms());
         let store = self.inner.store.clone();
@@ -183,6 +200,131 @@ impl Engine {
         self.inner.topics.insert(name.to_owned(), topic);
         info!(topic = name, partitions, "topic created");
         self.describe_topic(name)
+    }
+
+    /// Most partitions a topic may have through this handle.
+    fn max_partitions_per_topic(&self) -> u32 {
+        if self.system {
+            MAX_PARTITIONS
+        } else {
+            self.inner
+                .config
+                .max_partitions_per_topic
+                .min(MAX_PARTITIONS)
+        }
+    }
+
+    /// Grows a topic to `count` partitions (Kafka's CreatePartitions; a topic never shrinks).
+    /// Records already written stay where they are; keys hash over the new count from the
+    /// next produce. Every reader that follows a whole topic (named subscriptions here, live
+    /// readers through [`Engine::partitions_beyond`]) picks the new partitions up.
+    pub async fn create_partitions(&self, name: &str, count: u32) -> Result<TopicDescription> {
+        self.create_partitions_at(name, count, &[]).await
+    }
+
+    /// [`Self::create_partitions`] where a new partition `id` gives its first record the
+    /// offset `first_offsets[id]` (0 when not given): a relay's copy growing with its upstream.
+    pub async fn create_partitions_at(
+        &self,
+        name: &str,
+        count: u32,
+        first_offsets: &[u64],
+    ) -> Result<TopicDescription> {
+        self.check_writable(name)?;
+        self.check_open()?;
+        let _admin = self.inner.admin.lock().await;
+        let topic = self.topic(name)?;
+        let current = topic.partitions.len() as u32;
+        self.check_growth(name, current, count)?;
+        if !self.system {
+            self.check_room(false, count - current)?;
+        }
+        let mut meta = topic.meta.read().clone();
+        meta.partitions = count;
+        let added = self
+            .open_partitions(&meta, current..count, first_offsets, &topic.data)
+            .await?;
+        let store = self.inner.store.clone();
+        let saved = meta.clone();
+        let persisted = tokio::task::spawn_blocking(move || store.save_topic(&saved))
+            .await
+            .map_err(|_| CoreError::ShuttingDown)
+            .and_then(|r| r);
+        if let Err(e) = persisted {
+            // The new partitions' directories stay, empty: a later growth opens them again.
+            for p in &added {
+                p.shutdown().await;
+            }
+            return Err(e);
+        }
+        let mut partitions = topic.partitions.clone();
+        partitions.extend(added);
+        let grown = Arc::new(Topic {
+            meta: parking_lot::RwLock::new(meta),
+            partitions,
+            round_robin: AtomicU32::new(topic.round_robin.load(Ordering::Relaxed)),
+            data: topic.data.clone(),
+        });
+        self.inner.topics.insert(name.to_owned(), grown);
+        for sub in self.inner.subscriptions.iter() {
+            if sub.key().0 == name {
+                sub.value().grow(count);
+            }
+        }
+        self.inner.growths.fetch_add(1, Ordering::AcqRel);
+        self.inner.grown.notify_waiters();
+        topic.data.notify_waiters();
+        info!(
+            topic = name,
+            from = current,
+            to = count,
+            "topic partitions added"
+        );
+        self.describe_topic(name)
+    }
+
+    /// Checks a growth of `topic` from `current` to `count` partitions.
+    fn check_growth(&self, topic: &str, current: u32, count: u32) -> Result<()> {
+        if count <= current {
+            return Err(CoreError::PartitionsNotGrown {
+                topic: topic.to_owned(),
+                current,
+                requested: count,
+            });
+        }
+        let max = self.max_partitions_per_topic();
+        if count > max {
+            return Err(CoreError::InvalidPartitionCount {
+                requested: count,
+                max,
+            });
+        }
+        Ok(())
+    }
+
+    /// Waits until `topic` has more than `known` partitions, and returns its count then: for
+    /// readers of a whole topic, to follow it as it grows. Fails once the topic is gone.
+    pub async fn partitions_beyond(&self, topic: &str, known: u32) -> Result<u32> {
+        loop {
+            let grown = self.growth();
+            let count = self.partition_count(topic)?;
+            if count > known {
+                return Ok(count);
+            }
+            grown.await;
+        }
+    }
+
+    /// Resolves at the next growth of any topic after this call: for a reader that follows
+    /// many topics from one loop and checks them itself. Made before the check it guards, so
+    /// that no growth between the two is missed.
+    pub fn growth(&self) -> Growth {
+        Growth {
+            growths: self.inner.growths.clone(),
+            grown: self.inner.grown.clone(),
+            seen: self.inner.growths.load(Ordering::Acquire),
+            signal: None,
+        }
     }
 
     /// Deletes a topic and all its data. Appends in flight finish or fail first.

@@ -45,7 +45,9 @@ pub(crate) fn code(e: &CoreError) -> i16 {
             INVALID_TOPIC_EXCEPTION
         }
         CoreError::InvalidPolicy { .. } => INVALID_CONFIG,
-        CoreError::InvalidPartitionCount { .. } => INVALID_PARTITIONS,
+        CoreError::InvalidPartitionCount { .. } | CoreError::PartitionsNotGrown { .. } => {
+            INVALID_PARTITIONS
+        }
         CoreError::LimitReached { .. } => POLICY_VIOLATION,
         CoreError::MessageTooLarge { .. } => MESSAGE_TOO_LARGE,
         CoreError::InvalidBatch(BatchError::CrcMismatch { .. }) => CORRUPT_MESSAGE,

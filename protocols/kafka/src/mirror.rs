@@ -101,6 +101,10 @@ pub struct MirrorStats {
     pub links_down: u64,
 }
 
+/// How often a followed topic's partition count is checked upstream: a relay is
+/// infrastructure, so it looks more often than a Kafka client's `metadata.max.age.ms`.
+const GROWTH_CHECK: Duration = Duration::from_secs(5);
+
 /// Follows upstream topics on demand; install with [`Engine::set_topic_source`].
 #[derive(Debug)]
 pub struct Mirror {
@@ -188,7 +192,9 @@ impl Mirror {
             )
             .await
         {
-            Ok(_) | Err(CoreError::TopicExists { .. }) => {}
+            Ok(_) => {}
+            // A copy kept from before a restart, when the upstream may have grown since.
+            Err(CoreError::TopicExists { .. }) => self.grow_copy(topic, partitions, &first).await?,
             Err(e) => return Err(e),
         }
         followed.insert(topic.to_owned());
@@ -228,6 +234,7 @@ impl Mirror {
         let mut backoff = Duration::ZERO;
         // Which partition each fetch lists first (see `fetch_request`).
         let mut round = 0usize;
+        let mut checked = tokio::time::Instant::now();
         loop {
             if !backoff.is_zero() {
                 tokio::select! {
@@ -262,13 +269,17 @@ impl Mirror {
                 r = c.fetch(&topic, &next, first, &self.settings) => r,
                 _ = stop.wait_for(|&s| s) => return,
             };
-            let applied = match fetched {
+            let mut applied = match fetched {
                 Ok(resp) => self.apply(&topic, &mut next, resp, c).await,
                 Err(e) => {
                     self.set_link(&mut down, true);
                     Err(upstream_error(e))
                 }
             };
+            if applied.is_ok() && checked.elapsed() >= GROWTH_CHECK {
+                checked = tokio::time::Instant::now();
+                applied = self.grow(&topic, &mut next, c).await;
+            }
             match applied {
                 Ok(()) => backoff = Duration::ZERO,
                 Err(e) => {
@@ -277,6 +288,44 @@ impl Mirror {
                     backoff = failed;
                 }
             }
+        }
+    }
+
+    /// Follows the upstream topic's growth (CreatePartitions there): the copy gets the new
+    /// partitions, each followed from its upstream start, so nothing written to them before
+    /// this check is missed and their offsets stay the upstream's.
+    async fn grow(
+        &self,
+        topic: &str,
+        next: &mut Vec<i64>,
+        conn: &mut Conn,
+    ) -> Result<(), CoreError> {
+        let count = conn.partitions(topic).await?;
+        if count as usize <= next.len() {
+            return Ok(());
+        }
+        let starts = conn.list_offsets(topic, count, -2).await?;
+        let first: Vec<u64> = starts.iter().map(|&o| o.max(0) as u64).collect();
+        self.grow_copy(topic, count, &first).await?;
+        info!(
+            topic,
+            from = next.len(),
+            to = count,
+            "relay: the upstream topic grew; following its new partitions"
+        );
+        next.extend_from_slice(&starts[next.len()..]);
+        Ok(())
+    }
+
+    /// Grows the local copy to `count` partitions when it has fewer, a new one `id` starting
+    /// at `first[id]`.
+    async fn grow_copy(&self, topic: &str, count: u32, first: &[u64]) -> Result<(), CoreError> {
+        if self.engine.partition_count(topic)? >= count {
+            return Ok(());
+        }
+        match self.engine.create_partitions_at(topic, count, first).await {
+            Ok(_) | Err(CoreError::PartitionsNotGrown { .. }) => Ok(()),
+            Err(e) => Err(e),
         }
     }
 

@@ -649,6 +649,12 @@ impl KafkaServer {
             RequestKind::DeleteTopics(r) => {
                 ResponseKind::DeleteTopics(handlers::delete_topics::handle(self, conn, r).await)
             }
+            RequestKind::CreatePartitions(r) => ResponseKind::CreatePartitions(
+                handlers::create_partitions::handle(self, conn, r).await,
+            ),
+            RequestKind::DeleteRecords(r) => {
+                ResponseKind::DeleteRecords(handlers::delete_records::handle(self, conn, r).await)
+            }
             RequestKind::DescribeConfigs(r) => {
                 ResponseKind::DescribeConfigs(handlers::describe_configs::handle(self, conn, r))
             }

@@ -99,6 +99,8 @@ pub fn classify(
         ["topics", t] if read => topic(Action::Subscribe, t),
         ["topics", t] => topic(Action::Admin, t),
         ["topics", t, "policy" | "offload"] => topic(Action::Admin, t),
+        ["topics", t, "partitions"] if !read => topic(Action::Admin, t),
+        ["topics", t, "partitions", _, "delete-records"] => topic(Action::Admin, t),
         ["topics", t, "records" | "batches"] if !read => topic(Action::Publish, t),
         ["topics", t, "partitions", _, "records"] if !read => topic(Action::Publish, t),
         ["topics", t, ..] => topic(Action::Subscribe, t),
@@ -256,6 +258,14 @@ mod tests {
         );
         assert_eq!(
             c(Method::POST, "/topics/a/offload"),
+            Need::Topic(Action::Admin, "a".into())
+        );
+        assert_eq!(
+            c(Method::PUT, "/topics/a/partitions"),
+            Need::Topic(Action::Admin, "a".into())
+        );
+        assert_eq!(
+            c(Method::POST, "/topics/a/partitions/0/delete-records"),
             Need::Topic(Action::Admin, "a".into())
         );
         assert_eq!(

@@ -302,6 +302,8 @@ pub fn router_with(api: Arc<RestApi>, extra: OpenApiRouter) -> Router {
         .routes(routes!(topics::describe, topics::delete))
         .routes(routes!(topics::set_policy))
         .routes(routes!(topics::offload))
+        .routes(routes!(topics::grow))
+        .routes(routes!(topics::delete_records))
         .routes(routes!(records::produce))
         .routes(routes!(records::produce_batch))
         .routes(routes!(records::fetch))

@@ -108,6 +108,7 @@ impl From<CoreError> for Problem {
             CoreError::InvalidTopicName { .. }
             | CoreError::InvalidPolicy { .. }
             | CoreError::InvalidPartitionCount { .. }
+            | CoreError::PartitionsNotGrown { .. }
             | CoreError::InvalidGroupId { .. }
             | CoreError::InvalidSubscriptionName { .. }
             | CoreError::CommitMetadataTooLarge { .. }

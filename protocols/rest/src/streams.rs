@@ -20,7 +20,8 @@ use base64::engine::general_purpose::STANDARD as BASE64;
 use futures_util::Stream;
 use serde::{Deserialize, Serialize};
 use sluice_core::{
-    CoreError, DecodedRecord, LiveItem, LiveOptions, LiveRecords, SlowPolicy, StartAt,
+    CoreError, DecodedRecord, Engine, LiveItem, LiveOptions, LiveRecords, LiveSubscriber,
+    SlowPolicy, StartAt,
 };
 use sluice_metrics::Gauge;
 use tokio::sync::mpsc;
@@ -118,22 +119,69 @@ async fn attach(
         subscribers.push(api.engine.subscribe_live(topic, p, options.clone())?);
     }
     let (tx, rx) = mpsc::channel(QUEUED_ITEMS);
-    for mut sub in subscribers {
-        let tx = tx.clone();
-        tokio::spawn(async move {
-            loop {
-                let item = tokio::select! {
-                    item = sub.next() => item,
-                    () = tx.closed() => return,
-                };
-                let failed = item.is_err();
-                if tx.send((sub.partition(), item)).await.is_err() || failed {
+    for sub in subscribers {
+        tokio::spawn(forward(sub, tx.clone()));
+    }
+    if q.partition.is_none() {
+        tokio::spawn(follow_growth(
+            api.engine.clone(),
+            topic.to_owned(),
+            count,
+            options.policy,
+            tx,
+        ));
+    }
+    Ok(rx)
+}
+
+/// Hands what one partition's subscriber delivers to the stream, until the stream goes away
+/// or the subscriber fails (its failure is delivered too).
+async fn forward(mut sub: LiveSubscriber, tx: mpsc::Sender<Delivery>) {
+    loop {
+        let item = tokio::select! {
+            item = sub.next() => item,
+            () = tx.closed() => return,
+        };
+        let failed = item.is_err();
+        if tx.send((sub.partition(), item)).await.is_err() || failed {
+            return;
+        }
+    }
+}
+
+/// Attaches the stream to the partitions a topic gains while it is open (CreatePartitions),
+/// each read from its start so that nothing written there is missed.
+async fn follow_growth(
+    engine: Engine,
+    topic: String,
+    mut known: u32,
+    policy: SlowPolicy,
+    tx: mpsc::Sender<Delivery>,
+) {
+    loop {
+        let grown = tokio::select! {
+            grown = engine.partitions_beyond(&topic, known) => grown,
+            () = tx.closed() => return,
+        };
+        let Ok(count) = grown else { return };
+        for p in known..count {
+            let options = LiveOptions {
+                start: StartAt::Offset(engine.offsets(&topic, p).map_or(0, |(start, _)| start)),
+                policy,
+                ..LiveOptions::default()
+            };
+            match engine.subscribe_live(&topic, p, options) {
+                Ok(sub) => {
+                    tokio::spawn(forward(sub, tx.clone()));
+                }
+                Err(e) => {
+                    let _ = tx.send((p, Err(e))).await;
                     return;
                 }
             }
-        });
+        }
+        known = count;
     }
-    Ok(rx)
 }
 
 /// The records of an item still to deliver, or none (counted) when its batch cannot be decoded

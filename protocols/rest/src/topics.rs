@@ -1,4 +1,5 @@
-//! Topic administration: list, create, describe, change the policy, delete.
+//! Topic administration: list, create, describe, change the policy, add partitions, delete
+//! records, delete.
 
 use axum::Json;
 use axum::extract::rejection::{JsonRejection, PathRejection};
@@ -160,6 +161,69 @@ pub(crate) async fn set_policy(
     let current = engine.describe_topic(&topic)?.policy;
     let policy = merged_policy(&current, changes)?;
     Ok(Json(engine.set_policy(&topic, policy).await?.into()))
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Grow {
+    /// The new partition count: more than the topic has (a topic never shrinks).
+    #[schema(minimum = 2)]
+    count: u32,
+}
+
+/// Grows a topic to `count` partitions (Kafka's CreatePartitions). Records already written stay
+/// where they are; keys hash over the new count from the next produce on; readers of the whole
+/// topic (live streams, MQTT subscribers, named subscriptions, consumer groups, relays) follow.
+#[utoipa::path(put, path = "/topics/{topic}/partitions", tag = "topics", params(("topic" = String, Path, pattern = "^[A-Za-z0-9._-]{1,249}$")),
+    request_body = Grow,
+    responses((status = 200, description = "The topic with its new partitions", body = Topic), (status = 400, description = "Bad parameters, or a count that does not grow the topic", body = ProblemBody, content_type = "application/problem+json"), (status = 403, description = "An internal topic (`__`): read-only for clients", body = ProblemBody, content_type = "application/problem+json"), (status = 404, description = "Unknown topic, partition or record", body = ProblemBody, content_type = "application/problem+json"), (status = 409, description = "The gateway holds its most partitions", body = ProblemBody, content_type = "application/problem+json"), (status = 503, description = "Shutting down or overloaded; retry after Retry-After seconds", body = ProblemBody, content_type = "application/problem+json")))]
+pub(crate) async fn grow(
+    State(api): State<Arc<RestApi>>,
+    topic: Result<Path<String>, PathRejection>,
+    body: Result<Json<Grow>, JsonRejection>,
+) -> Result<Json<Topic>, Problem> {
+    let topic = path(topic)?;
+    let req = json(body)?;
+    Ok(Json(
+        api.engine
+            .create_partitions(&topic, req.count)
+            .await?
+            .into(),
+    ))
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct DeleteRecords {
+    /// The partition's new first offset, at most its high watermark.
+    before: u64,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub(crate) struct RecordsDeleted {
+    /// The partition's first offset now.
+    log_start: u64,
+}
+
+/// Deletes a partition's records below an offset (Kafka's DeleteRecords): its log start moves
+/// there for good, and reads below it are out of range. An offset at or below the log start
+/// changes nothing.
+#[utoipa::path(post, path = "/topics/{topic}/partitions/{partition}/delete-records", tag = "topics",
+    params(("topic" = String, Path, pattern = "^[A-Za-z0-9._-]{1,249}$"), ("partition" = u32, Path)),
+    request_body = DeleteRecords,
+    responses((status = 200, description = "The partition's log start now", body = RecordsDeleted), (status = 400, description = "Bad parameters", body = ProblemBody, content_type = "application/problem+json"), (status = 403, description = "An internal topic (`__`): read-only for clients", body = ProblemBody, content_type = "application/problem+json"), (status = 404, description = "Unknown topic or partition, or an offset past the high watermark", body = ProblemBody, content_type = "application/problem+json"), (status = 503, description = "Shutting down or overloaded; retry after Retry-After seconds", body = ProblemBody, content_type = "application/problem+json")))]
+pub(crate) async fn delete_records(
+    State(api): State<Arc<RestApi>>,
+    p: Result<Path<(String, u32)>, PathRejection>,
+    body: Result<Json<DeleteRecords>, JsonRejection>,
+) -> Result<Json<RecordsDeleted>, Problem> {
+    let (topic, partition) = path(p)?;
+    let req = json(body)?;
+    let log_start = api
+        .engine
+        .delete_records(&topic, partition, req.before)
+        .await?;
+    Ok(Json(RecordsDeleted { log_start }))
 }
 
 #[derive(Debug, Serialize, ToSchema)]

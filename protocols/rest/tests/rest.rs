@@ -65,6 +65,68 @@ async fn a_two_megabyte_jpeg_round_trips_byte_identical_with_its_content_type() 
     assert!(headers.contains(&("camera", &b"north-gate"[..])));
 }
 
+/// `PUT /topics/{t}/partitions` grows a topic (never shrinks it) and
+/// `POST /topics/{t}/partitions/{p}/delete-records` moves a partition's log start.
+#[tokio::test]
+async fn partitions_are_added_and_records_deleted() {
+    let s = start().await;
+    s.engine.create_topic("grows", 1, None).await.unwrap();
+    let send = |method: reqwest::Method, path: &str, body: serde_json::Value| {
+        s.http
+            .request(method, format!("{}{path}", s.base))
+            .body(body.to_string())
+            .header("content-type", "application/json")
+            .send()
+    };
+    let grown = send(
+        reqwest::Method::PUT,
+        "/topics/grows/partitions",
+        json!({"count": 3}),
+    )
+    .await
+    .unwrap();
+    assert_eq!(grown.status(), 200);
+    assert_eq!(
+        json_of(grown).await["partitions"].as_array().unwrap().len(),
+        3
+    );
+    let shrunk = send(
+        reqwest::Method::PUT,
+        "/topics/grows/partitions",
+        json!({"count": 2}),
+    )
+    .await
+    .unwrap();
+    assert_problem(shrunk, 400, "bad-request").await;
+
+    for i in 0..5u8 {
+        s.engine
+            .produce(
+                "grows",
+                sluice_core::PartitionChoice::Id(1),
+                &[sluice_core::Record {
+                    timestamp: 0,
+                    key: None,
+                    value: Some(vec![i].into()),
+                    headers: vec![],
+                }],
+            )
+            .await
+            .unwrap();
+    }
+    let path = "/topics/grows/partitions/1/delete-records";
+    let deleted = send(reqwest::Method::POST, path, json!({"before": 3}))
+        .await
+        .unwrap();
+    assert_eq!(deleted.status(), 200);
+    assert_eq!(json_of(deleted).await["log_start"], 3);
+    assert_eq!(s.engine.offsets("grows", 1).unwrap(), (3, 5));
+    let past = send(reqwest::Method::POST, path, json!({"before": 9}))
+        .await
+        .unwrap();
+    assert_problem(past, 404, "offset-out-of-range").await;
+}
+
 #[tokio::test]
 async fn topics_are_created_described_changed_listed_and_deleted() {
     let s = start().await;

@@ -81,6 +81,46 @@ async fn a_websocket_stream_reaches_several_clients_with_values_unchanged() {
     assert!(exported(&s.api, "sluice_rest_records_streamed_total") >= 8);
 }
 
+/// A stream of a whole topic follows it as it grows (CreatePartitions): records written to a
+/// new partition reach it, from that partition's start.
+#[tokio::test]
+async fn a_stream_of_a_whole_topic_follows_its_new_partitions() {
+    let s = start().await;
+    s.engine.create_topic("grows", 1, None).await.unwrap();
+    let mut c = ws(&s, "/topics/grows/ws?meta=true").await;
+    until("the stream attached", || {
+        exported(&s.api, "sluice_rest_websocket_streams") == 1
+    })
+    .await;
+    s.engine.create_partitions("grows", 3).await.unwrap();
+    // Written before the stream can have noticed the growth: read from the partition's start.
+    s.engine
+        .produce(
+            "grows",
+            sluice_core::PartitionChoice::Id(2),
+            &[sluice_core::Record {
+                timestamp: 0,
+                key: None,
+                value: Some(b"on the new partition".to_vec().into()),
+                headers: vec![],
+            }],
+        )
+        .await
+        .unwrap();
+    let Message::Text(meta) = frame(&mut c).await else {
+        panic!("a meta frame comes first")
+    };
+    let meta: serde_json::Value = serde_json::from_str(meta.as_str()).unwrap();
+    assert_eq!(
+        (meta["partition"].as_u64(), meta["offset"].as_u64()),
+        (Some(2), Some(0))
+    );
+    assert_eq!(
+        frame(&mut c).await,
+        Message::Binary(b"on the new partition".to_vec().into())
+    );
+}
+
 #[tokio::test]
 async fn streams_start_at_an_offset_or_at_the_latest_keyframe() {
     let s = start().await;

@@ -13,15 +13,16 @@ impl LogReader {
     }
 
     /// The first offset of the log: of its offloaded part when that reaches the local
-    /// segments, else of the local segments.
+    /// segments, else of the local segments; never below the start DeleteRecords set.
     pub fn log_start(&self) -> u64 {
         let local = self.local_start();
         let remote = self.shared.remote.read();
-        if remote.log.is_some() && remote.start < local && remote.end >= local {
+        let stored = if remote.log.is_some() && remote.start < local && remote.end >= local {
             remote.start
         } else {
             local
-        }
+        };
+        stored.max(self.shared.records_start.load(Ordering::Acquire))
     }
 
     /// The first offset of the local segments.
@@ -158,8 +159,20 @@ impl LogReader {
 
     /// The first offset whose record timestamp is at or after `timestamp` (with that record's
     /// timestamp), or `None` when every record is older.
+    /// Never an offset below the log start: a record DeleteRecords removed but a segment still
+    /// holds answers with the log start instead.
     pub fn offset_for_timestamp(&self, timestamp: i64) -> Result<Option<(u64, i64)>> {
         let high_watermark = self.high_watermark();
+        let log_start = self.log_start();
+        let found = self.stored_offset_for_timestamp(timestamp, high_watermark)?;
+        Ok(found.map(|(offset, ts)| (offset.max(log_start), ts)))
+    }
+
+    fn stored_offset_for_timestamp(
+        &self,
+        timestamp: i64,
+        high_watermark: u64,
+    ) -> Result<Option<(u64, i64)>> {
         if let Some(remote) = self.remote_below_local()
             && let Some(found) = remote.offset_for_timestamp(timestamp)?
         {

@@ -191,11 +191,13 @@ impl PartitionLog {
         report.segments = segments.len();
         report.next_offset = next_offset;
         let log_start = segments[0].base_offset;
+        let records_start = Self::load_records_start(storage.as_ref(), dir).min(next_offset);
         let shared = Arc::new(Shared {
             dir: dir.to_path_buf(),
             segments: RwLock::new(segments),
             high_watermark: AtomicU64::new(next_offset),
             log_start: AtomicU64::new(log_start),
+            records_start: AtomicU64::new(records_start),
             poisoned: AtomicBool::new(false),
             remote: RwLock::new(Remote::default()),
         });
@@ -216,6 +218,26 @@ impl PartitionLog {
             },
             report,
         ))
+    }
+
+    /// The log start a DeleteRecords request left in [`LOG_START_FILE`] (0 when none). It is
+    /// written whole or not at all, so a file that does not parse was not written by us:
+    /// it is reported and ignored.
+    fn load_records_start(storage: &dyn Storage, dir: &Path) -> u64 {
+        let path = dir.join(LOG_START_FILE);
+        let Ok(bytes) = storage.read_file(&path) else {
+            return 0;
+        };
+        match std::str::from_utf8(&bytes)
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+        {
+            Some(start) => start,
+            None => {
+                warn!(file = %path.display(), "ignoring a log start file that does not hold a number");
+                0
+            }
+        }
     }
 
     fn load_seal(storage: &dyn Storage, segment: &Segment, len: u64) -> Option<SegmentMeta> {

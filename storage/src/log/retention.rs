@@ -41,6 +41,34 @@ impl PartitionLog {
         self.drop_oldest(outcome)
     }
 
+    /// Moves the log start up to `offset` (Kafka's DeleteRecords): offsets below it are no
+    /// longer read, whatever segment still holds them, and the sealed segments wholly below
+    /// it are deleted. The new start is made durable ([`LOG_START_FILE`]) before anything
+    /// else changes, so a crash cannot bring deleted records back. An `offset` at or below
+    /// the log start changes nothing; one above the high watermark is refused. Returns the
+    /// log start after it and what was deleted.
+    pub fn delete_records_before(&mut self, offset: u64) -> Result<(u64, RetentionOutcome)> {
+        let reader = self.reader();
+        let (log_start, high_watermark) = (reader.log_start(), reader.high_watermark());
+        if offset > high_watermark {
+            return Err(StorageError::OffsetOutOfRange {
+                offset,
+                log_start,
+                high_watermark,
+            });
+        }
+        if offset <= log_start {
+            return Ok((log_start, RetentionOutcome::default()));
+        }
+        let path = self.shared.dir.join(LOG_START_FILE);
+        self.storage
+            .write_file_atomic(&path, offset.to_string().as_bytes())
+            .map_err(StorageError::io("write", &path))?;
+        self.shared.records_start.store(offset, Ordering::Release);
+        let outcome = self.delete_segments_before(offset)?;
+        Ok((reader.log_start(), outcome))
+    }
+
     /// Takes the sealed segments wholly below `offset` out of the log, as
     /// [`Self::delete_segments_before`] does, but leaves deleting their files to the caller
     /// ([`DetachedSegments::remove`]), off the writer: for segments a copy of which is kept

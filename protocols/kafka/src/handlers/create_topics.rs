@@ -123,29 +123,7 @@ fn partition_count(
         let mut seen = vec![false; assignments.len()];
         for a in assignments {
             let brokers: Vec<i32> = a.broker_ids.iter().map(|b| b.0).collect();
-            if brokers.is_empty() {
-                return refuse(
-                    errors::INVALID_REPLICA_ASSIGNMENT,
-                    "The manual partition assignment includes an empty replica list.".into(),
-                );
-            }
-            if let Some(other) = brokers.iter().find(|&&b| b != NODE_ID) {
-                return refuse(
-                    errors::INVALID_REPLICA_ASSIGNMENT,
-                    format!(
-                        "The manual partition assignment includes broker {other}, but no broker \
-                         with that ID is registered (this single Sluice node is broker {NODE_ID})."
-                    ),
-                );
-            }
-            if brokers.len() > 1 {
-                return refuse(
-                    errors::INVALID_REPLICA_ASSIGNMENT,
-                    format!(
-                        "The manual partition assignment includes the broker {NODE_ID} more than once."
-                    ),
-                );
-            }
+            check_replicas(&brokers)?;
             match usize::try_from(a.partition_index)
                 .ok()
                 .and_then(|i| seen.get_mut(i))
@@ -194,6 +172,26 @@ fn partition_count(
             "Number of partitions was set to an invalid non-positive value.".into(),
         ),
     }
+}
+
+/// Checks one partition's manual replica list: this node, once (KRaft's messages).
+pub(crate) fn check_replicas(brokers: &[i32]) -> Result<(), (i16, String)> {
+    let refuse = |message: String| Err((errors::INVALID_REPLICA_ASSIGNMENT, message));
+    if brokers.is_empty() {
+        return refuse("The manual partition assignment includes an empty replica list.".into());
+    }
+    if let Some(other) = brokers.iter().find(|&&b| b != NODE_ID) {
+        return refuse(format!(
+            "The manual partition assignment includes broker {other}, but no broker with that \
+             ID is registered (this single Sluice node is broker {NODE_ID})."
+        ));
+    }
+    if brokers.len() > 1 {
+        return refuse(format!(
+            "The manual partition assignment includes the broker {NODE_ID} more than once."
+        ));
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -3,7 +3,9 @@
 
 pub(crate) mod alter_configs;
 pub(crate) mod api_versions;
+pub(crate) mod create_partitions;
 pub(crate) mod create_topics;
+pub(crate) mod delete_records;
 pub(crate) mod delete_topics;
 pub(crate) mod describe_cluster;
 pub(crate) mod describe_configs;

@@ -439,36 +439,81 @@ impl<S: Conn> Session<'_, S> {
                         .push(tokio::spawn(feed.durable(consumer, credit, tx)));
                 }
                 None => {
+                    let start = if sub.start_keyframe {
+                        StartAt::LatestFlagged("keyframe".into())
+                    } else {
+                        StartAt::Latest
+                    };
                     for p in 0..partitions {
                         let live = engine.subscribe_live(
                             &ledger_topic,
                             p,
-                            LiveOptions {
-                                start: if sub.start_keyframe {
-                                    StartAt::LatestFlagged("keyframe".into())
-                                } else {
-                                    StartAt::Latest
-                                },
-                                policy: if sub.qos == 0 {
-                                    SlowPolicy::DropOldest
-                                } else {
-                                    SlowPolicy::CatchUp
-                                },
-                                max_lag: MAX_LAG,
-                            },
+                            live_options(sub, start.clone()),
                         )?;
-                        feeds.lives.push(LiveFeed {
-                            feed: feed.clone(),
-                            live,
-                            ended: false,
-                            direct: None,
-                            parked: false,
-                        });
+                        feeds.lives.push(LiveFeed::new(feed.clone(), live));
                     }
                 }
             }
         }
         Ok(feeds)
+    }
+
+    /// Attaches live feeds to the partitions that the ledger topics of the connection's
+    /// subscriptions gained (CreatePartitions), each read from its start so that nothing
+    /// written there is missed. Durable feeds follow by themselves (the engine grows named
+    /// subscriptions).
+    pub(super) fn follow_growth(&mut self) {
+        let engine = &self.server.engine;
+        for subscription in self.subs.values_mut() {
+            let mut known: HashMap<&str, (u32, &Feed)> = HashMap::new();
+            for f in &subscription.lives {
+                let entry = known
+                    .entry(f.feed.ledger_topic.as_str())
+                    .or_insert((0, &f.feed));
+                entry.0 = entry.0.max(f.live.partition() + 1);
+            }
+            let mut added = Vec::new();
+            for (topic, (attached, feed)) in known {
+                let Ok(count) = engine.partition_count(topic) else {
+                    continue;
+                };
+                for p in attached..count {
+                    let start = StartAt::Offset(engine.offsets(topic, p).map_or(0, |(s, _)| s));
+                    if let Ok(live) =
+                        engine.subscribe_live(topic, p, live_options(&feed.sub, start))
+                    {
+                        added.push(LiveFeed::new(feed.clone(), live));
+                    }
+                }
+            }
+            subscription.lives.extend(added);
+        }
+    }
+}
+
+/// How a subscription's live feed reads: QoS 0 drops what it cannot keep up with, QoS 1 and 2
+/// catch up from the log.
+fn live_options(sub: &SavedSub, start: StartAt) -> LiveOptions {
+    LiveOptions {
+        start,
+        policy: if sub.qos == 0 {
+            SlowPolicy::DropOldest
+        } else {
+            SlowPolicy::CatchUp
+        },
+        max_lag: MAX_LAG,
+    }
+}
+
+impl LiveFeed {
+    fn new(feed: Feed, live: sluice_core::LiveSubscriber) -> Self {
+        Self {
+            feed,
+            live,
+            ended: false,
+            direct: None,
+            parked: false,
+        }
     }
 }
 

@@ -216,6 +216,8 @@ impl<S: Conn> Session<'_, S> {
         let kicked = kick.notified();
         let stop = stopped(shutdown);
         tokio::pin!(timer, kicked, stop);
+        // Topics this connection follows live may grow (CreatePartitions).
+        let mut grown = self.server.engine.growth();
         loop {
             // Packets already buffered (CONNECT may have arrived with more behind it).
             while let Some(&first) = inbuf.first() {
@@ -395,6 +397,11 @@ impl<S: Conn> Session<'_, S> {
                     codec::disconnect(self.version, reason::KEEP_ALIVE_TIMEOUT, &mut self.out);
                     let _ = self.flush().await;
                     return Ok(End::Abrupt(why.into()));
+                }
+                () = &mut grown, if !self.subs.is_empty() => {
+                    self.unpark().await?;
+                    grown = self.server.engine.growth();
+                    self.follow_growth();
                 }
                 () = &mut kicked => {
                     let _ = self.unpark().await;

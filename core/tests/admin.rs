@@ -1,0 +1,234 @@
+//! Kafka's admin operations on the engine: growing a topic (CreatePartitions) with every kind
+//! of reader following it, and moving a partition's log start (DeleteRecords).
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use sluice_core::{
+    CoreError, InitialPosition, PartitionChoice, SlowPolicy, StartAt, SubscribeOptions,
+    SubscriptionType, partition_for_key,
+};
+
+const WAIT: Duration = Duration::from_secs(20);
+
+async fn produce_key(engine: &sluice_core::Engine, topic: &str, key: &str) -> u32 {
+    engine
+        .produce(
+            topic,
+            PartitionChoice::Key(key.as_bytes()),
+            &[record(key, key.as_bytes(), now())],
+        )
+        .await
+        .unwrap()
+        .partition
+}
+
+/// A topic grows and never shrinks; what was written stays where it was, keys hash over the
+/// new count from then on, and the growth survives a restart.
+#[tokio::test]
+async fn a_topic_grows_keeps_its_records_and_hashes_keys_over_the_new_count() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = open(dir.path()).await;
+    engine.create_topic("t", 2, None).await.unwrap();
+    let keys: Vec<String> = (0..40).map(|i| format!("device-{i}")).collect();
+    for k in &keys {
+        assert_eq!(
+            produce_key(&engine, "t", k).await,
+            partition_for_key(k.as_bytes(), 2)
+        );
+    }
+    let before: Vec<_> = (0..2).map(|p| engine.offsets("t", p).unwrap()).collect();
+
+    let grown = engine.create_partitions("t", 5).await.unwrap();
+    assert_eq!(grown.partitions.len(), 5);
+    for p in 0..2 {
+        assert_eq!(engine.offsets("t", p).unwrap(), before[p as usize]);
+    }
+    let mut landed = [0u32; 5];
+    for k in &keys {
+        let p = produce_key(&engine, "t", k).await;
+        assert_eq!(p, partition_for_key(k.as_bytes(), 5));
+        landed[p as usize] += 1;
+    }
+    assert!(landed[2..].iter().sum::<u32>() > 0, "{landed:?}");
+
+    for (count, why) in [(5, "the same count"), (3, "fewer")] {
+        assert!(
+            matches!(
+                engine.create_partitions("t", count).await,
+                Err(CoreError::PartitionsNotGrown { current: 5, .. })
+            ),
+            "{why}"
+        );
+    }
+    assert!(matches!(
+        engine.create_partitions("missing", 3).await,
+        Err(CoreError::UnknownTopic { .. })
+    ));
+    engine
+        .system()
+        .create_topic("__state", 1, None)
+        .await
+        .unwrap();
+    assert!(matches!(
+        engine.create_partitions("__state", 2).await,
+        Err(CoreError::InternalTopic { .. })
+    ));
+
+    engine.shutdown().await;
+    drop(engine);
+    let engine = open(dir.path()).await;
+    assert_eq!(engine.partition_count("t").unwrap(), 5);
+    let total: usize = {
+        let mut n = 0;
+        for p in 0..5 {
+            n += read_all(&engine, "t", p).await.len();
+        }
+        n
+    };
+    assert_eq!(total, 80);
+}
+
+/// New partitions count against the engine's partition cap, as a new topic's do.
+#[tokio::test]
+async fn growth_is_held_to_the_partition_caps() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = sluice_core::EngineConfig::new(dir.path());
+    config.max_partitions = 4;
+    config.max_partitions_per_topic = 3;
+    let engine = open_with(
+        config,
+        std::sync::Arc::new(sluice_core::FsStorage),
+        std::sync::Arc::new(sluice_core::SystemClock),
+    )
+    .await;
+    engine.create_topic("a", 2, None).await.unwrap();
+    engine.create_topic("b", 1, None).await.unwrap();
+    assert!(matches!(
+        engine.create_partitions("a", 4).await,
+        Err(CoreError::InvalidPartitionCount { max: 3, .. })
+    ));
+    engine.create_partitions("a", 3).await.unwrap();
+    assert!(matches!(
+        engine.create_partitions("b", 2).await,
+        Err(CoreError::LimitReached { .. })
+    ));
+    assert_eq!(engine.partition_count("b").unwrap(), 1);
+}
+
+/// A named subscription reads the new partitions from their start, and after a restart too;
+/// a reader waiting for growth wakes with the new count.
+#[tokio::test]
+async fn named_subscriptions_and_waiting_readers_follow_a_growing_topic() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = open(dir.path()).await;
+    engine.create_topic("t", 1, None).await.unwrap();
+    let options = SubscribeOptions {
+        kind: SubscriptionType::Exclusive,
+        initial_position: InitialPosition::Latest,
+        ack_timeout: None,
+        max_buffered: 1000,
+    };
+    let consumer = engine.subscribe("t", "s", options.clone()).await.unwrap();
+    let waiter = {
+        let engine = engine.clone();
+        tokio::spawn(async move { engine.partitions_beyond("t", 1).await })
+    };
+    engine.create_partitions("t", 3).await.unwrap();
+    assert_eq!(woken(waiter).await.unwrap(), 3);
+    for p in 0..3u32 {
+        engine
+            .produce(
+                "t",
+                PartitionChoice::Id(p),
+                &[record("k", &[p as u8], now())],
+            )
+            .await
+            .unwrap();
+    }
+    let mut got = Vec::new();
+    while got.len() < 3 {
+        let batch = consumer.receive(3, WAIT).await.unwrap();
+        assert!(!batch.is_empty(), "nothing after {got:?}");
+        consumer
+            .ack(&batch.iter().map(|m| m.id).collect::<Vec<_>>())
+            .unwrap();
+        got.extend(batch.into_iter().map(|m| m.id.partition));
+    }
+    got.sort_unstable();
+    assert_eq!(got, [0, 1, 2]);
+    assert_eq!(
+        engine
+            .describe_subscription("t", "s")
+            .unwrap()
+            .partitions
+            .len(),
+        3
+    );
+    drop(consumer);
+
+    // The saved cursors of a subscription made before a growth cover the new partitions after
+    // a restart, from their start.
+    engine.create_partitions("t", 4).await.unwrap();
+    engine
+        .produce("t", PartitionChoice::Id(3), &[record("k", b"late", now())])
+        .await
+        .unwrap();
+    engine.shutdown().await;
+    drop(engine);
+    let engine = open(dir.path()).await;
+    let consumer = engine.subscribe("t", "s", options).await.unwrap();
+    let got = consumer.receive(10, WAIT).await.unwrap();
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].id.partition, 3);
+    assert_eq!(got[0].record.record.value.as_deref(), Some(&b"late"[..]));
+}
+
+/// DeleteRecords moves the log start, inside a segment too: reads below it are out of range,
+/// live readers starting there begin at it, and it survives a restart.
+#[tokio::test]
+async fn delete_records_moves_the_log_start_and_it_survives_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = open(dir.path()).await;
+    engine.create_topic("t", 1, None).await.unwrap();
+    for i in 0..10u8 {
+        engine
+            .produce("t", PartitionChoice::Id(0), &[record("k", &[i], now())])
+            .await
+            .unwrap();
+    }
+    assert_eq!(engine.delete_records("t", 0, 4).await.unwrap(), 4);
+    assert_eq!(engine.offsets("t", 0).unwrap(), (4, 10));
+    assert!(matches!(
+        engine.fetch("t", 0, 3, 1 << 20).await,
+        Err(CoreError::OffsetOutOfRange { log_start: 4, .. })
+    ));
+    assert_eq!(read_all(&engine, "t", 0).await.len(), 6);
+    assert!(matches!(
+        engine.delete_records("t", 0, 11).await,
+        Err(CoreError::OffsetOutOfRange { .. })
+    ));
+    assert_eq!(
+        engine.delete_records("t", 0, 2).await.unwrap(),
+        4,
+        "never back"
+    );
+    assert!(matches!(
+        engine.delete_records("t", 1, 2).await,
+        Err(CoreError::UnknownPartition { .. })
+    ));
+    let mut live = engine
+        .subscribe_live("t", 0, opts(StartAt::Offset(4), SlowPolicy::CatchUp, 100))
+        .unwrap();
+    assert_eq!(take(&mut live, 6).await[0].0, 4);
+
+    engine.shutdown().await;
+    drop(engine);
+    let engine = open(dir.path()).await;
+    assert_eq!(engine.offsets("t", 0).unwrap(), (4, 10));
+    assert_eq!(engine.delete_records("t", 0, 10).await.unwrap(), 10);
+    assert!(read_all(&engine, "t", 0).await.is_empty());
+}

@@ -1,0 +1,156 @@
+"""Kafka admin calls that reshape topics: CreatePartitions (a topic grows, a group rebalances
+onto the new partitions) and DeleteRecords (a partition's log start moves), through
+confluent-kafka's AdminClient and kafka-python's KafkaAdminClient."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+from confluent_kafka import KafkaError, OFFSET_BEGINNING, OFFSET_END, TopicPartition
+from confluent_kafka.admin import NewPartitions, NewTopic
+
+from harness import assert_out_of_range, poll_messages
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:12]}"
+
+
+def create(admin, topic: str, partitions: int) -> None:
+    admin.create_topics([NewTopic(topic, num_partitions=partitions, replication_factor=1)],
+                        operation_timeout=10)[topic].result(timeout=30)
+
+
+def partition_count(admin, topic: str) -> int:
+    return len(admin.list_topics(topic, timeout=10).topics[topic].partitions)
+
+
+def kafka_python_admin(gateway):
+    from kafka.admin import KafkaAdminClient
+
+    return KafkaAdminClient(bootstrap_servers=[gateway.bootstrap], client_id="kafka-python-admin",
+                            request_timeout_ms=20000)
+
+
+def test_create_partitions_grows_a_topic_and_a_group_rebalances_onto_it(gateway):
+    admin = gateway.admin()
+    topic = unique("grown")
+    create(admin, topic, 2)
+    before = gateway.produce(topic, [{"value": f"old{i}".encode(), "partition": i % 2} for i in range(4)])
+    c = gateway.consumer(**{"group.id": unique("scaling"), "topic.metadata.refresh.interval.ms": 500})
+    c.subscribe([topic])
+    assert sorted(m.value() for m in poll_messages(c, 4, 60)) == [b"old0", b"old1", b"old2", b"old3"]
+    c.commit(asynchronous=False)  # the rebalance hands the old partitions back at these
+
+    admin.create_partitions([NewPartitions(topic, 4)])[topic].result(timeout=30)
+    assert partition_count(admin, topic) == 4
+    # The group's member follows the metadata change: it rejoins and is given all four.
+    deadline = time.monotonic() + 60
+    while len(c.assignment()) < 4 and time.monotonic() < deadline:
+        c.poll(0.2)
+    assert sorted(tp.partition for tp in c.assignment()) == [0, 1, 2, 3]
+    gateway.produce(topic, [{"value": f"new{p}".encode(), "partition": p} for p in (2, 3)])
+    assert sorted(m.value() for m in poll_messages(c, 2, 60)) == [b"new2", b"new3"]
+    # What was written before the growth stayed where it was.
+    assert [(p, o) for p, o in before] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    assert [m.value() for m in gateway.consume(topic, 2, partitions=(1,))] == [b"old1", b"old3"]
+
+
+def test_create_partitions_refuses_to_shrink_and_validate_only_changes_nothing(gateway):
+    admin = gateway.admin()
+    topic = unique("fixed")
+    create(admin, topic, 3)
+    admin.create_partitions([NewPartitions(topic, 5)], validate_only=True)[topic].result(timeout=30)
+    assert partition_count(admin, topic) == 3
+    for count in (3, 2):
+        with pytest.raises(Exception) as e:
+            admin.create_partitions([NewPartitions(topic, count)])[topic].result(timeout=30)
+        assert e.value.args[0].code() == KafkaError.INVALID_PARTITIONS, count
+    with pytest.raises(Exception) as e:
+        admin.create_partitions([NewPartitions(topic, 5, replica_assignment=[[0], [1]])])[topic].result(timeout=30)
+    assert e.value.args[0].code() == KafkaError.INVALID_REPLICA_ASSIGNMENT
+    missing = unique("missing")
+    with pytest.raises(Exception) as e:
+        admin.create_partitions([NewPartitions(missing, 2)])[missing].result(timeout=30)
+    assert e.value.args[0].code() == KafkaError.UNKNOWN_TOPIC_OR_PART
+    admin.create_partitions([NewPartitions(topic, 5, replica_assignment=[[0], [0]])])[topic].result(timeout=30)
+    assert partition_count(admin, topic) == 5
+
+
+def test_kafka_python_create_partitions(gateway):
+    from kafka.admin import NewPartitions as KNewPartitions
+    from kafka.errors import InvalidPartitionsError
+
+    topic = unique("kpy-grown")
+    create(gateway.admin(), topic, 1)
+    kadmin = kafka_python_admin(gateway)
+    try:
+        kadmin.create_partitions({topic: KNewPartitions(total_count=3)})
+        with pytest.raises(InvalidPartitionsError):
+            kadmin.create_partitions({topic: KNewPartitions(total_count=2)})
+    finally:
+        kadmin.close()
+    assert partition_count(gateway.admin(), topic) == 3
+    gateway.produce(topic, [{"value": b"third", "partition": 2}])
+    assert [m.value() for m in gateway.consume(topic, 1, partitions=(2,))] == [b"third"]
+
+
+def earliest(gateway, topic: str, partition: int = 0) -> int:
+    c = gateway.consumer()
+    try:
+        low, _ = c.get_watermark_offsets(TopicPartition(topic, partition), timeout=10)
+        return low
+    finally:
+        c.close()
+
+
+def test_delete_records_moves_the_log_start_and_readers_below_it_are_out_of_range(gateway_factory):
+    gateway = gateway_factory()
+    admin = gateway.admin()
+    topic = unique("truncated")
+    create(admin, topic, 2)
+    gateway.produce(topic, [{"value": f"v{i}".encode(), "partition": 0} for i in range(10)])
+    done = admin.delete_records([TopicPartition(topic, 0, 6)])
+    result = done[TopicPartition(topic, 0, 6)].result(timeout=30)
+    assert result.low_watermark == 6
+    assert earliest(gateway, topic) == 6
+    assert [m.value() for m in gateway.consume(topic, 4)] == [b"v6", b"v7", b"v8", b"v9"]
+
+    c = gateway.consumer(**{"auto.offset.reset": "error"})
+    c.assign([TopicPartition(topic, 0, 2)])
+    assert_out_of_range(c)
+    c.close()
+
+    past = TopicPartition(topic, 0, 11)
+    with pytest.raises(Exception) as e:
+        admin.delete_records([past])[past].result(timeout=30)
+    assert e.value.args[0].code() == KafkaError.OFFSET_OUT_OF_RANGE
+    # OFFSET_END: everything up to the high watermark; the other partition is untouched.
+    end = TopicPartition(topic, 0, OFFSET_END)
+    assert admin.delete_records([end])[end].result(timeout=30).low_watermark == 10
+    assert earliest(gateway, topic, 1) == 0
+
+    gateway.restart()
+    assert earliest(gateway, topic) == 10
+    gateway.produce(topic, [{"value": b"after", "partition": 0}])
+    c = gateway.consumer()
+    c.assign([TopicPartition(topic, 0, OFFSET_BEGINNING)])
+    got = poll_messages(c, 1, 30)
+    assert (got[0].offset(), got[0].value()) == (10, b"after")
+
+
+def test_kafka_python_delete_records(gateway):
+    from kafka import TopicPartition as KTopicPartition
+
+    topic = unique("kpy-truncated")
+    create(gateway.admin(), topic, 1)
+    gateway.produce(topic, [{"value": f"v{i}".encode()} for i in range(5)])
+    kadmin = kafka_python_admin(gateway)
+    try:
+        result = kadmin.delete_records({KTopicPartition(topic, 0): 3})
+    finally:
+        kadmin.close()
+    assert result[KTopicPartition(topic, 0)]["low_watermark"] == 3
+    assert earliest(gateway, topic) == 3
