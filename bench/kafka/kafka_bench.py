@@ -22,9 +22,10 @@ import time
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
 
 
-def start_gateway(binary, data_dir, partitions):
+def start_gateway(binary, data_dir, partitions, topic_compression):
     env = {k: v for k, v in os.environ.items() if k != "RUST_LOG"}
     env["SLUICE_TOPICS__DEFAULT_PARTITIONS"] = str(partitions)
+    env["SLUICE_TOPICS__DEFAULTS__COMPRESSION"] = topic_compression
     proc = subprocess.Popen(
         [binary, "--data-dir", data_dir, "--http-addr", "127.0.0.1:0", "--kafka-addr", "127.0.0.1:0",
          "--mqtt-addr", "127.0.0.1:0"],
@@ -75,14 +76,18 @@ def main():
     ap.add_argument("--compression", default="none", choices=["none", "gzip", "snappy", "lz4", "zstd"],
                     help="the producer's compression.type; with a codec, values are JSON-like text "
                          "(random bytes do not compress)")
+    ap.add_argument("--topic-compression", default="producer",
+                    choices=["producer", "uncompressed", "gzip", "snappy", "lz4", "zstd"],
+                    help="the topic's compression.type (the gateway rewrites batches in another codec "
+                         "at produce); with a codec, values are JSON-like text")
     ap.add_argument("--json")
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory(dir="target") as data_dir:
-        proc, addr = start_gateway(args.sluice, data_dir, args.partitions)
+        proc, addr = start_gateway(args.sluice, data_dir, args.partitions, args.topic_compression)
         try:
             topic = "bench"
-            if args.compression == "none":
+            if args.compression == "none" and args.topic_compression == "producer":
                 value = os.urandom(args.size)
             else:
                 text = b'{"device":"sensor-%05d","t":21.%d,"status":"ok","seq":%d}' % (7, 3, 12345)
@@ -145,6 +150,7 @@ def main():
     result = {
         "durability": "fsync (default); acks=all",
         "compression": args.compression,
+        "topic_compression": args.topic_compression,
         "records": args.records, "record_bytes": args.size,
         "produce": {"records_per_s": args.records / produce_s, "mb_per_s": mb / produce_s,
                     "latency_ms": {"p50": pct(lat, 0.5) * 1e3, "p99": pct(lat, 0.99) * 1e3,
@@ -162,7 +168,8 @@ def main():
           f"{p['gateway_cpu_us_per_record']:.2f} |")
     print(f"| consume (from the beginning) | {c['records']} | {c['records_per_s']:.0f} | {c['mb_per_s']:.1f} | | | | "
           f"{c['gateway_cpu_us_per_record']:.2f} |")
-    print(f"\nGateway peak RSS {result['gateway_peak_rss_mib']:.0f} MiB.")
+    print(f"\nGateway peak RSS {result['gateway_peak_rss_mib']:.0f} MiB; producer compression "
+          f"{args.compression}, topic compression.type {args.topic_compression}.")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

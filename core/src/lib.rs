@@ -36,10 +36,12 @@ pub use live::{
 pub use meta::{FileMetadataStore, MetadataStore, TopicMeta};
 pub use metrics::{EngineMetrics, PartitionMetrics};
 pub use partition::WriterSettings;
-pub use policy::{Durability, MAX_LIVE_RING_BYTES, MIN_SEGMENT_BYTES, TopicPolicy};
+pub use policy::{
+    Durability, MAX_LIVE_RING_BYTES, MIN_SEGMENT_BYTES, TopicCompression, TopicPolicy,
+};
 pub use sluice_storage::{
-    BatchError, BatchHeader, Clock, DecodedRecord, DirectFsStorage, DirectStats, Fetched,
-    FsStorage, MappedBuf, OpenBatch, PLACED_ENCODE_MIN, Record, Storage, SystemClock,
+    BatchError, BatchHeader, Clock, Compression, DecodedRecord, DirectFsStorage, DirectStats,
+    Fetched, FsStorage, MappedBuf, OpenBatch, PLACED_ENCODE_MIN, Record, Storage, SystemClock,
     decode_records, split_batches,
 };
 pub use subscription::{

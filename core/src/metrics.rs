@@ -30,6 +30,10 @@ pub(crate) struct EngineCounters {
     /// Time from a produce call to its acknowledgement.
     pub(crate) append_latency: Latency,
     pub(crate) rejected_batches: Counter,
+    /// Batches rewritten in their topic's codec at produce, and their bytes before and after.
+    pub(crate) recompressed_batches: Counter,
+    pub(crate) recompressed_bytes_in: Counter,
+    pub(crate) recompressed_bytes_out: Counter,
     /// Stored batches a reader passed over because their records cannot be decoded.
     pub(crate) unreadable_batches: Counter,
     /// Topic creations refused by `max_topics` or `max_partitions`.
@@ -61,6 +65,21 @@ impl EngineCounters {
                 "sluice_rejected_batches_total",
                 "Produced batches refused as invalid or too large.",
                 &self.rejected_batches,
+            ),
+            (
+                "sluice_recompressed_batches_total",
+                "Produced batches rewritten in their topic's compression.type.",
+                &self.recompressed_batches,
+            ),
+            (
+                "sluice_recompressed_in_bytes_total",
+                "Bytes of produced batches before they were rewritten in their topic's codec.",
+                &self.recompressed_bytes_in,
+            ),
+            (
+                "sluice_recompressed_out_bytes_total",
+                "Bytes of the same batches once rewritten (stored).",
+                &self.recompressed_bytes_out,
             ),
             (
                 "sluice_unreadable_batches_total",

@@ -23,6 +23,57 @@ pub enum Durability {
     None,
 }
 
+/// The codec a topic stores its batches in (Kafka's `compression.type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TopicCompression {
+    /// As the producer sent them (Kafka's default).
+    Producer,
+    Uncompressed,
+    Gzip,
+    Snappy,
+    Lz4,
+    Zstd,
+}
+
+impl TopicCompression {
+    /// Every value, with its name in configs.
+    pub const ALL: [(Self, &'static str); 6] = [
+        (Self::Producer, "producer"),
+        (Self::Uncompressed, "uncompressed"),
+        (Self::Gzip, "gzip"),
+        (Self::Snappy, "snappy"),
+        (Self::Lz4, "lz4"),
+        (Self::Zstd, "zstd"),
+    ];
+
+    /// Its name in configs.
+    pub fn name(self) -> &'static str {
+        Self::ALL
+            .iter()
+            .find(|(c, _)| *c == self)
+            .map_or("producer", |(_, n)| n)
+    }
+
+    /// The value named `name`.
+    pub fn parse(name: &str) -> Option<Self> {
+        Self::ALL.iter().find(|(_, n)| *n == name).map(|(c, _)| *c)
+    }
+
+    /// The codec batches are rewritten in (`None`: stored as produced).
+    pub(crate) fn codec(self) -> Option<sluice_storage::Compression> {
+        use sluice_storage::Compression as C;
+        match self {
+            Self::Producer => None,
+            Self::Uncompressed => Some(C::None),
+            Self::Gzip => Some(C::Gzip),
+            Self::Snappy => Some(C::Snappy),
+            Self::Lz4 => Some(C::Lz4),
+            Self::Zstd => Some(C::Zstd),
+        }
+    }
+}
+
 /// A topic's policy. Field names are the config keys of `[topics.defaults]`; −1 means no limit.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -56,6 +107,9 @@ pub struct TopicPolicy {
     /// With remote storage: delete local copies of offloaded segments, oldest first, while the
     /// local part stays at or above this size (−2: as `retention_bytes`; −1: no size limit).
     pub local_retention_bytes: i64,
+    /// The codec batches are stored in: `producer` keeps each as sent; a codec has every batch
+    /// in another rewritten in it once, at produce (Kafka's `compression.type`).
+    pub compression: TopicCompression,
 }
 
 impl Default for TopicPolicy {
@@ -73,6 +127,7 @@ impl Default for TopicPolicy {
             remote_storage_enable: false,
             local_retention_ms: -2,
             local_retention_bytes: -2,
+            compression: TopicCompression::Producer,
         }
     }
 }

@@ -232,3 +232,50 @@ async fn delete_records_moves_the_log_start_and_it_survives_a_restart() {
     assert_eq!(engine.delete_records("t", 0, 10).await.unwrap(), 10);
     assert!(read_all(&engine, "t", 0).await.is_empty());
 }
+
+/// A topic's `compression`: batches in another codec are stored rewritten in the topic's, read
+/// back the same; a policy change applies from the next produce.
+#[tokio::test]
+async fn a_topic_stores_batches_in_its_codec_from_the_next_produce() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = open(dir.path()).await;
+    let policy = sluice_core::TopicPolicy {
+        compression: sluice_core::TopicCompression::Lz4,
+        ..Default::default()
+    };
+    engine
+        .create_topic("t", 1, Some(policy.clone()))
+        .await
+        .unwrap();
+    let readings: Vec<_> = (0..50)
+        .map(|i| record("sensor", format!("{{\"temp\":{i}}}").as_bytes(), now()))
+        .collect();
+    engine
+        .produce("t", PartitionChoice::Id(0), &readings)
+        .await
+        .unwrap();
+    let stored = engine.fetch("t", 0, 0, 1 << 20).await.unwrap().data;
+    let header = sluice_core::BatchHeader::parse(&stored).unwrap();
+    assert_eq!(header.compression(), sluice_core::Compression::Lz4);
+    let back = read_all(&engine, "t", 0).await;
+    assert!(back.iter().zip(&readings).all(|(d, r)| d.record == *r));
+    assert_eq!(exported(&engine, "sluice_recompressed_batches_total"), 1.0);
+
+    engine
+        .set_policy(
+            "t",
+            sluice_core::TopicPolicy {
+                compression: sluice_core::TopicCompression::Producer,
+                ..policy
+            },
+        )
+        .await
+        .unwrap();
+    engine
+        .produce("t", PartitionChoice::Id(0), &readings[..1])
+        .await
+        .unwrap();
+    let stored = engine.fetch("t", 0, 50, 1 << 20).await.unwrap().data;
+    let header = sluice_core::BatchHeader::parse(&stored).unwrap();
+    assert_eq!(header.compression(), sluice_core::Compression::None);
+}

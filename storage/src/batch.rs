@@ -9,7 +9,7 @@
 //! 53 baseSequence i32 | 57 recordCount i32 | 61 records...
 //! ```
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 
 use std::borrow::Cow;
 use std::ops::Range;
@@ -151,6 +151,29 @@ impl BatchHeader {
     pub fn is_control(&self) -> bool {
         self.attributes & 0x20 != 0
     }
+}
+
+/// A batch made of `header` (a batch's first [`BATCH_HEADER_LEN`] bytes) and a records area
+/// in `codec`: the codec bits, the length and the CRC are set for them.
+pub(crate) fn with_records_area(header: &[u8], codec: Compression, area: &[u8]) -> BytesMut {
+    let mut buf = BytesMut::with_capacity(BATCH_HEADER_LEN + area.len());
+    buf.extend_from_slice(&header[..BATCH_HEADER_LEN]);
+    buf.extend_from_slice(area);
+    let length = (buf.len() - BATCH_LOG_OVERHEAD) as i32;
+    buf[8..12].copy_from_slice(&length.to_be_bytes());
+    let id: i16 = match codec {
+        Compression::None => 0,
+        Compression::Gzip => 1,
+        Compression::Snappy => 2,
+        Compression::Lz4 => 3,
+        Compression::Zstd => 4,
+        Compression::Unknown(id) => i16::from(id),
+    };
+    let attributes = (be_i16(&buf, ATTRIBUTES_OFFSET) & !0x7) | id;
+    buf[ATTRIBUTES_OFFSET..ATTRIBUTES_OFFSET + 2].copy_from_slice(&attributes.to_be_bytes());
+    let crc = crc32c::crc32c(&buf[ATTRIBUTES_OFFSET..]);
+    buf[CRC_OFFSET..CRC_OFFSET + 4].copy_from_slice(&crc.to_be_bytes());
+    buf
 }
 
 /// Checks a complete batch: header, length, magic, record count and CRC32C.

@@ -11,11 +11,11 @@
 //! Output is bounded by the caller's limit, so a small batch cannot expand into gigabytes
 //! (a decompression bomb is refused after at most `max + 1` bytes were produced). zstd is
 //! libzstd's streaming decoder (the pure-Rust one cost three times the CPU per record).
-//! Sluice itself never compresses: protocols write uncompressed batches, and compressed ones
-//! from Kafka producers are stored verbatim and decompressed only to validate and to serve
-//! non-Kafka readers.
+//! Batches are stored as produced, unless the topic names a codec of its own
+//! (`compression.type`): then [`compress`] writes the records area in that codec, as Kafka's
+//! broker writes it.
 
-use std::io::Read;
+use std::io::{Read, Write};
 
 use crate::batch::{BatchError, Compression};
 
@@ -55,6 +55,49 @@ pub(crate) fn decompress(
         Ok(Some(out)) => Ok(out),
         Ok(None) => Err(BatchError::DecompressedTooLarge { codec, max }),
         Err(e) => Err(failed(&e)),
+    }
+}
+
+/// Blocks of xerial-framed snappy hold this much input each (the Java client's default).
+const XERIAL_BLOCK: usize = 32 * 1024;
+/// Kafka's default zstd level (`compression.zstd.level`).
+const ZSTD_LEVEL: i32 = 3;
+
+/// The records area `data` compressed with `codec`, in the form Kafka's own broker writes
+/// (gzip stream at the default level, xerial-framed snappy, an LZ4 frame, a zstd frame at
+/// level 3), which every client reads.
+pub(crate) fn compress(codec: Compression, data: &[u8]) -> Result<Vec<u8>, BatchError> {
+    let failed = |e: &dyn std::fmt::Display| BatchError::Decompress {
+        codec,
+        reason: format!("compressing: {e}"),
+    };
+    match codec {
+        Compression::None => Ok(data.to_vec()),
+        Compression::Gzip => {
+            let mut enc = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+            enc.write_all(data).map_err(|e| failed(&e))?;
+            enc.finish().map_err(|e| failed(&e))
+        }
+        Compression::Snappy => {
+            let mut out = Vec::with_capacity(XERIAL_HEADER_LEN + data.len() / 2);
+            out.extend_from_slice(XERIAL_MAGIC);
+            out.extend_from_slice(&1i32.to_be_bytes());
+            out.extend_from_slice(&1i32.to_be_bytes());
+            let mut encoder = snap::raw::Encoder::new();
+            for block in data.chunks(XERIAL_BLOCK) {
+                let packed = encoder.compress_vec(block).map_err(|e| failed(&e))?;
+                out.extend_from_slice(&(packed.len() as i32).to_be_bytes());
+                out.extend_from_slice(&packed);
+            }
+            Ok(out)
+        }
+        Compression::Lz4 => {
+            let mut enc = lz4_flex::frame::FrameEncoder::new(Vec::new());
+            enc.write_all(data).map_err(|e| failed(&e))?;
+            enc.finish().map_err(|e| failed(&e))
+        }
+        Compression::Zstd => zstd::bulk::compress(data, ZSTD_LEVEL).map_err(|e| failed(&e)),
+        Compression::Unknown(id) => Err(BatchError::UnknownCompression { id }),
     }
 }
 
@@ -105,7 +148,6 @@ fn xerial(data: &[u8], max: usize) -> Result<Vec<u8>, BatchError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::io::Write;
 
     fn sample() -> Vec<u8> {
         (0..100_000u32)
@@ -113,44 +155,27 @@ mod tests {
             .collect()
     }
 
-    fn gzip(data: &[u8]) -> Vec<u8> {
-        let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
-        e.write_all(data).unwrap();
-        e.finish().unwrap()
-    }
-
-    fn lz4(data: &[u8]) -> Vec<u8> {
-        let mut e = lz4_flex::frame::FrameEncoder::new(Vec::new());
-        e.write_all(data).unwrap();
-        e.finish().unwrap()
-    }
-
-    fn zstd(data: &[u8]) -> Vec<u8> {
-        zstd::encode_all(data, 1).unwrap()
-    }
-
-    fn xerial_of(data: &[u8]) -> Vec<u8> {
-        let mut out = XERIAL_MAGIC.to_vec();
-        out.extend_from_slice(&1i32.to_be_bytes());
-        out.extend_from_slice(&1i32.to_be_bytes());
-        for chunk in data.chunks(32 * 1024) {
-            let block = snap::raw::Encoder::new().compress_vec(chunk).unwrap();
-            out.extend_from_slice(&(block.len() as u32).to_be_bytes());
-            out.extend_from_slice(&block);
-        }
-        out
-    }
-
-    /// `data` compressed in every form a Kafka producer may send.
-    fn every_codec(data: &[u8]) -> [(Compression, Vec<u8>); 5] {
-        let raw = snap::raw::Encoder::new().compress_vec(data).unwrap();
-        [
-            (Compression::Gzip, gzip(data)),
-            (Compression::Snappy, raw),
-            (Compression::Snappy, xerial_of(data)),
-            (Compression::Lz4, lz4(data)),
-            (Compression::Zstd, zstd(data)),
+    /// `data` compressed in every form a Kafka producer may send: what [`compress`] writes
+    /// (the Java client's forms), and librdkafka's raw snappy and fast levels.
+    fn every_codec(data: &[u8]) -> Vec<(Compression, Vec<u8>)> {
+        let mut forms: Vec<(Compression, Vec<u8>)> = [
+            Compression::Gzip,
+            Compression::Snappy,
+            Compression::Lz4,
+            Compression::Zstd,
         ]
+        .into_iter()
+        .map(|codec| (codec, compress(codec, data).unwrap()))
+        .collect();
+        let mut fast = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        fast.write_all(data).unwrap();
+        forms.push((Compression::Gzip, fast.finish().unwrap()));
+        forms.push((
+            Compression::Snappy,
+            snap::raw::Encoder::new().compress_vec(data).unwrap(),
+        ));
+        forms.push((Compression::Zstd, zstd::encode_all(data, 1).unwrap()));
+        forms
     }
 
     #[test]

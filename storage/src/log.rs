@@ -111,6 +111,40 @@ impl ValidatedBatch {
         Self::encoded(open.finish(timestamp))
     }
 
+    /// The batch with its records area in `codec` (a topic's `compression.type`), as Kafka's
+    /// broker recompresses: the records themselves, the header's offsets, timestamps and
+    /// producer fields stay as they are; only the codec bits, the length and the CRC change.
+    /// A batch already in `codec` comes back as it is.
+    pub fn recompressed(self, codec: batch::Compression) -> Result<Self, BatchError> {
+        let from = self.header.compression();
+        if from == codec {
+            return Ok(self);
+        }
+        let area = &self.buf[batch::BATCH_HEADER_LEN..];
+        let records = match from {
+            batch::Compression::None => std::borrow::Cow::Borrowed(area),
+            _ => std::borrow::Cow::Owned(crate::compression::decompress(
+                from,
+                area,
+                crate::compression::MAX_DECOMPRESSED_BYTES,
+            )?),
+        };
+        let packed = crate::compression::compress(codec, &records)?;
+        let buf = batch::with_records_area(&self.buf[..batch::BATCH_HEADER_LEN], codec, &packed);
+        let header = BatchHeader::parse(&buf)?;
+        let decoded = buf.len()
+            + if codec == batch::Compression::None {
+                0
+            } else {
+                records.len()
+            };
+        Ok(Self {
+            buf: BatchBuf::heap(buf),
+            header,
+            decoded,
+        })
+    }
+
     /// A batch this crate's encoder wrote: its CRC is right by construction.
     fn encoded(buf: batch::BatchBuf) -> Self {
         let header = BatchHeader::parse(&buf).expect("the encoder writes a whole header");

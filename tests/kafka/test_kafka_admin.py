@@ -1,15 +1,17 @@
 """Kafka admin calls that reshape topics: CreatePartitions (a topic grows, a group rebalances
-onto the new partitions) and DeleteRecords (a partition's log start moves), through
-confluent-kafka's AdminClient and kafka-python's KafkaAdminClient."""
+onto the new partitions), DeleteRecords (a partition's log start moves), topic compression and
+list configs, through confluent-kafka's AdminClient and kafka-python's KafkaAdminClient."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 
 import pytest
 from confluent_kafka import KafkaError, OFFSET_BEGINNING, OFFSET_END, TopicPartition
-from confluent_kafka.admin import NewPartitions, NewTopic
+from confluent_kafka.admin import (AlterConfigOpType, ConfigEntry, ConfigResource, ConfigSource,
+                                  NewPartitions, NewTopic)
 
 from harness import assert_out_of_range, poll_messages
 
@@ -154,3 +156,73 @@ def test_kafka_python_delete_records(gateway):
         kadmin.close()
     assert result[KTopicPartition(topic, 0)]["low_watermark"] == 3
     assert earliest(gateway, topic) == 3
+
+
+def partition_bytes(gateway, topic: str) -> int:
+    status, body = gateway.http_get(f"/topics/{topic}")
+    assert status == 200, body
+    return sum(p["bytes"] for p in json.loads(body)["partitions"])
+
+
+def test_topic_compression_rewrites_batches_once_and_readers_get_them_back(gateway):
+    """compression.type = zstd: uncompressed batches are stored in zstd (JSON readings shrink
+    several times), consumers read the same records; a config change takes effect for the
+    next produce; a batch already in the topic's codec is stored as sent."""
+    admin = gateway.admin()
+    packed, plain = unique("zstd"), unique("plain")
+    fs = admin.create_topics([
+        NewTopic(packed, num_partitions=1, replication_factor=1, config={"compression.type": "zstd"}),
+        NewTopic(plain, num_partitions=1, replication_factor=1),
+    ], operation_timeout=10)
+    for f in fs.values():
+        f.result(timeout=30)
+    readings = [{"key": f"d{i % 50}".encode(),
+                 "value": json.dumps({"device": f"d{i % 50}", "temp": 20 + i % 7, "site": "north-gate"}).encode()}
+                for i in range(2000)]
+    for topic in (packed, plain):
+        gateway.produce(topic, readings, **{"compression.type": "none", "linger.ms": 50})
+    for topic in (packed, plain):
+        got = gateway.consume(topic, len(readings))
+        assert [m.value() for m in got] == [r["value"] for r in readings]
+        assert [m.offset() for m in got] == list(range(len(readings)))
+    assert partition_bytes(gateway, packed) * 4 < partition_bytes(gateway, plain)
+    described = admin.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, packed)])
+    entry = list(described.values())[0].result(timeout=30)["compression.type"]
+    assert entry.value == "zstd" and entry.source == ConfigSource.DYNAMIC_TOPIC_CONFIG.value
+    rewritten = gateway.metrics()["sluice_recompressed_batches_total"]
+    assert rewritten > 0
+
+    # An lz4 producer to a topic that now stores lz4: kept as sent, not rewritten.
+    change = ConfigResource(ConfigResource.Type.TOPIC, plain, incremental_configs=[
+        ConfigEntry("compression.type", "lz4", incremental_operation=AlterConfigOpType.SET)])
+    admin.incremental_alter_configs([change])[change].result(timeout=30)
+    gateway.produce(plain, readings[:100], **{"compression.type": "lz4", "linger.ms": 50})
+    assert gateway.metrics()["sluice_recompressed_batches_total"] == rewritten
+    gateway.produce(plain, readings[:100], **{"compression.type": "gzip", "linger.ms": 50})
+    assert gateway.metrics()["sluice_recompressed_batches_total"] > rewritten
+    got = gateway.consume(plain, len(readings) + 200)
+    assert [m.value() for m in got[-200:]] == [r["value"] for r in readings[:100]] * 2
+
+    bad = ConfigResource(ConfigResource.Type.TOPIC, plain, incremental_configs=[
+        ConfigEntry("compression.type", "brotli", incremental_operation=AlterConfigOpType.SET)])
+    with pytest.raises(Exception) as e:
+        admin.incremental_alter_configs([bad])[bad].result(timeout=30)
+    assert e.value.args[0].code() == KafkaError.INVALID_CONFIG
+
+
+def test_incremental_alter_configs_appends_to_list_configs_only(gateway):
+    admin = gateway.admin()
+    topic = unique("lists")
+    create(admin, topic, 1)
+    same = ConfigResource(ConfigResource.Type.TOPIC, topic, incremental_configs=[
+        ConfigEntry("cleanup.policy", "delete", incremental_operation=AlterConfigOpType.APPEND)])
+    admin.incremental_alter_configs([same])[same].result(timeout=30)
+    not_a_list = ConfigResource(ConfigResource.Type.TOPIC, topic, incremental_configs=[
+        ConfigEntry("retention.ms", "1000", incremental_operation=AlterConfigOpType.APPEND)])
+    with pytest.raises(Exception) as e:
+        admin.incremental_alter_configs([not_a_list])[not_a_list].result(timeout=30)
+    assert e.value.args[0].code() == KafkaError.INVALID_CONFIG
+    described = admin.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, topic)])
+    configs = list(described.values())[0].result(timeout=30)
+    assert configs["cleanup.policy"].value == "delete"
+    assert configs["retention.ms"].source == ConfigSource.DEFAULT_CONFIG.value

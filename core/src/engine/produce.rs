@@ -157,7 +157,39 @@ impl Engine {
         })
     }
 
-    /// Checks the batch against the topic's size limit and queues it on partition `id`,
+    /// Refuses (counted) a batch past the topic's `max_message_bytes`.
+    fn check_size(&self, batch: &ValidatedBatch, max: usize) -> Result<()> {
+        if batch.len() > max {
+            self.inner.shared.counters.rejected_batches.inc();
+            return Err(CoreError::MessageTooLarge {
+                size: batch.len(),
+                max,
+            });
+        }
+        Ok(())
+    }
+
+    /// The batch rewritten in `codec` (its topic's `compression.type`), counted.
+    fn recompress(
+        &self,
+        batch: ValidatedBatch,
+        codec: sluice_storage::Compression,
+    ) -> Result<ValidatedBatch> {
+        let counters = &self.inner.shared.counters;
+        let before = batch.len() as u64;
+        let rewritten = batch.recompressed(codec).inspect_err(|_| {
+            counters.rejected_batches.inc();
+        })?;
+        counters.recompressed_batches.inc();
+        counters.recompressed_bytes_in.inc_by(before);
+        counters
+            .recompressed_bytes_out
+            .inc_by(rewritten.len() as u64);
+        Ok(rewritten)
+    }
+
+    /// Rewrites the batch in its topic's codec when the topic names one, checks it against
+    /// the topic's size limit and queues it on partition `id`,
     /// taking its place in the partition's [`crate::partition::TailHint`] unless `reserved`
     /// already holds it.
     pub(super) async fn enqueue_to(
@@ -170,15 +202,27 @@ impl Engine {
         reserved: Option<crate::partition::Reserved>,
     ) -> Result<PendingAck> {
         let part = &t.partitions[id as usize];
+        let (max, compression) = {
+            let meta = t.meta.read();
+            (
+                meta.policy.max_message_bytes as usize,
+                meta.policy.compression,
+            )
+        };
+        // Checked as produced, before any work on it, and again as rewritten.
+        self.check_size(&batch, max)?;
+        let (batch, reserved) = match compression.codec() {
+            Some(codec) if batch.header().compression() != codec => {
+                // A place reserved for the batch as produced would be wrong for the rewritten
+                // one: it is given back, and the new length reserved.
+                drop(reserved);
+                let batch = self.recompress(batch, codec)?;
+                self.check_size(&batch, max)?;
+                (batch, None)
+            }
+            _ => (batch, reserved),
+        };
         let reserved = reserved.unwrap_or_else(|| part.tail.reserve(batch.len() as u64));
-        let max = t.meta.read().policy.max_message_bytes as usize;
-        if batch.len() > max {
-            self.inner.shared.counters.rejected_batches.inc();
-            return Err(CoreError::MessageTooLarge {
-                size: batch.len(),
-                max,
-            });
-        }
         let rx = part.enqueue(batch).await?;
         reserved.queued();
         Ok(PendingAck {

@@ -4,6 +4,7 @@ use kafka_protocol::messages::create_topics_response::{
 };
 use kafka_protocol::messages::{CreateTopicsRequest, CreateTopicsResponse};
 
+use super::describe_configs::with_sources;
 use super::{s, topic_config};
 use crate::errors;
 use crate::server::{Conn, KafkaServer, NODE_ID};
@@ -77,13 +78,13 @@ pub(crate) async fn handle(
                     r.num_partitions = partitions as i32;
                     r.replication_factor = 1;
                     r.configs = Some(
-                        topic_config::describe(&policy)
+                        with_sources(&policy, &engine.config().default_policy)
                             .into_iter()
-                            .map(|(k, v)| {
+                            .map(|(k, v, source)| {
                                 let mut c = CreatableTopicConfigs::default();
                                 c.name = s(k);
                                 c.value = Some(s(v));
-                                c.config_source = 5;
+                                c.config_source = source;
                                 c
                             })
                             .collect(),

@@ -6,11 +6,13 @@ use kafka_protocol::messages::{DescribeConfigsRequest, DescribeConfigsResponse};
 use super::{s, topic_config};
 use crate::errors;
 use crate::server::{Conn, KafkaServer};
+use sluice_core::TopicPolicy;
 use sluice_core::auth::{Action, Resource};
 
 const TOPIC: i8 = 2;
 const BROKER: i8 = 4;
-/// ConfigSource: DEFAULT_CONFIG and DYNAMIC_TOPIC_CONFIG.
+/// ConfigSource: DYNAMIC_TOPIC_CONFIG (the topic's own) and DEFAULT_CONFIG.
+const SOURCE_TOPIC: i8 = 1;
 const SOURCE_DEFAULT: i8 = 5;
 
 pub(crate) fn handle(
@@ -24,7 +26,7 @@ pub(crate) fn handle(
         let mut r = DescribeConfigsResult::default();
         r.resource_type = res.resource_type;
         r.resource_name = res.resource_name.clone();
-        let configs: Vec<(String, String)> = match res.resource_type {
+        let configs: Vec<(String, String, i8)> = match res.resource_type {
             TOPIC if !conn.may_describe(res.resource_name.as_str()) => {
                 r.error_code = errors::TOPIC_AUTHORIZATION_FAILED;
                 r.error_message = Some(s("not authorized to describe this topic"));
@@ -36,10 +38,7 @@ pub(crate) fn handle(
                 Vec::new()
             }
             TOPIC => match engine.describe_topic(res.resource_name.as_str()) {
-                Ok(d) => topic_config::describe(&d.policy)
-                    .into_iter()
-                    .map(|(k, v)| (k.to_owned(), v))
-                    .collect(),
+                Ok(d) => with_sources(&d.policy, &engine.config().default_policy),
                 Err(e) => {
                     r.error_code = errors::code(&e);
                     r.error_message = Some(s(e.to_string()));
@@ -48,18 +47,21 @@ pub(crate) fn handle(
             },
             BROKER => {
                 let c = engine.config();
-                vec![
-                    ("broker.id".into(), "0".into()),
-                    ("num.partitions".into(), c.default_partitions.to_string()),
+                [
+                    ("broker.id", "0".to_owned()),
+                    ("num.partitions", c.default_partitions.to_string()),
                     (
-                        "auto.create.topics.enable".into(),
+                        "auto.create.topics.enable",
                         c.auto_create_topics.to_string(),
                     ),
                     (
-                        "message.max.bytes".into(),
+                        "message.max.bytes",
                         c.default_policy.max_message_bytes.to_string(),
                     ),
                 ]
+                .into_iter()
+                .map(|(k, v)| (k.to_owned(), v, SOURCE_DEFAULT))
+                .collect()
             }
             other => {
                 r.error_code = errors::INVALID_REQUEST;
@@ -70,12 +72,12 @@ pub(crate) fn handle(
         let wanted = res.configuration_keys.as_ref();
         r.configs = configs
             .into_iter()
-            .filter(|(k, _)| wanted.is_none_or(|w| w.iter().any(|x| x.as_str() == k)))
-            .map(|(k, v)| {
+            .filter(|(k, _, _)| wanted.is_none_or(|w| w.iter().any(|x| x.as_str() == k)))
+            .map(|(k, v, source)| {
                 let mut c = DescribeConfigsResourceResult::default();
                 c.name = s(k);
                 c.value = Some(s(v));
-                c.config_source = SOURCE_DEFAULT;
+                c.config_source = source;
                 c.read_only = res.resource_type == BROKER;
                 c
             })
@@ -83,4 +85,44 @@ pub(crate) fn handle(
         resp.results.push(r);
     }
     resp
+}
+
+/// A topic's configs, each with its source: the topic's own where it differs from the
+/// gateway's default policy (`[topics.defaults]`), the default otherwise. A topic keeps the
+/// default it was created with, so a config set to the default's value reads as the default.
+pub(crate) fn with_sources(
+    policy: &TopicPolicy,
+    defaults: &TopicPolicy,
+) -> Vec<(String, String, i8)> {
+    let defaults = topic_config::describe(defaults);
+    topic_config::describe(policy)
+        .into_iter()
+        .map(|(k, v)| {
+            let default = defaults.iter().any(|(dk, dv)| *dk == k && *dv == v);
+            let source = if default {
+                SOURCE_DEFAULT
+            } else {
+                SOURCE_TOPIC
+            };
+            (k.to_owned(), v, source)
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_config_that_differs_from_the_default_is_the_topics_own() {
+        let defaults = TopicPolicy::default();
+        let mut policy = defaults.clone();
+        topic_config::apply(&mut policy, "retention.ms", "60000").unwrap();
+        topic_config::apply(&mut policy, "compression.type", "zstd").unwrap();
+        let described = with_sources(&policy, &defaults);
+        let source = |name: &str| described.iter().find(|(k, _, _)| k == name).unwrap().2;
+        assert_eq!(source("retention.ms"), SOURCE_TOPIC);
+        assert_eq!(source("compression.type"), SOURCE_TOPIC);
+        assert_eq!(source("segment.bytes"), SOURCE_DEFAULT);
+    }
 }

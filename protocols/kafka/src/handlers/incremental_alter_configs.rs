@@ -1,4 +1,5 @@
-//! IncrementalAlterConfigs (KIP-339): SET and DELETE of topic configs, such as KIP-405's
+//! IncrementalAlterConfigs (KIP-339): SET, DELETE, and APPEND/SUBTRACT of list configs, of
+//! topic configs, such as KIP-405's
 //! `remote.storage.enable` and `local.retention.*`, applied to the topic's policy. Broker
 //! configs live in the gateway's config file and are refused here.
 
@@ -14,6 +15,8 @@ use sluice_core::auth::{Action, Resource};
 pub(super) const TOPIC: i8 = 2;
 const SET: i8 = 0;
 const DELETE: i8 = 1;
+const APPEND: i8 = 2;
+const SUBTRACT: i8 = 3;
 
 /// The policy after `configs`; DELETE puts back the gateway's default for the key.
 fn changed(
@@ -38,11 +41,31 @@ fn changed(
                     .ok_or_else(|| format!("unknown topic config {name:?}"))?;
                 topic_config::apply(&mut policy, name, &default)?;
             }
-            other => {
+            APPEND | SUBTRACT if topic_config::LISTS.contains(&name.as_str()) => {
+                let value = value
+                    .as_deref()
+                    .ok_or_else(|| format!("APPEND/SUBTRACT {name} without a value"))?;
+                let current = topic_config::describe(&policy)
+                    .into_iter()
+                    .find(|(k, _)| k == name)
+                    .map(|(_, v)| v)
+                    .unwrap_or_default();
+                let mut items: Vec<&str> = current.split(',').filter(|i| !i.is_empty()).collect();
+                for item in value.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+                    if *op == APPEND && !items.contains(&item) {
+                        items.push(item);
+                    } else if *op == SUBTRACT {
+                        items.retain(|i| *i != item);
+                    }
+                }
+                topic_config::apply(&mut policy, name, &items.join(","))?;
+            }
+            APPEND | SUBTRACT => {
                 return Err(format!(
-                    "operation {other} (APPEND/SUBTRACT) applies to list configs; {name} is not one"
+                    "APPEND and SUBTRACT apply to list configs; {name} is not one"
                 ));
             }
+            other => return Err(format!("unknown config operation {other}")),
         }
     }
     Ok(policy)
@@ -163,6 +186,22 @@ mod tests {
         let back = changed(&p, &defaults, &delete).unwrap();
         assert_eq!(back.local_retention_ms, defaults.local_retention_ms);
         assert!(back.remote_storage_enable);
+    }
+
+    #[test]
+    fn append_and_subtract_change_list_configs_only() {
+        let d = TopicPolicy::default();
+        let op = |op, value: &str| vec![("cleanup.policy".to_owned(), op, Some(value.to_owned()))];
+        // Already listed: nothing changes.
+        assert_eq!(changed(&d, &d, &op(APPEND, "delete")).unwrap(), d);
+        // The result is applied as a SET would be, with its checks.
+        assert!(changed(&d, &d, &op(SUBTRACT, "delete")).is_err());
+        let not_a_list = vec![("retention.ms".to_owned(), APPEND, Some("1".to_owned()))];
+        assert!(
+            changed(&d, &d, &not_a_list)
+                .unwrap_err()
+                .contains("list configs")
+        );
     }
 
     #[test]

@@ -1,16 +1,19 @@
 //! Kafka topic configs ↔ Sluice topic policy.
 
-use sluice_core::{Durability, TopicPolicy};
+use sluice_core::{Durability, TopicCompression, TopicPolicy};
 
 /// Configs accepted on topic creation but fixed in Sluice, with the only value allowed (None:
 /// any value, ignored because a single node has no replicas).
 const FIXED: &[(&str, Option<&str>)] = &[
     ("cleanup.policy", Some("delete")),
-    ("compression.type", Some("producer")),
     ("message.timestamp.type", Some("CreateTime")),
     ("min.insync.replicas", None),
     ("unclean.leader.election.enable", None),
 ];
+
+/// The topic configs whose values are comma-separated lists (IncrementalAlterConfigs APPEND
+/// and SUBTRACT apply to these only).
+pub(crate) const LISTS: &[&str] = &["cleanup.policy"];
 
 /// Applies `name = value` to a policy; an error says why it cannot be.
 pub(crate) fn apply(policy: &mut TopicPolicy, name: &str, value: &str) -> Result<(), String> {
@@ -39,6 +42,14 @@ pub(crate) fn apply(policy: &mut TopicPolicy, name: &str, value: &str) -> Result
                 "false" => false,
                 _ => return Err(format!("{name} = {value:?}: true or false")),
             }
+        }
+        "compression.type" => {
+            policy.compression = TopicCompression::parse(value).ok_or_else(|| {
+                format!(
+                    "{name} = {value:?}: one of {}",
+                    TopicCompression::ALL.map(|(_, n)| n).join(", ")
+                )
+            })?;
         }
         "local.retention.ms" => policy.local_retention_ms = int()?,
         "local.retention.bytes" => policy.local_retention_bytes = int()?,
@@ -86,7 +97,7 @@ pub(crate) fn describe(policy: &TopicPolicy) -> Vec<(&'static str, String)> {
     };
     vec![
         ("cleanup.policy", "delete".into()),
-        ("compression.type", "producer".into()),
+        ("compression.type", policy.compression.name().into()),
         ("retention.ms", policy.retention_ms.to_string()),
         ("retention.bytes", policy.retention_bytes.to_string()),
         ("segment.bytes", policy.segment_bytes.to_string()),
