@@ -15,6 +15,7 @@ use sluice_storage::{
 };
 use tracing::{info, warn};
 
+mod clean;
 mod offload;
 mod produce;
 mod read;
@@ -74,6 +75,11 @@ pub struct EngineConfig {
     /// The object-store tier sealed segments of topics with remote storage offload to; `None`
     /// keeps every topic on the local disk.
     pub tier: Option<Arc<Tier>>,
+    /// How often the cleaner looks at compacted topics (Kafka's `log.cleaner.backoff.ms`).
+    pub cleaner_interval: Duration,
+    /// Most keys the cleaner's map holds in one pass over a partition (about 40 bytes each;
+    /// Kafka's `log.cleaner.dedupe.buffer.size`): more keys take more passes.
+    pub cleaner_max_keys: usize,
 }
 
 impl EngineConfig {
@@ -92,6 +98,8 @@ impl EngineConfig {
             catchup_readers: 4,
             subscription_flush_interval: Duration::from_secs(1),
             tier: None,
+            cleaner_interval: Duration::from_secs(15),
+            cleaner_max_keys: 1_000_000,
         }
     }
 }
@@ -405,6 +413,10 @@ impl Engine {
             engine.inner.topics.insert(name, topic);
         }
         engine.load_subscriptions().await?;
+        tokio::spawn(clean::cleaner_loop(
+            Arc::downgrade(&engine.inner),
+            engine.inner.config.cleaner_interval,
+        ));
         if let Some(tier) = &engine.inner.config.tier {
             tokio::spawn(offload_loop(
                 Arc::downgrade(&engine.inner),

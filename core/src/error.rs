@@ -34,6 +34,8 @@ pub enum CoreError {
     InvalidBatch(#[from] BatchError),
     #[error("no records to produce")]
     EmptyProduce,
+    #[error("topic {topic:?} is compacted: every record needs a key")]
+    KeylessRecord { topic: String },
     #[error("offset {offset} is outside the log [{log_start}, {high_watermark}]")]
     OffsetOutOfRange {
         offset: u64,

@@ -37,7 +37,8 @@ pub use meta::{FileMetadataStore, MetadataStore, TopicMeta};
 pub use metrics::{EngineMetrics, PartitionMetrics};
 pub use partition::WriterSettings;
 pub use policy::{
-    Durability, MAX_LIVE_RING_BYTES, MIN_SEGMENT_BYTES, TopicCompression, TopicPolicy,
+    CleanupPolicy, Durability, MAX_LIVE_RING_BYTES, MIN_SEGMENT_BYTES, Ratio, TopicCompression,
+    TopicPolicy,
 };
 pub use sluice_storage::{
     BatchError, BatchHeader, Clock, Compression, DecodedRecord, DirectFsStorage, DirectStats,

@@ -404,6 +404,22 @@ impl LiveRing {
         self.evict(&mut self.state.write(), max_bytes, u64::MAX);
     }
 
+    /// Drops the batches wholly below `offset` (the newest stays): compaction rewrote them on
+    /// disk, and a reader below `offset` reads the cleaned log, as a reader behind the ring
+    /// always does.
+    pub(crate) fn drop_below(&self, offset: u64) {
+        let wakers = self.wakers.lock();
+        let mut st = self.state.write();
+        while st.batches.len() > 1 && st.batches.front().is_some_and(|b| b.last_offset < offset) {
+            if let Some(old) = st.batches.pop_front() {
+                st.bytes -= old.weight;
+            }
+        }
+        let max_bytes = st.max_bytes;
+        let needed = wakers.oldest_needed(st.front());
+        self.evict(&mut st, max_bytes, needed);
+    }
+
     /// Gives back what the ring holds past its size that no catch-up subscriber needs any
     /// more, as the next push would. A subscriber that caught up through the held part calls
     /// it, so a topic that goes quiet after a flood does not keep the memory until its next

@@ -44,6 +44,13 @@ pub(crate) struct EngineCounters {
     pub(crate) refused_internal: Counter,
     /// Offset commits of new groups refused by `max_groups`.
     pub(crate) refused_groups: Counter,
+    /// Compaction: passes that cleaned a partition, and what they did.
+    pub(crate) cleaner_passes: Counter,
+    pub(crate) cleaner_failures: Counter,
+    pub(crate) cleaner_bytes_read: Counter,
+    pub(crate) cleaner_bytes_written: Counter,
+    pub(crate) cleaner_records_removed: Counter,
+    pub(crate) cleaner_segments_replaced: Counter,
     pub(crate) retention_deleted_segments: Counter,
     pub(crate) retention_deleted_bytes: Counter,
 }
@@ -65,6 +72,36 @@ impl EngineCounters {
                 "sluice_rejected_batches_total",
                 "Produced batches refused as invalid or too large.",
                 &self.rejected_batches,
+            ),
+            (
+                "sluice_cleaner_passes_total",
+                "Compaction passes that cleaned a partition.",
+                &self.cleaner_passes,
+            ),
+            (
+                "sluice_cleaner_failures_total",
+                "Compaction passes that failed (retried at the next interval).",
+                &self.cleaner_failures,
+            ),
+            (
+                "sluice_cleaner_read_bytes_total",
+                "Bytes compaction read.",
+                &self.cleaner_bytes_read,
+            ),
+            (
+                "sluice_cleaner_written_bytes_total",
+                "Bytes of cleaned segments compaction wrote.",
+                &self.cleaner_bytes_written,
+            ),
+            (
+                "sluice_cleaner_removed_records_total",
+                "Records compaction cleaned away (superseded, expired tombstones, keyless).",
+                &self.cleaner_records_removed,
+            ),
+            (
+                "sluice_cleaner_replaced_segments_total",
+                "Segments compaction swapped out for cleaned copies.",
+                &self.cleaner_segments_replaced,
             ),
             (
                 "sluice_recompressed_batches_total",

@@ -7,8 +7,8 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use sluice_storage::{
-    AppendInfo, DetachedSegments, LogReader, PartitionLog, RetentionOutcome, StorageError,
-    ValidatedBatch,
+    AppendInfo, CleanStats, Cleaning, DetachedSegments, LogReader, PartitionLog, RetentionOutcome,
+    StorageError, ValidatedBatch,
 };
 use tokio::sync::{mpsc, oneshot, watch};
 use tracing::{error, warn};
@@ -42,6 +42,11 @@ enum WriterMsg {
     DetachCopiedBefore {
         offset: u64,
         reply: oneshot::Sender<DetachedSegments>,
+    },
+    /// Swap a prepared cleaning pass's segments in (compaction).
+    InstallCleaned {
+        cleaning: Cleaning,
+        reply: oneshot::Sender<Result<CleanStats, Arc<StorageError>>>,
     },
     Shutdown(oneshot::Sender<()>),
 }
@@ -193,6 +198,7 @@ impl std::fmt::Debug for WriterMsg {
             Self::DeleteBefore { .. } => "DeleteBefore",
             Self::DeleteRecords { .. } => "DeleteRecords",
             Self::DetachCopiedBefore { .. } => "DetachCopiedBefore",
+            Self::InstallCleaned { .. } => "InstallCleaned",
             Self::Shutdown(_) => "Shutdown",
         })
     }
@@ -325,6 +331,15 @@ impl Partition {
     /// writer is gone).
     pub(crate) async fn detach_copied_before(&self, offset: u64) -> Option<DetachedSegments> {
         self.ask(|reply| WriterMsg::DetachCopiedBefore { offset, reply })
+            .await
+    }
+
+    /// Has the writer swap a cleaning pass's segments in (`None`: the writer is gone).
+    pub(crate) async fn install_cleaned(
+        &self,
+        cleaning: Cleaning,
+    ) -> Option<Result<CleanStats, Arc<StorageError>>> {
+        self.ask(|reply| WriterMsg::InstallCleaned { cleaning, reply })
             .await
     }
 
@@ -471,6 +486,25 @@ impl Writer {
                     .await;
                 if let Some(result) = deleted {
                     let _ = reply.send(self.count_deleted(result));
+                }
+                ControlFlow::Continue(())
+            }
+            Some(WriterMsg::InstallCleaned { cleaning, reply }) => {
+                let installed = self
+                    .with_log(move |log| {
+                        let stats = log.install_cleaned(cleaning)?;
+                        Ok::<_, StorageError>((stats, log.reader().cleaned_to()))
+                    })
+                    .await;
+                if let Some(result) = installed {
+                    let _ = reply.send(
+                        result
+                            .map(|(stats, cleaned_to)| {
+                                self.ring.drop_below(cleaned_to);
+                                stats
+                            })
+                            .map_err(Arc::new),
+                    );
                 }
                 ControlFlow::Continue(())
             }

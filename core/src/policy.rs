@@ -23,6 +23,68 @@ pub enum Durability {
     None,
 }
 
+/// What happens to a topic's old records (Kafka's `cleanup.policy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum CleanupPolicy {
+    /// Whole old segments are deleted by `retention_ms` / `retention_bytes`.
+    #[serde(rename = "delete")]
+    Delete,
+    /// Each key keeps its latest record (log compaction); nothing is deleted by age or size.
+    #[serde(rename = "compact")]
+    Compact,
+    /// Both: compacted, and whole old segments deleted by retention too.
+    #[serde(rename = "compact,delete")]
+    CompactDelete,
+}
+
+impl CleanupPolicy {
+    /// The policy a Kafka list value names (`delete`, `compact`, both in either order).
+    pub fn parse(list: &str) -> Option<Self> {
+        let mut compact = false;
+        let mut delete = false;
+        for item in list.split(',').map(str::trim) {
+            match item {
+                "compact" => compact = true,
+                "delete" => delete = true,
+                _ => return None,
+            }
+        }
+        match (compact, delete) {
+            (true, true) => Some(Self::CompactDelete),
+            (true, false) => Some(Self::Compact),
+            (false, true) => Some(Self::Delete),
+            (false, false) => None,
+        }
+    }
+
+    /// Its Kafka list value.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Delete => "delete",
+            Self::Compact => "compact",
+            Self::CompactDelete => "compact,delete",
+        }
+    }
+
+    /// Whether the topic is compacted.
+    pub fn compacts(self) -> bool {
+        self != Self::Delete
+    }
+
+    /// Whether retention deletes whole old segments.
+    pub fn deletes(self) -> bool {
+        self != Self::Compact
+    }
+}
+
+/// A share from 0 to 1 (`min_cleanable_dirty_ratio`); never NaN once validated.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct Ratio(pub f64);
+
+// Validation refuses NaN, so equality is total.
+impl Eq for Ratio {}
+
 /// The codec a topic stores its batches in (Kafka's `compression.type`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -110,6 +172,17 @@ pub struct TopicPolicy {
     /// The codec batches are stored in: `producer` keeps each as sent; a codec has every batch
     /// in another rewritten in it once, at produce (Kafka's `compression.type`).
     pub compression: TopicCompression,
+    /// `delete` (retention deletes old segments), `compact` (each key keeps its latest record)
+    /// or `compact,delete` (both).
+    pub cleanup_policy: CleanupPolicy,
+    /// Compacted topics: tombstones (null values) are kept this long after the newest record
+    /// of their segment, so readers see the deletion, then cleaned away.
+    pub delete_retention_ms: i64,
+    /// Compacted topics: no record is cleaned away while younger than this.
+    pub min_compaction_lag_ms: i64,
+    /// Compacted topics: a partition is cleaned once its dirty (not yet cleaned) part is at
+    /// least this share of its sealed bytes.
+    pub min_cleanable_dirty_ratio: Ratio,
 }
 
 impl Default for TopicPolicy {
@@ -128,6 +201,10 @@ impl Default for TopicPolicy {
             local_retention_ms: -2,
             local_retention_bytes: -2,
             compression: TopicCompression::Producer,
+            cleanup_policy: CleanupPolicy::Delete,
+            delete_retention_ms: 24 * 3600 * 1000,
+            min_compaction_lag_ms: 0,
+            min_cleanable_dirty_ratio: Ratio(0.5),
         }
     }
 }
@@ -186,7 +263,42 @@ impl TopicPolicy {
                 self.live_ring_bytes
             ));
         }
+        for (key, v) in [
+            ("delete_retention_ms", self.delete_retention_ms),
+            ("min_compaction_lag_ms", self.min_compaction_lag_ms),
+        ] {
+            if v < 0 {
+                return bad(format!("{key} must be 0 or more, not {v}"));
+            }
+        }
+        let ratio = self.min_cleanable_dirty_ratio.0;
+        if !(0.0..=1.0).contains(&ratio) {
+            return bad(format!(
+                "min_cleanable_dirty_ratio must be between 0 and 1, not {ratio}"
+            ));
+        }
+        if self.cleanup_policy.compacts() && self.remote_storage_enable {
+            return bad(
+                "a compacted topic (cleanup_policy compact) cannot offload (remote_storage_enable), as in Kafka's tiered storage"
+                    .into(),
+            );
+        }
         Ok(())
+    }
+
+    /// How the cleaner treats this topic, given the engine's map bound; `None` when it is not
+    /// compacted.
+    pub(crate) fn clean_settings(&self, max_keys: usize) -> Option<sluice_storage::CleanSettings> {
+        self.cleanup_policy
+            .compacts()
+            .then_some(sluice_storage::CleanSettings {
+                delete_retention_ms: self.delete_retention_ms,
+                min_compaction_lag_ms: self.min_compaction_lag_ms,
+                min_cleanable_dirty_ratio: self.min_cleanable_dirty_ratio.0,
+                max_keys,
+                segment_bytes: self.segment_bytes,
+                index_interval_bytes: self.index_interval_bytes,
+            })
     }
 
     /// The live ring's size for this topic, given the engine's default.
@@ -197,7 +309,8 @@ impl TopicPolicy {
     /// The log's settings. With `tiered` (the engine offloads) and remote storage enabled,
     /// the tier applies retention, since it alone sees the whole log.
     pub(crate) fn log_config(&self, tiered: bool) -> LogConfig {
-        let by_log = !(tiered && self.remote_storage_enable);
+        // Offloading topics' retention is the tier's; a compact-only topic has none.
+        let by_log = !(tiered && self.remote_storage_enable) && self.cleanup_policy.deletes();
         LogConfig {
             segment_bytes: self.segment_bytes,
             segment_ms: limit(self.segment_ms),

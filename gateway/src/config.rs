@@ -265,6 +265,8 @@ pub(crate) struct StorageSection {
     pub(crate) catchup_readers: usize,
     pub(crate) subscription_flush_interval_ms: u64,
     pub(crate) direct_write_min_bytes: usize,
+    pub(crate) cleaner_interval_ms: u64,
+    pub(crate) cleaner_max_keys: usize,
 }
 
 /// Values given on the command line; `None` leaves the lower layers' value.
@@ -749,6 +751,8 @@ impl Config {
                 "storage.subscription_flush_interval_ms",
                 s.subscription_flush_interval_ms,
             ),
+            ("storage.cleaner_interval_ms", s.cleaner_interval_ms),
+            ("storage.cleaner_max_keys", s.cleaner_max_keys as u64),
         ] {
             if v == 0 {
                 return invalid(format!("{key} must be positive"));
@@ -780,6 +784,8 @@ impl Config {
                 self.storage.subscription_flush_interval_ms,
             ),
             tier: None,
+            cleaner_interval: Duration::from_millis(self.storage.cleaner_interval_ms),
+            cleaner_max_keys: self.storage.cleaner_max_keys,
         }
     }
 

@@ -18,6 +18,7 @@ use crate::compression::{MAX_DECOMPRESSED_BYTES, decompress};
 
 mod encoder;
 
+pub(crate) use encoder::filtered;
 pub use encoder::{BatchBuf, OneRecord, OpenBatch, PLACED_ENCODE_MIN, encode, encode_at};
 
 /// Size of the fixed RecordBatch v2 header.

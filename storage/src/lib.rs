@@ -32,8 +32,9 @@ pub use error::{Result, StorageError};
 pub use index::SegmentMeta;
 pub use io::{Faults, FaultyStorage, FsStorage, LogFile, Storage};
 pub use log::{
-    AppendInfo, DetachedSegments, Fetched, LogConfig, LogReader, LogStats, MAX_SEGMENT_BYTES,
-    PartitionLog, RecoveryReport, RetentionOutcome, ValidatedBatch,
+    AppendInfo, CleanSettings, CleanStats, Cleaning, DetachedSegments, Fetched, LogConfig,
+    LogReader, LogStats, MAX_SEGMENT_BYTES, PartitionLog, RecoveryReport, RetentionOutcome,
+    ValidatedBatch,
 };
 pub use mapped::MappedBuf;
 pub use remote::{

@@ -21,12 +21,15 @@ use crate::remote::RemoteLog;
 use crate::segment::Segment;
 
 mod append;
+mod clean;
 mod read;
 mod recovery;
 mod retention;
 
 /// The file in a partition's directory that keeps the log start DeleteRecords set.
 pub(crate) const LOG_START_FILE: &str = "log-start";
+
+pub use clean::{CleanSettings, CleanStats, Cleaning};
 
 /// Largest segment: index positions are 32-bit.
 pub const MAX_SEGMENT_BYTES: u64 = 2 * 1024 * 1024 * 1024 - 1;
@@ -145,6 +148,14 @@ impl ValidatedBatch {
         })
     }
 
+    /// Whether any record of the batch has no key (which a compacted topic refuses).
+    pub fn has_keyless_record(&self) -> Result<bool, BatchError> {
+        let bytes = Bytes::copy_from_slice(&self.buf);
+        Ok(batch::decode_records(&bytes)?
+            .iter()
+            .any(|r| r.record.key.is_none()))
+    }
+
     /// A batch this crate's encoder wrote: its CRC is right by construction.
     fn encoded(buf: batch::BatchBuf) -> Self {
         let header = BatchHeader::parse(&buf).expect("the encoder writes a whole header");
@@ -245,6 +256,8 @@ struct Shared {
     /// The log start a DeleteRecords request set (0 when none, kept in [`LOG_START_FILE`]):
     /// offsets below it are gone even where a segment still holds them.
     records_start: AtomicU64,
+    /// Offsets below this are clean (compaction; see [`clean`]).
+    cleaned_to: AtomicU64,
     poisoned: AtomicBool,
     remote: RwLock<Remote>,
 }

@@ -26,13 +26,23 @@ pub(crate) struct SegmentPaths {
 
 impl SegmentPaths {
     pub(crate) fn new(dir: &Path, base_offset: u64) -> Self {
+        Self::with_suffix(dir, base_offset, "")
+    }
+
+    /// The names with `suffix` after each (`.cleaned`, `.swap`: compaction's stages).
+    pub(crate) fn with_suffix(dir: &Path, base_offset: u64, suffix: &str) -> Self {
         let stem = format!("{base_offset:020}");
         Self {
-            log: dir.join(format!("{stem}.log")),
-            index: dir.join(format!("{stem}.index")),
-            time_index: dir.join(format!("{stem}.timeindex")),
-            seal: dir.join(format!("{stem}.seal")),
+            log: dir.join(format!("{stem}.log{suffix}")),
+            index: dir.join(format!("{stem}.index{suffix}")),
+            time_index: dir.join(format!("{stem}.timeindex{suffix}")),
+            seal: dir.join(format!("{stem}.seal{suffix}")),
         }
+    }
+
+    /// The four paths, the log last (the order that makes a stage's files whole).
+    pub(crate) fn all(&self) -> [&PathBuf; 4] {
+        [&self.index, &self.time_index, &self.seal, &self.log]
     }
 }
 
@@ -120,13 +130,15 @@ pub(crate) struct Segment {
     /// Largest batch max-timestamp written, `i64::MIN` while empty.
     pub(crate) max_timestamp: AtomicI64,
     pub(crate) sealed: OnceLock<SegmentMeta>,
+    /// Set when compaction swapped a cleaned copy in for this segment: its files are going
+    /// or gone, and a reader that read through it reads again from the new segment list.
+    pub(crate) replaced: std::sync::atomic::AtomicBool,
 }
 
 /// Whole batches read from a segment.
 #[derive(Debug, Clone)]
 pub(crate) struct Chunk {
     pub(crate) data: Bytes,
-    pub(crate) first_offset: u64,
     pub(crate) next_offset: u64,
 }
 
@@ -166,6 +178,7 @@ impl Segment {
             next_offset: AtomicU64::new(base_offset),
             max_timestamp: AtomicI64::new(i64::MIN),
             sealed: OnceLock::new(),
+            replaced: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -265,7 +278,6 @@ impl Segment {
         }
         Ok(Some(Chunk {
             data: data.slice(..cut),
-            first_offset: first.base_offset as u64,
             next_offset,
         }))
     }
@@ -342,18 +354,19 @@ impl Segment {
                 };
                 break;
             }
-            if header.base_offset != s.next_offset as i64 {
+            // Offsets only grow; a compacted segment has gaps where records were cleaned away.
+            if header.base_offset < s.next_offset as i64 {
                 s.end = ScanEnd::Corrupt {
                     position: pos,
                     reason: format!(
-                        "batch base offset {} where {} was expected",
+                        "batch base offset {} below {}, the offset after the one before",
                         header.base_offset, s.next_offset
                     ),
                 };
                 break;
             }
             s.index.on_append(
-                (s.next_offset - base_offset) as u32,
+                (header.base_offset as u64 - base_offset) as u32,
                 pos as u32,
                 len as u32,
                 header.max_timestamp,

@@ -226,3 +226,93 @@ def test_incremental_alter_configs_appends_to_list_configs_only(gateway):
     configs = list(described.values())[0].result(timeout=30)
     assert configs["cleanup.policy"].value == "delete"
     assert configs["retention.ms"].source == ConfigSource.DEFAULT_CONFIG.value
+
+
+def wait_for_metric(gateway, name: str, at_least: float, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while gateway.metrics().get(name, 0) < at_least:
+        assert time.monotonic() < deadline, f"{name} stayed below {at_least} for {timeout} s"
+        time.sleep(0.2)
+
+
+def test_a_compacted_topic_keeps_the_latest_value_per_key(gateway_factory):
+    """cleanup.policy=compact: keyless records are refused with INVALID_RECORD; after the
+    cleaner's pass a consumer reading from the start gets each live key's latest value, deleted
+    keys (tombstones past delete.retention.ms) not at all, and far fewer records."""
+    gateway = gateway_factory(env={"SLUICE_STORAGE__CLEANER_INTERVAL_MS": "200"})
+    admin = gateway.admin()
+    topic = unique("latest")
+    new = NewTopic(topic, num_partitions=1, replication_factor=1, config={
+        "cleanup.policy": "compact", "segment.bytes": "1048576",
+        "min.cleanable.dirty.ratio": "0.01", "delete.retention.ms": "0"})
+    admin.create_topics([new], operation_timeout=10)[topic].result(timeout=30)
+
+    p = gateway.producer(**{"retries": 0})
+    reports = []
+    p.produce(topic, value=b"no key", on_delivery=lambda err, msg: reports.append(err))
+    assert p.flush(30) == 0
+    assert reports[0] is not None and reports[0].code() == KafkaError.INVALID_RECORD, reports
+
+    expected = {}
+    records = []
+    for rnd in range(50):
+        for k in range(50):
+            key = f"device-{k}"
+            if k < 5 and rnd > 30:
+                continue
+            value = f"{key}:{rnd}:".encode() + b"r" * 1000
+            records.append({"key": key.encode(), "value": value})
+            expected[key] = value
+        if rnd == 30:
+            records.extend({"key": f"device-{k}".encode(), "value": None} for k in range(5))
+            for k in range(5):
+                expected.pop(f"device-{k}")
+    gateway.produce(topic, records)
+    wait_for_metric(gateway, "sluice_cleaner_passes_total", 1)
+    total = len(records)
+    high = gateway.consumer().get_watermark_offsets(TopicPartition(topic, 0), timeout=10)[1]
+    c = gateway.consumer()
+    c.assign([TopicPartition(topic, 0, OFFSET_BEGINNING)])
+    got = []
+    deadline = time.monotonic() + 60
+    while (not got or got[-1].offset() < high - 1) and time.monotonic() < deadline:
+        m = c.poll(0.5)
+        if m is not None and not m.error():
+            got.append(m)
+    assert got and got[-1].offset() == high - 1
+    latest = {}
+    for m in got:
+        if m.value() is None:
+            latest.pop(m.key().decode(), None)
+        else:
+            latest[m.key().decode()] = m.value()
+    assert latest == expected
+    assert not any(m.key().decode() in {f"device-{k}" for k in range(5)} for m in got)
+    assert len(got) < total / 2, f"{len(got)} of {total} records left"
+    offsets = [m.offset() for m in got]
+    assert offsets == sorted(set(offsets)), "offsets only grow"
+    described = admin.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, topic)])
+    configs = list(described.values())[0].result(timeout=30)
+    assert configs["cleanup.policy"].value == "compact"
+    assert configs["min.cleanable.dirty.ratio"].value == "0.01"
+
+
+def test_compaction_and_offload_exclude_each_other_and_lists_append(gateway):
+    admin = gateway.admin()
+    topic = unique("compactable")
+    create(admin, topic, 1)
+    both = ConfigResource(ConfigResource.Type.TOPIC, topic, incremental_configs=[
+        ConfigEntry("cleanup.policy", "compact", incremental_operation=AlterConfigOpType.APPEND)])
+    admin.incremental_alter_configs([both])[both].result(timeout=30)
+    described = admin.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, topic)])
+    assert list(described.values())[0].result(timeout=30)["cleanup.policy"].value == "compact,delete"
+    drop = ConfigResource(ConfigResource.Type.TOPIC, topic, incremental_configs=[
+        ConfigEntry("cleanup.policy", "delete", incremental_operation=AlterConfigOpType.SUBTRACT)])
+    admin.incremental_alter_configs([drop])[drop].result(timeout=30)
+    described = admin.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, topic)])
+    assert list(described.values())[0].result(timeout=30)["cleanup.policy"].value == "compact"
+    offload = NewTopic(unique("both"), num_partitions=1, replication_factor=1,
+                       config={"cleanup.policy": "compact", "remote.storage.enable": "true"})
+    with pytest.raises(Exception) as e:
+        admin.create_topics([offload], operation_timeout=10)[offload.topic].result(timeout=30)
+    assert e.value.args[0].code() == KafkaError.INVALID_CONFIG

@@ -56,7 +56,7 @@ def test_topic_configs_are_applied_described_and_validated(gateway):
     assert configs["segment.bytes"].value == "1048576"
     assert configs["cleanup.policy"].value == "delete"
 
-    bad = NewTopic(unique("compacted"), num_partitions=1, replication_factor=1, config={"cleanup.policy": "compact"})
+    bad = NewTopic(unique("archived"), num_partitions=1, replication_factor=1, config={"cleanup.policy": "archive"})
     with pytest.raises(Exception) as e:
         admin.create_topics([bad], operation_timeout=10)[bad.topic].result(timeout=30)
     assert e.value.args[0].code() == KafkaError.INVALID_CONFIG

@@ -202,15 +202,25 @@ impl Engine {
         reserved: Option<crate::partition::Reserved>,
     ) -> Result<PendingAck> {
         let part = &t.partitions[id as usize];
-        let (max, compression) = {
+        let (max, compression, compacted) = {
             let meta = t.meta.read();
+            let p = &meta.policy;
             (
-                meta.policy.max_message_bytes as usize,
-                meta.policy.compression,
+                p.max_message_bytes as usize,
+                p.compression,
+                p.cleanup_policy.compacts(),
             )
         };
         // Checked as produced, before any work on it, and again as rewritten.
         self.check_size(&batch, max)?;
+        // A compacted topic keeps each key's latest record: a record without one has no place
+        // there (Kafka answers INVALID_RECORD).
+        if compacted && batch.has_keyless_record()? {
+            self.inner.shared.counters.rejected_batches.inc();
+            return Err(CoreError::KeylessRecord {
+                topic: topic.to_owned(),
+            });
+        }
         let (batch, reserved) = match compression.codec() {
             Some(codec) if batch.header().compression() != codec => {
                 // A place reserved for the batch as produced would be wrong for the rewritten

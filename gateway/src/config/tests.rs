@@ -387,12 +387,14 @@ fn scalar_keys(value: &toml::Value, path: &str, out: &mut Vec<String>) {
     }
 }
 
-/// Another value for a key: a number one more (a mebibyte for -1, "none"), twice for
-/// fractions, a boolean flipped.
+/// Another value for a key: a number one more (a mebibyte for -1, "none"), half a share and
+/// twice another fraction, a boolean flipped.
 fn changed(value: &toml::Value) -> toml::Value {
     match value {
         toml::Value::Integer(-1) => toml::Value::Integer(1 << 20),
         toml::Value::Integer(i) => toml::Value::Integer(i + 1),
+        // A share (0 to 1) stays one.
+        toml::Value::Float(f) if (0.0..=1.0).contains(f) => toml::Value::Float(f / 2.0),
         toml::Value::Float(f) => toml::Value::Float(f * 2.0 + 1.0),
         toml::Value::Boolean(b) => toml::Value::Boolean(!b),
         other => other.clone(),

@@ -51,7 +51,9 @@ pub(crate) fn code(e: &CoreError) -> i16 {
         CoreError::LimitReached { .. } => POLICY_VIOLATION,
         CoreError::MessageTooLarge { .. } => MESSAGE_TOO_LARGE,
         CoreError::InvalidBatch(BatchError::CrcMismatch { .. }) => CORRUPT_MESSAGE,
-        CoreError::InvalidBatch(_) | CoreError::EmptyProduce => INVALID_RECORD,
+        CoreError::InvalidBatch(_) | CoreError::EmptyProduce | CoreError::KeylessRecord { .. } => {
+            INVALID_RECORD
+        }
         CoreError::OffsetOutOfRange { .. } => OFFSET_OUT_OF_RANGE,
         // Retriable: an offloaded range the object store cannot serve now.
         CoreError::Storage { .. }

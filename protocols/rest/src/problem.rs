@@ -113,6 +113,7 @@ impl From<CoreError> for Problem {
             | CoreError::InvalidSubscriptionName { .. }
             | CoreError::CommitMetadataTooLarge { .. }
             | CoreError::EmptyProduce
+            | CoreError::KeylessRecord { .. }
             | CoreError::InvalidBatch(_) => (StatusCode::BAD_REQUEST, "bad-request"),
             CoreError::InternalTopic { .. } => (StatusCode::FORBIDDEN, "internal-topic"),
             CoreError::ShuttingDown => (StatusCode::SERVICE_UNAVAILABLE, "shutting-down"),

@@ -319,6 +319,41 @@ impl Layout {
     }
 }
 
+/// The batch `original` keeps with only `kept` of its records (compaction): its header as it
+/// was (base offset, last offset delta, timestamps, producer fields, so offsets and the
+/// producer's sequence stay what they were), each kept record at its own offset and
+/// timestamp, in the batch's codec, with the count, length and CRC set for them.
+///
+/// # Panics
+/// When `original` is shorter than a batch header.
+pub(crate) fn filtered(original: &[u8], kept: &[DecodedRecord]) -> Result<BytesMut, BatchError> {
+    let header = BatchHeader::parse(original)?;
+    let base_offset = header.base_offset;
+    let base_ts = header.base_timestamp;
+    let mut area = BytesMut::new();
+    for d in kept {
+        let r = &d.record;
+        let deltas = (r.timestamp - base_ts, d.offset - base_offset);
+        let body = record_body_len(r, deltas.0, deltas.1);
+        put_record_head(
+            &mut area,
+            body,
+            deltas,
+            r.key.as_deref(),
+            opt_len(r.value.as_ref()),
+        );
+        if let Some(v) = &r.value {
+            area.put_slice(v);
+        }
+        put_headers(&mut area, &r.headers);
+    }
+    let mut head = original[..BATCH_HEADER_LEN].to_vec();
+    head[57..61].copy_from_slice(&(kept.len() as i32).to_be_bytes());
+    let codec = header.compression();
+    let packed = crate::compression::compress(codec, &area)?;
+    Ok(with_records_area(&head, codec, &packed))
+}
+
 /// The layout of a batch of one record whose value has not arrived yet: a protocol reads the
 /// value from its socket straight into [`OpenBatch::value_buf`], so a 2 MB image is never
 /// copied into a batch after being received. Known first are the key, the value's length and

@@ -143,18 +143,26 @@ impl LogReader {
         if offset == high_watermark {
             return Ok(empty);
         }
-        for segment in self.segments_from(offset) {
-            if let Some(chunk) = segment.read_from(offset, max_bytes, high_watermark)? {
-                debug_assert!(chunk.first_offset <= offset);
-                return Ok(Fetched {
-                    data: chunk.data,
-                    next_offset: chunk.next_offset,
-                    high_watermark,
-                    log_start,
-                });
+        // A segment that compaction replaced while it was read may have answered from its
+        // successor's file: the read is done again from the new segment list.
+        'list: loop {
+            for segment in self.segments_from(offset) {
+                let read = segment.read_from(offset, max_bytes, high_watermark);
+                if segment.replaced.load(Ordering::Acquire) {
+                    continue 'list;
+                }
+                // With compaction's gaps the first batch may start past `offset`.
+                if let Some(chunk) = read? {
+                    return Ok(Fetched {
+                        data: chunk.data,
+                        next_offset: chunk.next_offset,
+                        high_watermark,
+                        log_start,
+                    });
+                }
             }
+            return Ok(empty);
         }
-        Ok(empty)
     }
 
     /// The first offset whose record timestamp is at or after `timestamp` (with that record's
@@ -178,15 +186,20 @@ impl LogReader {
         {
             return Ok(Some(found));
         }
-        let segments = self.segments_from(self.local_start());
-        for segment in segments {
-            if segment.max_timestamp.load(Ordering::Acquire) < timestamp {
-                continue;
+        'list: loop {
+            for segment in self.segments_from(self.local_start()) {
+                if segment.max_timestamp.load(Ordering::Acquire) < timestamp {
+                    continue;
+                }
+                let found = segment.offset_for_timestamp(timestamp, high_watermark);
+                if segment.replaced.load(Ordering::Acquire) {
+                    continue 'list;
+                }
+                if let Some(offset) = found? {
+                    return Ok(Some(offset));
+                }
             }
-            if let Some(offset) = segment.offset_for_timestamp(timestamp, high_watermark)? {
-                return Ok(Some(offset));
-            }
+            return Ok(None);
         }
-        Ok(None)
     }
 }

@@ -49,6 +49,10 @@ impl PartitionLog {
         clock: Arc<dyn Clock>,
     ) -> Result<(Self, RecoveryReport)> {
         let names = Self::list_created(storage.as_ref(), dir)?;
+        Self::finish_swaps(storage.as_ref(), dir, &names)?;
+        let names = storage
+            .list_dir(dir)
+            .map_err(StorageError::io("list", dir))?;
         let mut bases = Vec::new();
         let mut orphans = Vec::new();
         for name in &names {
@@ -198,6 +202,7 @@ impl PartitionLog {
             high_watermark: AtomicU64::new(next_offset),
             log_start: AtomicU64::new(log_start),
             records_start: AtomicU64::new(records_start),
+            cleaned_to: AtomicU64::new(Self::load_cleaned_to(storage.as_ref(), dir)),
             poisoned: AtomicBool::new(false),
             remote: RwLock::new(Remote::default()),
         });

@@ -1,11 +1,10 @@
 //! Kafka topic configs ↔ Sluice topic policy.
 
-use sluice_core::{Durability, TopicCompression, TopicPolicy};
+use sluice_core::{CleanupPolicy, Durability, Ratio, TopicCompression, TopicPolicy};
 
 /// Configs accepted on topic creation but fixed in Sluice, with the only value allowed (None:
 /// any value, ignored because a single node has no replicas).
 const FIXED: &[(&str, Option<&str>)] = &[
-    ("cleanup.policy", Some("delete")),
     ("message.timestamp.type", Some("CreateTime")),
     ("min.insync.replicas", None),
     ("unclean.leader.election.enable", None),
@@ -42,6 +41,20 @@ pub(crate) fn apply(policy: &mut TopicPolicy, name: &str, value: &str) -> Result
                 "false" => false,
                 _ => return Err(format!("{name} = {value:?}: true or false")),
             }
+        }
+        "cleanup.policy" => {
+            policy.cleanup_policy = CleanupPolicy::parse(value).ok_or_else(|| {
+                format!("{name} = {value:?}: delete, compact, or both (compact,delete)")
+            })?;
+        }
+        "delete.retention.ms" => policy.delete_retention_ms = int()?,
+        "min.compaction.lag.ms" => policy.min_compaction_lag_ms = int()?,
+        "min.cleanable.dirty.ratio" => {
+            policy.min_cleanable_dirty_ratio = Ratio(
+                value
+                    .parse::<f64>()
+                    .map_err(|_| format!("{name} = {value:?} is not a number"))?,
+            );
         }
         "compression.type" => {
             policy.compression = TopicCompression::parse(value).ok_or_else(|| {
@@ -96,7 +109,19 @@ pub(crate) fn describe(policy: &TopicPolicy) -> Vec<(&'static str, String)> {
         Durability::None => "none",
     };
     vec![
-        ("cleanup.policy", "delete".into()),
+        ("cleanup.policy", policy.cleanup_policy.name().into()),
+        (
+            "delete.retention.ms",
+            policy.delete_retention_ms.to_string(),
+        ),
+        (
+            "min.compaction.lag.ms",
+            policy.min_compaction_lag_ms.to_string(),
+        ),
+        (
+            "min.cleanable.dirty.ratio",
+            policy.min_cleanable_dirty_ratio.0.to_string(),
+        ),
         ("compression.type", policy.compression.name().into()),
         ("retention.ms", policy.retention_ms.to_string()),
         ("retention.bytes", policy.retention_bytes.to_string()),
@@ -153,10 +178,12 @@ mod tests {
     fn unsupported_configs_are_refused() {
         let mut p = TopicPolicy::default();
         assert!(
-            apply(&mut p, "cleanup.policy", "compact")
+            apply(&mut p, "cleanup.policy", "archive")
                 .unwrap_err()
-                .contains("delete")
+                .contains("compact")
         );
+        apply(&mut p, "cleanup.policy", "delete,compact").unwrap();
+        assert_eq!(p.cleanup_policy, CleanupPolicy::CompactDelete);
         assert!(apply(&mut p, "retention.ms", "soon").is_err());
         assert!(
             apply(&mut p, "no.such.config", "1")
