@@ -91,7 +91,7 @@ pub(crate) async fn start_sluice(
         tls_addr: String::new(),
         security: Default::default(),
         session_sweep_interval_ms: 60_000,
-        state_snapshot_min_records: 10_000,
+        state_snapshot_min_records: None,
         max_retained_messages: 100_000,
         max_retained_bytes: 256 << 20,
         max_will_bytes: 64 << 10,

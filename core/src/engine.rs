@@ -496,29 +496,6 @@ impl Engine {
         Ok(())
     }
 
-    /// Deletes the sealed segments of a partition that hold only offsets below `offset` (whole
-    /// segments: the log may still start below it), after every append queued before; returns
-    /// the partition's log start after it. For logs whose older records a later one made
-    /// useless, such as the gateway's state topics below their newest snapshot.
-    pub async fn delete_segments_before(
-        &self,
-        topic: &str,
-        partition: u32,
-        offset: u64,
-    ) -> Result<u64> {
-        self.check_writable(topic)?;
-        let t = self.topic_with_partition(topic, partition)?;
-        match t.partitions[partition as usize].delete_before(offset).await {
-            Some(Ok(log_start)) => Ok(log_start),
-            Some(Err(source)) => Err(CoreError::Storage {
-                topic: topic.to_owned(),
-                partition,
-                source,
-            }),
-            None => Err(CoreError::ShuttingDown),
-        }
-    }
-
     /// Moves a partition's log start up to `offset` (Kafka's DeleteRecords), after every append
     /// queued before: reads below it are out of range from then on, and the sealed segments
     /// wholly below it are deleted. The new start is durable before this returns. An offset at

@@ -27,11 +27,6 @@ enum WriterMsg {
         reply: AppendReply,
     },
     SetPolicy(TopicPolicy),
-    /// Delete the sealed segments wholly below the offset; the reply is the new log start.
-    DeleteBefore {
-        offset: u64,
-        reply: oneshot::Sender<Result<u64, Arc<StorageError>>>,
-    },
     /// Move the log start up to the offset (DeleteRecords); the reply is the new log start.
     DeleteRecords {
         offset: u64,
@@ -195,7 +190,6 @@ impl std::fmt::Debug for WriterMsg {
         f.write_str(match self {
             Self::Append { .. } => "Append",
             Self::SetPolicy(_) => "SetPolicy",
-            Self::DeleteBefore { .. } => "DeleteBefore",
             Self::DeleteRecords { .. } => "DeleteRecords",
             Self::DetachCopiedBefore { .. } => "DetachCopiedBefore",
             Self::InstallCleaned { .. } => "InstallCleaned",
@@ -304,16 +298,6 @@ impl Partition {
 
     pub(crate) async fn set_policy(&self, policy: TopicPolicy) {
         let _ = self.tx.send(WriterMsg::SetPolicy(policy)).await;
-    }
-
-    /// Has the writer delete the sealed segments wholly below `offset`, after every append
-    /// queued before; returns the log start after it (`None`: the writer is gone).
-    pub(crate) async fn delete_before(
-        &self,
-        offset: u64,
-    ) -> Option<Result<u64, Arc<StorageError>>> {
-        self.ask(|reply| WriterMsg::DeleteBefore { offset, reply })
-            .await
     }
 
     /// Has the writer move the log start up to `offset` (DeleteRecords), after every append
@@ -465,18 +449,6 @@ impl Writer {
                 // Only the segment list changes here, in memory: no blocking pool needed.
                 if let Some(log) = self.log.as_mut() {
                     let _ = reply.send(log.detach_copied_segments_before(offset));
-                }
-                ControlFlow::Continue(())
-            }
-            Some(WriterMsg::DeleteBefore { offset, reply }) => {
-                let deleted = self
-                    .with_log(move |log| {
-                        let outcome = log.delete_segments_before(offset)?;
-                        Ok::<_, StorageError>((log.reader().log_start(), outcome))
-                    })
-                    .await;
-                if let Some(result) = deleted {
-                    let _ = reply.send(self.count_deleted(result));
                 }
                 ControlFlow::Continue(())
             }

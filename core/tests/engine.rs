@@ -451,52 +451,6 @@ async fn clients_cannot_create_topics_or_partitions_past_the_caps() {
     engine.create_topic("d", 2, None).await.unwrap();
 }
 
-#[tokio::test]
-async fn segments_below_an_offset_are_deleted_through_the_writer() {
-    let dir = tempfile::tempdir().unwrap();
-    let engine = open(dir.path()).await;
-    let policy = TopicPolicy {
-        segment_bytes: sluice_core::MIN_SEGMENT_BYTES,
-        ..Default::default()
-    };
-    engine.create_topic("t", 1, Some(policy)).await.unwrap();
-    let value = vec![7u8; 100_000];
-    for _ in 0..40 {
-        engine
-            .produce("t", PartitionChoice::Id(0), &[record("k", &value, now())])
-            .await
-            .unwrap();
-    }
-    let log_start = engine.delete_segments_before("t", 0, 25).await.unwrap();
-    assert!(log_start > 0 && log_start <= 25, "log start {log_start}");
-    assert_eq!(engine.offsets("t", 0).unwrap(), (log_start, 40));
-    assert!(matches!(
-        engine.fetch("t", 0, 0, 1024).await,
-        Err(CoreError::OffsetOutOfRange { .. })
-    ));
-    let kept = read_all(&engine, "t", 0).await;
-    assert_eq!(kept.first().unwrap().offset as u64, log_start);
-    assert_eq!(kept.len() as u64, 40 - log_start);
-    // The gateway's own topics only through its own handle.
-    engine
-        .system()
-        .create_topic("__state", 1, None)
-        .await
-        .unwrap();
-    assert!(matches!(
-        engine.delete_segments_before("__state", 0, 1).await,
-        Err(CoreError::InternalTopic { .. })
-    ));
-    assert_eq!(
-        engine
-            .system()
-            .delete_segments_before("__state", 0, 1)
-            .await
-            .unwrap(),
-        0
-    );
-}
-
 /// A compressed batch counts in the live ring as what its records decompress to, since a
 /// subscriber that decodes it keeps them as long as the ring holds the batch: a small batch
 /// that unpacks to megabytes cannot make the ring hold many times its size.

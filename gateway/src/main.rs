@@ -284,6 +284,11 @@ async fn serve(mut config: Config, reload: security::LoadConfig) -> anyhow::Resu
         worker_threads = tokio::runtime::Handle::current().metrics().num_workers(),
         "starting sluice"
     );
+    if config.mqtt.state_snapshot_min_records.is_some() {
+        warn!(
+            "mqtt.state_snapshot_min_records is no longer used and is ignored: the MQTT state topics are compacted topics, kept bounded by the cleaner (storage.cleaner_interval_ms)"
+        );
+    }
     // A relay keeps no state of its own: a scratch copy of what it follows, gone at stop.
     let scratch = config.is_relay().then(|| {
         process::remove_stale_relay_dirs();

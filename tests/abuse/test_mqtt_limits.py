@@ -327,27 +327,41 @@ def retained_publishes(gw: Gateway, messages: list[tuple[str, bytes]]) -> None:
     sock.close()
 
 
-def test_start_up_replays_mqtt_state_from_its_newest_snapshot(gateway_factory):
-    """A retained name rewritten 60 times: once the topic holds far more records than retained
-    messages, a snapshot is written, and the next start reads from it rather than every
-    record, with the same retained messages."""
-    gw = gateway_factory(
-        env={"SLUICE_MQTT__SESSION_SWEEP_INTERVAL_MS": "100", "SLUICE_MQTT__STATE_SNAPSHOT_MIN_RECORDS": "50"}
-    )
+# State topics roll a segment every 100 ms of age and the cleaner looks every 200 ms, so
+# what the tests write is compacted within a second or two.
+COMPACTING = {
+    "SLUICE_TOPICS__DEFAULTS__SEGMENT_MS": "100",
+    "SLUICE_STORAGE__MAINTENANCE_INTERVAL_MS": "50",
+    "SLUICE_STORAGE__CLEANER_INTERVAL_MS": "200",
+}
+
+
+def wait_until_cleaned(gw: Gateway, removed: int, timeout: float = 30.0) -> None:
+    """Waits until compaction has cleaned at least `removed` records away."""
+    deadline = time.monotonic() + timeout
+    while gw.metrics().get("sluice_cleaner_removed_records_total", 0) < removed:
+        assert time.monotonic() < deadline, (
+            f"compaction removed {gw.metrics().get('sluice_cleaner_removed_records_total', 0)} "
+            f"of {removed} records within {timeout} s")
+        time.sleep(0.1)
+
+
+def test_start_up_replays_a_compacted_mqtt_state_topic(gateway_factory):
+    """A retained name rewritten 60 times, another set, a third set and cleared: once the
+    cleaner has been over __mqtt_retained, the next start reads about one record per name
+    rather than every record, with the same retained messages."""
+    gw = gateway_factory(env=COMPACTING)
     churn = [("snap/a", f"v{i}".encode()) for i in range(60)]
     retained_publishes(gw, churn + [("snap/b", b"b"), ("snap/c", b"c"), ("snap/c", b"")])
     assert gw.metrics().get("sluice_mqtt_state_records_replayed") == 0
-    deadline = time.monotonic() + 30
-    while gw.metrics().get("sluice_mqtt_state_snapshots_total", 0) < 1 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert gw.metrics().get("sluice_mqtt_state_snapshots_total") == 1
+    # 59 superseded "snap/a" records and the first "snap/c" (its clear is a tombstone, kept).
+    wait_until_cleaned(gw, 60)
     retained_publishes(gw, [("snap/a", b"final")])
 
     gw.close_clients()
     gw.restart()
     m = gw.metrics()
-    # The snapshot's two entries and marker, and the publish after it: not the 64 before.
-    assert m.get("sluice_mqtt_state_records_replayed") == 4
+    assert m.get("sluice_mqtt_state_records_replayed") <= 5
     assert m.get("sluice_mqtt_retained_messages") == 2
     sock = connected(gw, connect_v5(unique("sub")))
     subscribed(sock, "snap/#", 0)
@@ -358,46 +372,40 @@ def test_start_up_replays_mqtt_state_from_its_newest_snapshot(gateway_factory):
     assert got == {"snap/a": b"final", "snap/b": b"b"}
 
 
-def test_a_snapshot_deletes_the_state_segments_it_made_useless(gateway_factory):
-    """One retained name rewritten 64 times with 600 KB payloads fills several 16 MiB segments of
-    __mqtt_retained; once the snapshot is durable, the segments wholly before it are deleted
-    (the topic's log start moves up), and a restart still has the newest message."""
-    gw = gateway_factory(
-        env={"SLUICE_MQTT__SESSION_SWEEP_INTERVAL_MS": "100", "SLUICE_MQTT__STATE_SNAPSHOT_MIN_RECORDS": "20"}
-    )
+def test_compaction_keeps_the_state_topics_near_their_live_size(gateway_factory):
+    """One retained name rewritten 64 times with 600 KB payloads (38 MB) fills several 16 MiB
+    segments of __mqtt_retained; compaction leaves about one payload's worth, and a restart
+    still has the newest message."""
+    gw = gateway_factory(env=COMPACTING)
     big = bytes(range(256)) * 2400
     churn = [("shrink/a", big + bytes([i])) for i in range(64)]
     for i in range(0, len(churn), 8):
         retained_publishes(gw, churn[i : i + 8])
 
-    def log_start() -> int:
+    def stored() -> int:
         status, body = gw.http_get("/topics/__mqtt_retained")
         assert status == 200, body
-        return json.loads(body)["partitions"][0]["log_start"]
+        return json.loads(body)["partitions"][0]["bytes"]
 
     deadline = time.monotonic() + 30
-    while log_start() == 0:
-        assert time.monotonic() < deadline, "no state segment was deleted"
+    while stored() > 4 * len(big):
+        assert time.monotonic() < deadline, f"__mqtt_retained still holds {stored()} bytes"
         time.sleep(0.1)
-    assert gw.metrics().get("sluice_mqtt_state_snapshots_total", 0) >= 1
 
     gw.close_clients()
     gw.restart()
-    assert log_start() > 0
+    assert stored() <= 4 * len(big)
     sock = connected(gw, connect_v5(unique("sub")))
     subscribed(sock, "shrink/a", 0)
     topic, _, payload = parse_publish_v5(*read_packet(sock))
     assert (topic, payload) == ("shrink/a", churn[-1][1])
 
 
-def test_a_session_survives_the_snapshot_of_its_topic(gateway_factory):
+def test_a_session_survives_the_compaction_of_its_topic(gateway_factory):
     """A persistent session that reconnects 40 times writes its record twice each time (80
-    records); the snapshot written once 50 have gathered leaves the next start at most the
-    snapshot and what came after it to read, and the session is still there, with its
-    subscription."""
-    gw = gateway_factory(
-        env={"SLUICE_MQTT__SESSION_SWEEP_INTERVAL_MS": "100", "SLUICE_MQTT__STATE_SNAPSHOT_MIN_RECORDS": "50"}
-    )
+    records); once compacted, the next start reads a few records, and the session is still
+    there, with its subscription."""
+    gw = gateway_factory(env=COMPACTING)
     client_id = unique("again")
     for i in range(40):
         sock = connected(gw, connect_v4(client_id, clean=False))
@@ -410,16 +418,13 @@ def test_a_session_survives_the_snapshot_of_its_topic(gateway_factory):
         deadline = time.monotonic() + WAIT_S
         while gw.metrics().get("sluice_mqtt_connections_open", 0) > 0 and time.monotonic() < deadline:
             time.sleep(0.02)
-    deadline = time.monotonic() + 30
-    while gw.metrics().get("sluice_mqtt_state_snapshots_total", 0) < 1 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert gw.metrics().get("sluice_mqtt_state_snapshots_total") == 1
+    wait_until_cleaned(gw, 70)
 
     gw.close_clients()
     gw.restart()
     m = gw.metrics()
     assert m.get("sluice_mqtt_sessions") == 1
-    assert m.get("sluice_mqtt_state_records_replayed") <= 40
+    assert m.get("sluice_mqtt_state_records_replayed") <= 10
     sock = connected(gw, connect_v4(client_id, clean=False))
     sock.sendall(publish("again/1", b"still subscribed", qos=1, packet_id=5))
     seen = set()

@@ -50,12 +50,13 @@ pub struct MqttSettings {
     /// by every protocol (open, as before access control, by default).
     #[serde(skip)]
     pub security: sluice_core::auth::SecurityHandle,
-    /// How often persistent sessions whose expiry has passed are removed, and the state
-    /// topics checked for a snapshot (ms).
+    /// How often persistent sessions whose expiry has passed are removed (ms).
     pub session_sweep_interval_ms: u64,
-    /// Records a state topic (`__mqtt_retained`, `__mqtt_sessions`) gathers since its last
-    /// snapshot before a new one is written (also needing four times its live entries).
-    pub state_snapshot_min_records: u64,
+    /// No longer used: the state topics are compacted topics now, kept bounded by the
+    /// cleaner. Accepted so that a config file written for an older gateway still starts
+    /// (the gateway warns that it is ignored).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state_snapshot_min_records: Option<u64>,
     /// Most retained messages held; a retained publish of a new name past it is refused.
     pub max_retained_messages: usize,
     /// Most payload bytes of retained messages held; a retained publish that would grow them

@@ -6,7 +6,6 @@ use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::Bytes;
 use parking_lot::{Mutex, RwLock};
@@ -110,8 +109,6 @@ pub(crate) struct Retained {
     writing: tokio::sync::Mutex<()>,
     /// To the task that applies queued writes to the map, in queue order, each once durable.
     applier: mpsc::UnboundedSender<Job>,
-    /// Records written since the newest snapshot (see `state`).
-    since_snapshot: AtomicU64,
     queued: Arc<Mutex<Queue>>,
 }
 
@@ -127,10 +124,7 @@ impl Retained {
             true
         })
         .await?;
-        let this = Self::new(engine, map);
-        this.since_snapshot
-            .store(replayed.records, Ordering::Relaxed);
-        Ok((this, replayed))
+        Ok((Self::new(engine, map), replayed))
     }
 
     fn new(engine: Engine, map: BTreeMap<String, RetainedMsg>) -> Self {
@@ -147,7 +141,6 @@ impl Retained {
             map,
             writing: tokio::sync::Mutex::new(()),
             applier,
-            since_snapshot: AtomicU64::new(0),
             queued,
         }
     }
@@ -231,7 +224,6 @@ impl Retained {
             .engine
             .produce_queued(RETAINED_TOPIC, PartitionChoice::Id(0), &[record])
             .await?;
-        self.since_snapshot.fetch_add(1, Ordering::Relaxed);
         let seq = {
             let map = self.map.read();
             let mut queued = self.queued.lock();
@@ -256,31 +248,6 @@ impl Retained {
         Ok(Queued::Durable(Box::pin(async move {
             applied.await.unwrap_or(Err(CoreError::ShuttingDown))
         })))
-    }
-
-    /// Writes a snapshot of the retained messages when the topic holds far more records since
-    /// the last one than messages (see `state`); returns whether it did. Retained publishes
-    /// wait meanwhile, and the snapshot is taken once every write queued before is applied,
-    /// so it is exactly the state at its marker.
-    pub(crate) async fn snapshot_if_due(&self, min_records: u64) -> Result<bool, CoreError> {
-        let since = self.since_snapshot.load(Ordering::Relaxed);
-        if !state::snapshot_due(since, self.len(), min_records) {
-            return Ok(false);
-        }
-        let _order = self.writing.lock().await;
-        let (barrier, drained) = oneshot::channel();
-        if self.applier.send(Job::Barrier(barrier)).is_err() || drained.await.is_err() {
-            return Err(CoreError::ShuttingDown);
-        }
-        let entries: Vec<Record> = self
-            .map
-            .read()
-            .iter()
-            .map(|(name, msg)| record_of(name, msg))
-            .collect();
-        state::write_snapshot(&self.engine, RETAINED_TOPIC, entries).await?;
-        self.since_snapshot.store(0, Ordering::Relaxed);
-        Ok(true)
     }
 
     /// Resolves once every retained write queued before it is applied (or refused). A
@@ -398,7 +365,8 @@ fn record_of(name: &str, msg: &RetainedMsg) -> Record {
     Record {
         timestamp: msg.published_ms,
         key: Some(Bytes::copy_from_slice(name.as_bytes())),
-        value: Some(msg.payload.clone()),
+        // A clear is a tombstone, which compaction removes, name and all, after its retention.
+        value: (!msg.payload.is_empty()).then(|| msg.payload.clone()),
         headers: message::to_headers(&msg.props, &origin),
     }
 }

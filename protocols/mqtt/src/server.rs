@@ -16,10 +16,10 @@ use tracing::{debug, info, warn};
 
 use crate::MqttSettings;
 use crate::parked::{Plain, TcpConn};
-use crate::retained::{RETAINED_TOPIC, Retained};
+use crate::retained::Retained;
 use crate::routes::Routes;
 use crate::session;
-use crate::session_store::{SESSIONS_TOPIC, Sessions};
+use crate::session_store::Sessions;
 use crate::state::Replayed;
 use crate::upstream::Upstream;
 
@@ -69,11 +69,9 @@ pub(crate) struct MqttMetrics {
     pub(crate) publishes_throttled: Counter,
     /// Persistent sessions removed by the sweep because their expiry had passed.
     pub(crate) sessions_expired: Counter,
-    /// Records of `__mqtt_retained` and `__mqtt_sessions` read at start (from their newest
-    /// snapshots on).
+    /// Records of `__mqtt_retained` and `__mqtt_sessions` read at start (compacted topics:
+    /// about one per entry once cleaned).
     pub(crate) state_records_replayed: Gauge,
-    /// Snapshots written of `__mqtt_retained` and `__mqtt_sessions`.
-    pub(crate) state_snapshots: Counter,
     /// Batches or records of `__mqtt_retained` and `__mqtt_sessions` skipped at start because
     /// they could not be read (each logged with its offset).
     pub(crate) state_unreadable: Counter,
@@ -169,7 +167,7 @@ impl MqttServer {
             "Payload bytes of publishes queued for the ledger and not stored yet.",
             &m.pending_publish_bytes,
         );
-        registry.register_gauge("sluice_mqtt_state_records_replayed", "Records of __mqtt_retained and __mqtt_sessions read at the last start, from their newest snapshots on.", &m.state_records_replayed);
+        registry.register_gauge("sluice_mqtt_state_records_replayed", "Records of __mqtt_retained and __mqtt_sessions (compacted topics) read at the last start.", &m.state_records_replayed);
         registry.register_counters(&[
             (
                 "sluice_mqtt_connections_accepted_total",
@@ -265,11 +263,6 @@ impl MqttServer {
                 "sluice_mqtt_sessions_expired_total",
                 "Persistent MQTT sessions removed by the background sweep after their expiry passed.",
                 &m.sessions_expired,
-            ),
-            (
-                "sluice_mqtt_state_snapshots_total",
-                "Snapshots written of __mqtt_retained and __mqtt_sessions (every live entry again), so start-up replays from there.",
-                &m.state_snapshots,
             ),
             (
                 "sluice_mqtt_state_unreadable_total",
@@ -443,19 +436,6 @@ async fn upkeep(
             debug!(client = client_id, "expired mqtt session removed");
         }
         server.metrics.sessions_expired.inc_by(swept.len() as u64);
-        let min = server.settings.state_snapshot_min_records;
-        for (topic, written) in [
-            (RETAINED_TOPIC, server.retained.snapshot_if_due(min).await),
-            (SESSIONS_TOPIC, server.sessions.snapshot_if_due(min).await),
-        ] {
-            match written {
-                Ok(true) => {
-                    server.metrics.state_snapshots.inc();
-                }
-                Ok(false) => {}
-                Err(e) => warn!(topic, error = %e, "writing an mqtt state snapshot failed"),
-            }
-        }
     }
 }
 

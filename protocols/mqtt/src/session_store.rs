@@ -6,7 +6,7 @@
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, Ordering};
 
 use bytes::Bytes;
 use dashmap::DashMap;
@@ -79,8 +79,6 @@ pub(crate) struct Sessions {
     /// a session saved again (its client came back) is never swept by a sweep that looked
     /// before, and the log's order matches the map's.
     sweeping: tokio::sync::RwLock<()>,
-    /// Records written since the newest snapshot (see `state`).
-    since_snapshot: AtomicU64,
     /// No session expires before this (ms since the epoch; `i64::MAX`: none will): lowered as
     /// sessions are saved disconnected, worked out again by each sweep.
     earliest: AtomicI64,
@@ -151,7 +149,6 @@ impl Sessions {
             expiring: Arc::new(tokio::sync::Notify::new()),
             awaiting: DashMap::new(),
             sweeping: tokio::sync::RwLock::new(()),
-            since_snapshot: AtomicU64::new(replayed.records),
             starting: Mutex::new(HashSet::new()),
         };
         Ok((sessions, replayed))
@@ -181,7 +178,6 @@ impl Sessions {
         self.engine
             .produce(SESSIONS_TOPIC, PartitionChoice::Id(0), &[record])
             .await?;
-        self.since_snapshot.fetch_add(1, Ordering::Relaxed);
         let mut map = self.map.write();
         match session {
             Some(s) => {
@@ -306,8 +302,6 @@ impl Sessions {
                 self.earliest.fetch_min(now_ms, Ordering::Relaxed);
                 return Err(e);
             }
-            self.since_snapshot
-                .fetch_add(tombstones.len() as u64, Ordering::Relaxed);
             let mut map = self.map.write();
             for (id, _) in chunk {
                 map.remove(id);
@@ -315,31 +309,6 @@ impl Sessions {
             }
         }
         Ok(expired)
-    }
-
-    /// Writes a snapshot of the sessions when the topic holds far more records since the last
-    /// one than sessions (see `state`); returns whether it did. Session writes wait meanwhile.
-    pub(crate) async fn snapshot_if_due(&self, min_records: u64) -> Result<bool, CoreError> {
-        let since = self.since_snapshot.load(Ordering::Relaxed);
-        if !state::snapshot_due(since, self.len(), min_records) {
-            return Ok(false);
-        }
-        let _alone = self.sweeping.write().await;
-        let now = self.engine.now_ms();
-        let entries: Vec<Record> = self
-            .map
-            .read()
-            .iter()
-            .map(|(id, s)| Record {
-                timestamp: now,
-                key: Some(Bytes::copy_from_slice(id.as_bytes())),
-                value: Some(Bytes::from(serde_json::to_vec(s).unwrap_or_default())),
-                headers: vec![],
-            })
-            .collect();
-        state::write_snapshot(&self.engine, SESSIONS_TOPIC, entries).await?;
-        self.since_snapshot.store(0, Ordering::Relaxed);
-        Ok(true)
     }
 
     /// Drops what a session that has ended kept in memory.
