@@ -47,6 +47,8 @@ suite tests/security "access control and TLS end to end (users, ACLs, TLS listen
 echo "==> benchmark smoke run (tiny sizes; real figures come from docs/BENCHMARKS.md's commands)"
 cargo run --quiet --locked -p sluice-bench -- ledger \
   --dir target/bench-smoke --bytes-per-case 8388608 --max-small-records 2000 --producers 16 >/dev/null
+cargo run --quiet --locked -p sluice-bench -- compaction \
+  --dir target/bench-smoke --bytes 150000000 --keys 500 --produce-bytes 8000000 >/dev/null
 cargo run --quiet --locked -p sluice-bench -- fanout-core \
   --dir target/bench-smoke --subscribers 1000 --steady-records 3 --steady-rate 50 --bursts 1 --burst-records 2 >/dev/null
 cargo run --quiet --locked -p sluice-bench -- mqtt \

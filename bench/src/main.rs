@@ -3,6 +3,7 @@
 //! prints a Markdown table (and JSON on request) for `docs/BENCHMARKS.md`.
 
 mod broadcast;
+mod compaction;
 mod epoll;
 mod fanout;
 mod floor;
@@ -27,6 +28,10 @@ enum Command {
     /// Ledger append throughput and latency (1 KB and 2 MB records) against raw fdatasync'd
     /// writes to the same disk.
     Ledger(ledger::LedgerArgs),
+    /// Log compaction in process: a pass over a large compacted partition (time, bytes read and
+    /// written, memory, CPU) against reading and writing its files once, and produce to the
+    /// same disk while it runs against produce alone.
+    Compaction(compaction::CompactionArgs),
     /// The core's live broadcast in process: N subscribers on one partition, 10 KB records at a
     /// steady rate and 2 MB bursts; attach time, memory per subscriber, latency, copies.
     FanoutCore(fanout::FanoutArgs),
@@ -69,6 +74,7 @@ fn main() -> anyhow::Result<()> {
         .build()?;
     match cli {
         Command::Ledger(args) => runtime.block_on(ledger::run(args)),
+        Command::Compaction(args) => runtime.block_on(compaction::run(args)),
         Command::FanoutCore(args) => runtime.block_on(fanout::run(args)),
         Command::Mqtt(args) => runtime.block_on(mqtt::run(args)),
         Command::Http(args) => runtime.block_on(http::run(args)),

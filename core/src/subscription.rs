@@ -520,12 +520,22 @@ impl Subscription {
         for &(first, end) in &read.unreadable {
             passed_over += p.acks.ack_range(first, end);
         }
+        // Offsets the read stepped over hold no record (compaction cleaned them away): nothing
+        // there can be delivered, so they count as acknowledged too.
+        let mut gap_from = from;
         for r in read.records {
             let o = r.offset as u64;
+            if o > gap_from {
+                passed_over += p.acks.ack_range(gap_from, o);
+            }
+            gap_from = gap_from.max(o + 1);
             if o >= p.read_position && !p.acks.is_acked(o) {
                 let slot = slot_of(&r);
                 p.buffer.push_back(Buffered { record: r, slot });
             }
+        }
+        if next > gap_from {
+            passed_over += p.acks.ack_range(gap_from, next);
         }
         p.read_position = p.acks.next_unacked(next);
         st.dirty |= passed_over > 0;

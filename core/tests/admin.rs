@@ -351,4 +351,29 @@ async fn a_compacted_topic_keeps_the_latest_record_of_each_key() {
         .unwrap();
     let read = take(&mut live, after.len()).await;
     assert_eq!(read.len(), after.len());
+    // A named subscription from the start gets the same records, and once it acknowledges
+    // them its backlog is empty: the gaps count as acknowledged.
+    let options = SubscribeOptions {
+        kind: SubscriptionType::Exclusive,
+        initial_position: InitialPosition::Earliest,
+        ack_timeout: None,
+        max_buffered: 1000,
+    };
+    let consumer = engine
+        .subscribe("state", "dashboard", options)
+        .await
+        .unwrap();
+    let mut got = 0;
+    while got < after.len() {
+        let batch = consumer.receive(1000, WAIT).await.unwrap();
+        assert!(!batch.is_empty(), "{got} of {}", after.len());
+        consumer
+            .ack(&batch.iter().map(|m| m.id).collect::<Vec<_>>())
+            .unwrap();
+        got += batch.len();
+    }
+    assert_eq!(got, after.len());
+    let d = engine.describe_subscription("state", "dashboard").unwrap();
+    assert_eq!(d.partitions[0].backlog, 0, "{d:?}");
+    assert_eq!(d.partitions[0].acked_ranges, 0, "{d:?}");
 }
