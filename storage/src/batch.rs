@@ -179,6 +179,20 @@ pub(crate) fn with_records_area(header: &[u8], codec: Compression, area: &[u8]) 
 
 /// Checks a complete batch: header, length, magic, record count and CRC32C.
 pub fn validate(buf: &[u8]) -> Result<BatchHeader, BatchError> {
+    let header = validate_stored(buf)?;
+    if header.record_count < 1 || header.last_offset_delta != header.record_count - 1 {
+        return Err(BatchError::BadRecordCount {
+            count: header.record_count,
+            last_offset_delta: header.last_offset_delta,
+        });
+    }
+    Ok(header)
+}
+
+/// Checks a batch as a log may hold it: [`validate`]'s checks, but a batch compaction cleaned
+/// keeps its offset span (`lastOffsetDelta`) with fewer records than it, so only a count
+/// within the span is required.
+pub(crate) fn validate_stored(buf: &[u8]) -> Result<BatchHeader, BatchError> {
     let header = BatchHeader::parse(buf)?;
     if header.magic != MAGIC_V2 {
         return Err(BatchError::UnsupportedMagic {
@@ -198,7 +212,10 @@ pub fn validate(buf: &[u8]) -> Result<BatchHeader, BatchError> {
             actual,
         });
     }
-    if header.record_count < 1 || header.last_offset_delta != header.record_count - 1 {
+    if header.record_count < 0
+        || header.last_offset_delta < 0
+        || header.record_count > header.last_offset_delta.saturating_add(1)
+    {
         return Err(BatchError::BadRecordCount {
             count: header.record_count,
             last_offset_delta: header.last_offset_delta,

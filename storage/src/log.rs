@@ -69,6 +69,9 @@ pub struct ValidatedBatch {
     header: BatchHeader,
     /// Bytes its records take once decoded (see [`Self::decoded_len`]).
     decoded: usize,
+    /// A copy of another log's batch ([`Self::copied`]): appended at its own base offset
+    /// when that is ahead of the log's next one.
+    keep_offset: bool,
 }
 
 impl ValidatedBatch {
@@ -80,7 +83,37 @@ impl ValidatedBatch {
             buf: BatchBuf::heap(buf),
             header,
             decoded,
+            keep_offset: false,
         })
+    }
+
+    /// A batch copied from another log (a relay's copy of its upstream): checked as a stored
+    /// batch is (a compacted log's batches hold fewer records than their offset span) with
+    /// every record decodable, and appended at its own base offset, so the copy's offsets stay
+    /// the original's across the original's gaps.
+    pub fn copied(buf: BytesMut) -> Result<Self, BatchError> {
+        let header = batch::validate_stored(&buf)?;
+        // Every record decodes (decompressed when the batch is), as a client's must.
+        batch::decode_records(&Bytes::copy_from_slice(&buf))?;
+        let decoded = match header.compression() {
+            batch::Compression::None => buf.len(),
+            codec => {
+                let area = &buf[batch::BATCH_HEADER_LEN..];
+                let max = crate::compression::MAX_DECOMPRESSED_BYTES;
+                buf.len() + crate::compression::decompress(codec, area, max)?.len()
+            }
+        };
+        Ok(Self {
+            buf: BatchBuf::heap(buf),
+            header,
+            decoded,
+            keep_offset: true,
+        })
+    }
+
+    /// Offsets the batch spans (its records, and for a cleaned batch the gaps between them).
+    pub(crate) fn offset_span(&self) -> u64 {
+        self.header.last_offset_delta.max(0) as u64 + 1
     }
 
     /// Encodes records into a new batch. The encoder computes the CRC itself, so the batch is
@@ -145,6 +178,7 @@ impl ValidatedBatch {
             buf: BatchBuf::heap(buf),
             header,
             decoded,
+            keep_offset: self.keep_offset,
         })
     }
 
@@ -164,6 +198,7 @@ impl ValidatedBatch {
             buf,
             header,
             decoded,
+            keep_offset: false,
         }
     }
 

@@ -347,7 +347,7 @@ impl Segment {
                 s.end = ScanEnd::Torn { position: pos };
                 break;
             }
-            if let Err(e) = batch::validate(window.get(pos, len)?) {
+            if let Err(e) = batch::validate_stored(window.get(pos, len)?) {
                 s.end = ScanEnd::Corrupt {
                     position: pos,
                     reason: e.to_string(),

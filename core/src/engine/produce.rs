@@ -31,6 +31,22 @@ impl Engine {
         self.append_validated(topic, partition, batch).await
     }
 
+    /// Appends a batch copied from another log (a relay's copy of its upstream) at its own
+    /// base offset, so the copy's offsets stay the original's across the original's gaps
+    /// (compaction's); see [`ValidatedBatch::copied`].
+    pub async fn append_copied(
+        &self,
+        topic: &str,
+        partition: u32,
+        batch: BytesMut,
+    ) -> Result<ProduceAck> {
+        let batch = ValidatedBatch::copied(batch).inspect_err(|_| {
+            self.inner.shared.counters.rejected_batches.inc();
+        })?;
+        self.append_validated(topic, PartitionChoice::Id(partition), batch)
+            .await
+    }
+
     pub(super) async fn append_validated(
         &self,
         topic: &str,

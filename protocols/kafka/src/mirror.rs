@@ -31,7 +31,7 @@ use kafka_protocol::messages::{
 };
 use kafka_protocol::protocol::{Decodable, Encodable, StrBytes};
 use parking_lot::Mutex;
-use sluice_core::{BatchHeader, CoreError, Engine, PartitionChoice, TopicPolicy, TopicSource};
+use sluice_core::{BatchHeader, CoreError, Engine, TopicPolicy, TopicSource};
 use sluice_metrics::{Counter, Gauge};
 use sluice_net::{ClientStream, TlsClient};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -378,11 +378,7 @@ impl Mirror {
                         continue;
                     }
                     self.engine
-                        .append_batch(
-                            topic,
-                            PartitionChoice::Id(slot as u32),
-                            BytesMut::from(&batch[..]),
-                        )
+                        .append_copied(topic, slot as u32, BytesMut::from(&batch[..]))
                         .await?;
                     self.metrics.batches.inc();
                     self.metrics.bytes.inc_by(len as u64);

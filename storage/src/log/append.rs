@@ -118,9 +118,14 @@ impl PartitionLog {
         let start_size = segment.size();
         let mut offset = self.next_offset;
         for b in batches.iter_mut() {
+            // A copy of another log keeps its offsets: it moves ahead over that log's gaps
+            // (compaction's), never back.
+            if b.keep_offset {
+                offset = offset.max(b.header.base_offset.max(0) as u64);
+            }
             batch::set_base_offset(&mut b.buf, offset as i64);
             b.header.base_offset = offset as i64;
-            offset += b.record_count();
+            offset += b.offset_span();
         }
         let slices: Vec<IoSlice<'_>> = batches.iter().map(|b| IoSlice::new(&b.buf)).collect();
         let file = segment.open_file()?;
