@@ -316,3 +316,27 @@ def test_compaction_and_offload_exclude_each_other_and_lists_append(gateway):
     with pytest.raises(Exception) as e:
         admin.create_topics([offload], operation_timeout=10)[offload.topic].result(timeout=30)
     assert e.value.args[0].code() == KafkaError.INVALID_CONFIG
+
+
+def test_kafka_python_incremental_alter_configs_and_modified_configs(gateway):
+    """kafka-python's IncrementalAlterConfigs (SET, APPEND) and DescribeConfigs: its default
+    'modified' filter keeps the configs whose source is the topic's own, which are exactly
+    the ones changed."""
+    from kafka.admin import AlterConfigOp, ConfigResourceType
+    from kafka.admin import ConfigResource as KConfigResource
+
+    topic = unique("kpy-incremental")
+    create(gateway.admin(), topic, 1)
+    kadmin = kafka_python_admin(gateway)
+    try:
+        kadmin.alter_configs([KConfigResource(ConfigResourceType.TOPIC, topic, configs={
+            "compression.type": (AlterConfigOp.SET, "zstd"),
+            "cleanup.policy": (AlterConfigOp.APPEND, "compact"),
+        })], incremental=True)
+        modified = kadmin.describe_configs([KConfigResource(ConfigResourceType.TOPIC, topic)])
+    finally:
+        kadmin.close()
+    changed = modified["topic"][topic]
+    assert set(changed) == {"compression.type", "cleanup.policy"}, changed
+    assert changed["compression.type"]["value"] == "zstd"
+    assert changed["cleanup.policy"]["value"] == "compact,delete"
