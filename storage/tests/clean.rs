@@ -65,6 +65,15 @@ fn fill(log: &mut PartitionLog, ts: i64) {
     }
 }
 
+/// A log in a new directory, filled (see [`fill`]), with the clock it was written at.
+fn filled() -> (tempfile::TempDir, Arc<ManualClock>, PartitionLog) {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(1_000_000));
+    let mut log = open_at(dir.path(), &clock);
+    fill(&mut log, 1_000_000);
+    (dir, clock, log)
+}
+
 fn clean(log: &mut PartitionLog, clock: &ManualClock, settings: &CleanSettings) -> bool {
     let storage: Arc<dyn Storage> = Arc::new(FsStorage);
     let now = sluice_storage::Clock::now_ms(clock);
@@ -79,10 +88,7 @@ fn clean(log: &mut PartitionLog, clock: &ManualClock, settings: &CleanSettings) 
 
 #[test]
 fn cleaning_keeps_the_latest_record_of_each_key_at_its_offset() {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = Arc::new(ManualClock::new(1_000_000));
-    let mut log = open_at(dir.path(), &clock);
-    fill(&mut log, 1_000_000);
+    let (dir, clock, mut log) = filled();
     let before = latest(&log);
     let all_before = read_all(&log.reader(), 1 << 20);
     let bytes_before = log.reader().stats().bytes;
@@ -138,10 +144,7 @@ fn cleaning_keeps_the_latest_record_of_each_key_at_its_offset() {
 
 #[test]
 fn tombstones_stay_for_their_retention_then_go() {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = Arc::new(ManualClock::new(1_000_000));
-    let mut log = open_at(dir.path(), &clock);
-    fill(&mut log, 1_000_000);
+    let (_dir, clock, mut log) = filled();
     append(&mut log, keyed("k5", None, 1_000_000));
     append(&mut log, keyed("k7", None, 1_000_000));
     log.roll().unwrap();
@@ -166,10 +169,7 @@ fn tombstones_stay_for_their_retention_then_go() {
 
 #[test]
 fn a_small_key_map_cleans_over_several_passes_and_young_records_wait() {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = Arc::new(ManualClock::new(1_000_000));
-    let mut log = open_at(dir.path(), &clock);
-    fill(&mut log, 1_000_000);
+    let (_dir, clock, mut log) = filled();
     let before = latest(&log);
     let mut s = settings();
     // A record's segment must be a minute old: none is yet.
@@ -193,10 +193,7 @@ fn a_small_key_map_cleans_over_several_passes_and_young_records_wait() {
 /// recovery: either way the log reads as a whole, never half old and half new.
 #[test]
 fn a_crash_mid_clean_recovers_to_the_old_or_the_new_segments() {
-    let dir = tempfile::tempdir().unwrap();
-    let clock = Arc::new(ManualClock::new(1_000_000));
-    let mut log = open_at(dir.path(), &clock);
-    fill(&mut log, 1_000_000);
+    let (dir, clock, log) = filled();
     let before = latest(&log);
     let all_before = read_all(&log.reader(), 1 << 20);
     let storage: Arc<dyn Storage> = Arc::new(FsStorage);

@@ -29,6 +29,18 @@ def partition_count(admin, topic: str) -> int:
     return len(admin.list_topics(topic, timeout=10).topics[topic].partitions)
 
 
+def alter(admin, topic: str, name: str, value: str, op) -> None:
+    """IncrementalAlterConfigs of one config of `topic`; raises the admin's error."""
+    r = ConfigResource(ConfigResource.Type.TOPIC, topic, incremental_configs=[
+        ConfigEntry(name, value, incremental_operation=op)])
+    admin.incremental_alter_configs([r])[r].result(timeout=30)
+
+
+def configs_of(admin, topic: str) -> dict:
+    described = admin.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, topic)])
+    return list(described.values())[0].result(timeout=30)
+
+
 def kafka_python_admin(gateway):
     from kafka.admin import KafkaAdminClient
 
@@ -186,16 +198,13 @@ def test_topic_compression_rewrites_batches_once_and_readers_get_them_back(gatew
         assert [m.value() for m in got] == [r["value"] for r in readings]
         assert [m.offset() for m in got] == list(range(len(readings)))
     assert partition_bytes(gateway, packed) * 4 < partition_bytes(gateway, plain)
-    described = admin.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, packed)])
-    entry = list(described.values())[0].result(timeout=30)["compression.type"]
+    entry = configs_of(admin, packed)["compression.type"]
     assert entry.value == "zstd" and entry.source == ConfigSource.DYNAMIC_TOPIC_CONFIG.value
     rewritten = gateway.metrics()["sluice_recompressed_batches_total"]
     assert rewritten > 0
 
     # An lz4 producer to a topic that now stores lz4: kept as sent, not rewritten.
-    change = ConfigResource(ConfigResource.Type.TOPIC, plain, incremental_configs=[
-        ConfigEntry("compression.type", "lz4", incremental_operation=AlterConfigOpType.SET)])
-    admin.incremental_alter_configs([change])[change].result(timeout=30)
+    alter(admin, plain, "compression.type", "lz4", AlterConfigOpType.SET)
     gateway.produce(plain, readings[:100], **{"compression.type": "lz4", "linger.ms": 50})
     assert gateway.metrics()["sluice_recompressed_batches_total"] == rewritten
     gateway.produce(plain, readings[:100], **{"compression.type": "gzip", "linger.ms": 50})
@@ -203,10 +212,8 @@ def test_topic_compression_rewrites_batches_once_and_readers_get_them_back(gatew
     got = gateway.consume(plain, len(readings) + 200)
     assert [m.value() for m in got[-200:]] == [r["value"] for r in readings[:100]] * 2
 
-    bad = ConfigResource(ConfigResource.Type.TOPIC, plain, incremental_configs=[
-        ConfigEntry("compression.type", "brotli", incremental_operation=AlterConfigOpType.SET)])
     with pytest.raises(Exception) as e:
-        admin.incremental_alter_configs([bad])[bad].result(timeout=30)
+        alter(admin, plain, "compression.type", "brotli", AlterConfigOpType.SET)
     assert e.value.args[0].code() == KafkaError.INVALID_CONFIG
 
 
@@ -214,16 +221,11 @@ def test_incremental_alter_configs_appends_to_list_configs_only(gateway):
     admin = gateway.admin()
     topic = unique("lists")
     create(admin, topic, 1)
-    same = ConfigResource(ConfigResource.Type.TOPIC, topic, incremental_configs=[
-        ConfigEntry("cleanup.policy", "delete", incremental_operation=AlterConfigOpType.APPEND)])
-    admin.incremental_alter_configs([same])[same].result(timeout=30)
-    not_a_list = ConfigResource(ConfigResource.Type.TOPIC, topic, incremental_configs=[
-        ConfigEntry("retention.ms", "1000", incremental_operation=AlterConfigOpType.APPEND)])
+    alter(admin, topic, "cleanup.policy", "delete", AlterConfigOpType.APPEND)
     with pytest.raises(Exception) as e:
-        admin.incremental_alter_configs([not_a_list])[not_a_list].result(timeout=30)
+        alter(admin, topic, "retention.ms", "1000", AlterConfigOpType.APPEND)
     assert e.value.args[0].code() == KafkaError.INVALID_CONFIG
-    described = admin.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, topic)])
-    configs = list(described.values())[0].result(timeout=30)
+    configs = configs_of(admin, topic)
     assert configs["cleanup.policy"].value == "delete"
     assert configs["retention.ms"].source == ConfigSource.DEFAULT_CONFIG.value
 
@@ -291,8 +293,7 @@ def test_a_compacted_topic_keeps_the_latest_value_per_key(gateway_factory):
     assert len(got) < total / 2, f"{len(got)} of {total} records left"
     offsets = [m.offset() for m in got]
     assert offsets == sorted(set(offsets)), "offsets only grow"
-    described = admin.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, topic)])
-    configs = list(described.values())[0].result(timeout=30)
+    configs = configs_of(admin, topic)
     assert configs["cleanup.policy"].value == "compact"
     assert configs["min.cleanable.dirty.ratio"].value == "0.01"
 
@@ -301,16 +302,10 @@ def test_compaction_and_offload_exclude_each_other_and_lists_append(gateway):
     admin = gateway.admin()
     topic = unique("compactable")
     create(admin, topic, 1)
-    both = ConfigResource(ConfigResource.Type.TOPIC, topic, incremental_configs=[
-        ConfigEntry("cleanup.policy", "compact", incremental_operation=AlterConfigOpType.APPEND)])
-    admin.incremental_alter_configs([both])[both].result(timeout=30)
-    described = admin.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, topic)])
-    assert list(described.values())[0].result(timeout=30)["cleanup.policy"].value == "compact,delete"
-    drop = ConfigResource(ConfigResource.Type.TOPIC, topic, incremental_configs=[
-        ConfigEntry("cleanup.policy", "delete", incremental_operation=AlterConfigOpType.SUBTRACT)])
-    admin.incremental_alter_configs([drop])[drop].result(timeout=30)
-    described = admin.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, topic)])
-    assert list(described.values())[0].result(timeout=30)["cleanup.policy"].value == "compact"
+    alter(admin, topic, "cleanup.policy", "compact", AlterConfigOpType.APPEND)
+    assert configs_of(admin, topic)["cleanup.policy"].value == "compact,delete"
+    alter(admin, topic, "cleanup.policy", "delete", AlterConfigOpType.SUBTRACT)
+    assert configs_of(admin, topic)["cleanup.policy"].value == "compact"
     offload = NewTopic(unique("both"), num_partitions=1, replication_factor=1,
                        config={"cleanup.policy": "compact", "remote.storage.enable": "true"})
     with pytest.raises(Exception) as e:
