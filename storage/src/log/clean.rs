@@ -448,20 +448,13 @@ impl PartitionLog {
             }
         }
         // 3. The rest of the group goes, and the new files take the first one's names.
-        for old in group.replaces.iter().filter(|s| s.base_offset != base) {
-            for path in old.paths.all() {
-                match storage.remove_file(path) {
-                    Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                        return Err(StorageError::Io {
-                            op: "remove",
-                            path: path.clone(),
-                            source: e,
-                        });
-                    }
-                    _ => {}
-                }
-            }
-        }
+        let others: Vec<Arc<Segment>> = group
+            .replaces
+            .iter()
+            .filter(|s| s.base_offset != base)
+            .cloned()
+            .collect();
+        super::retention::remove_segment_files(storage.as_ref(), &others)?;
         for (from, to) in swap.all().into_iter().zip(fin.all()) {
             rename(from, to)?;
         }

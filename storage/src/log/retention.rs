@@ -132,7 +132,7 @@ impl PartitionLog {
 }
 
 /// Deletes the files of segments taken out of a log.
-fn remove_segment_files(storage: &dyn Storage, segments: &[Arc<Segment>]) -> Result<()> {
+pub(super) fn remove_segment_files(storage: &dyn Storage, segments: &[Arc<Segment>]) -> Result<()> {
     for s in segments {
         // The log file goes first: index files without it are orphans that recovery removes.
         let p = &s.paths;
