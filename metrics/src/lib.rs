@@ -22,6 +22,7 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::{MetricType, TypedMetric};
 
 use prometheus_client::collector::Collector;
+use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::Histogram;
 
 pub use prometheus_client::encoding::{EncodeCounterValue, EncodeGaugeValue};
@@ -66,12 +67,49 @@ impl Latency {
     }
 }
 
+/// One label of a [`LatencyFamily`]: its name and one of a few fixed values.
+pub type Label = [(&'static str, &'static str); 1];
+
+fn latency_histogram() -> Histogram {
+    Histogram::new(LATENCY_BUCKETS_S)
+}
+
+/// Latency histograms over [`LATENCY_BUCKETS_S`], one per value of one label taken from a
+/// fixed set (`path="kafka"`), observed in seconds.
+#[derive(Clone)]
+pub struct LatencyFamily(Family<Label, Histogram, fn() -> Histogram>);
+
+impl fmt::Debug for LatencyFamily {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("LatencyFamily")
+    }
+}
+
+impl Default for LatencyFamily {
+    fn default() -> Self {
+        Self(Family::new_with_constructor(latency_histogram))
+    }
+}
+
+impl LatencyFamily {
+    /// Exposes the series of `label` before its first observation, so that what a scrape
+    /// lists does not depend on what has happened yet.
+    pub fn declare(&self, label: Label) {
+        drop(self.0.get_or_create(&label));
+    }
+
+    pub fn observe(&self, label: Label, elapsed: Duration) {
+        self.0.get_or_create(&label).observe(elapsed.as_secs_f64());
+    }
+}
+
 /// Registration of metrics a crate built (with `Default`) and updates itself. `name` is the
 /// exposed name, `_total` included for counters; `help` ends with its period.
 pub trait RegisterExt {
     fn register_counter(&mut self, name: &str, help: &str, counter: &Counter);
     fn register_gauge(&mut self, name: &str, help: &str, gauge: &Gauge);
     fn register_latency(&mut self, name: &str, help: &str, latency: &Latency);
+    fn register_latency_family(&mut self, name: &str, help: &str, family: &LatencyFamily);
     /// Registers each `(name, help, counter)`.
     fn register_counters(&mut self, counters: &[(&str, &str, &Counter)]) {
         for (name, help, counter) in counters {
@@ -101,6 +139,10 @@ impl RegisterExt for Registry {
 
     fn register_latency(&mut self, name: &str, help: &str, latency: &Latency) {
         self.register(name, registered_help(help), latency.0.clone());
+    }
+
+    fn register_latency_family(&mut self, name: &str, help: &str, family: &LatencyFamily) {
+        self.register(name, registered_help(help), family.0.clone());
     }
 
     fn register_with<F>(&mut self, write: F)
@@ -225,6 +267,9 @@ mod tests {
         registry.register_counter("sluice_requests_total", "Requests read.", &requests);
         registry.register_gauge("sluice_open", "Connections open now.", &open);
         registry.register_latency("sluice_wait_seconds", "Waits.", &latency);
+        let paths = LatencyFamily::default();
+        registry.register_latency_family("sluice_path_seconds", "Per path.", &paths);
+        paths.observe([("path", "kafka")], Duration::from_millis(2));
         requests.inc_by(3);
         open.set(2);
         latency.observe(Duration::from_micros(70));
@@ -249,6 +294,7 @@ mod tests {
             "sluice_wait_seconds_bucket{le=\"0.0001\"} 1\n",
             "sluice_wait_seconds_bucket{le=\"5e-05\"} 0\n",
             "sluice_wait_seconds_count 1\n",
+            "sluice_path_seconds_bucket{path=\"kafka\",le=\"0.0025\"} 1\n",
             "sluice_rows_total{topic=\"a\\\"b\"} 5\n",
             "# HELP sluice_empty A family with no rows now.\n# TYPE sluice_empty gauge\n",
             "sluice_ratio 0.5\n",

@@ -6,9 +6,11 @@
 //! coordinator (`coordinator/`). Topics, offsets and durability are the core's: this crate never
 //! touches files, and stores producers' batches verbatim through `sluice-core`.
 
+mod client;
 mod codec;
 mod coordinator;
 mod errors;
+mod followers;
 mod handlers;
 mod mirror;
 mod producers;
@@ -22,6 +24,8 @@ use serde::{Deserialize, Serialize};
 #[cfg(test)]
 #[global_allocator]
 static ALLOC: sluice_alloc_guard::GuardedAlloc = sluice_alloc_guard::GuardedAlloc;
+pub use client::KafkaClient;
+pub use followers::Follower;
 pub use mirror::{Mirror, MirrorSettings, MirrorStats};
 pub use server::KafkaServer;
 

@@ -20,36 +20,19 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::{Buf, BufMut, Bytes, BytesMut};
+use bytes::BytesMut;
 use kafka_protocol::messages::fetch_request::{FetchPartition, FetchTopic};
-use kafka_protocol::messages::list_offsets_request::{ListOffsetsPartition, ListOffsetsTopic};
-use kafka_protocol::messages::metadata_request::MetadataRequestTopic;
-use kafka_protocol::messages::{
-    ApiKey, BrokerId, FetchRequest, FetchResponse, ListOffsetsRequest, ListOffsetsResponse,
-    MetadataRequest, MetadataResponse, RequestHeader, ResponseHeader, SaslAuthenticateRequest,
-    SaslAuthenticateResponse, SaslHandshakeRequest, SaslHandshakeResponse, TopicName,
-};
-use kafka_protocol::protocol::{Decodable, Encodable, StrBytes};
+use kafka_protocol::messages::{BrokerId, FetchRequest, FetchResponse, TopicName};
+use kafka_protocol::protocol::StrBytes;
 use parking_lot::Mutex;
 use sluice_core::{BatchHeader, CoreError, Engine, TopicPolicy, TopicSource};
 use sluice_metrics::{Counter, Gauge};
-use sluice_net::{ClientStream, TlsClient};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use sluice_net::TlsClient;
 use tokio::sync::watch;
 use tracing::{info, warn};
 
+use crate::client::{KafkaClient, REQUEST_TIMEOUT, io_error as upstream_error};
 use crate::errors;
-
-/// Versions used towards the upstream (a Sluice node supports them all; see `versions.rs`).
-const METADATA_VERSION: i16 = 9;
-const LIST_OFFSETS_VERSION: i16 = 6;
-const FETCH_VERSION: i16 = 12;
-const SASL_HANDSHAKE_VERSION: i16 = 1;
-const SASL_AUTHENTICATE_VERSION: i16 = 2;
-/// Largest response frame accepted from the upstream.
-const MAX_FRAME: usize = 256 << 20;
-/// How long a request to the upstream may take beyond its own long-poll wait.
-const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Settings of a mirror (from the gateway's `[relay]` section).
 #[derive(Debug, Clone)]
@@ -158,8 +141,23 @@ impl Mirror {
     }
 
     /// A new connection to the upstream, signed in; refusals of the relay's user are counted.
-    async fn open(&self) -> std::io::Result<Conn> {
-        let r = Conn::open(&self.settings).await;
+    async fn open(&self) -> std::io::Result<KafkaClient> {
+        let s = &self.settings;
+        let r = KafkaClient::connect(
+            &s.upstream,
+            &s.client_id,
+            s.credentials.as_ref(),
+            s.tls.as_ref(),
+            REQUEST_TIMEOUT,
+        )
+        .await
+        .map_err(|e| match e.kind() {
+            std::io::ErrorKind::PermissionDenied => std::io::Error::new(
+                e.kind(),
+                format!("the upstream refused the relay: {e} (relay.username, relay.password)"),
+            ),
+            _ => e,
+        });
         if let Err(e) = &r
             && e.kind() == std::io::ErrorKind::PermissionDenied
         {
@@ -223,7 +221,7 @@ impl Mirror {
     }
 
     /// Copies `topic` until the relay stops, reconnecting after failures.
-    async fn run(self: Arc<Self>, topic: String, conn: Conn, mut next: Vec<i64>) {
+    async fn run(self: Arc<Self>, topic: String, conn: KafkaClient, mut next: Vec<i64>) {
         let mut stop = self.stop.clone();
         let mut conn = Some(conn);
         // Only failures of the connection itself count as the link being down: an error
@@ -265,8 +263,9 @@ impl Mirror {
             };
             let first = round;
             round = round.wrapping_add(1);
+            let req = fetch_request(&topic, &next, first, &self.settings);
             let fetched = tokio::select! {
-                r = c.fetch(&topic, &next, first, &self.settings) => r,
+                r = c.fetch(&req) => r,
                 _ = stop.wait_for(|&s| s) => return,
             };
             let mut applied = match fetched {
@@ -298,7 +297,7 @@ impl Mirror {
         &self,
         topic: &str,
         next: &mut Vec<i64>,
-        conn: &mut Conn,
+        conn: &mut KafkaClient,
     ) -> Result<(), CoreError> {
         let count = conn.partitions(topic).await?;
         if count as usize <= next.len() {
@@ -335,7 +334,7 @@ impl Mirror {
         topic: &str,
         next: &mut [i64],
         resp: FetchResponse,
-        conn: &mut Conn,
+        conn: &mut KafkaClient,
     ) -> Result<(), CoreError> {
         for t in resp.responses {
             for p in t.partitions {
@@ -398,250 +397,6 @@ impl TopicSource for Mirror {
         topic: String,
     ) -> Pin<Box<dyn Future<Output = Result<(), CoreError>> + Send>> {
         Box::pin(async move { self.follow(&topic).await })
-    }
-}
-
-fn upstream_error(e: std::io::Error) -> CoreError {
-    CoreError::Upstream {
-        reason: e.to_string(),
-    }
-}
-
-/// One connection to the upstream's Kafka listener, used by one task at a time.
-#[derive(Debug)]
-struct Conn {
-    stream: ClientStream,
-    client_id: StrBytes,
-    correlation: i32,
-    inbuf: BytesMut,
-}
-
-impl Conn {
-    async fn open(settings: &MirrorSettings) -> std::io::Result<Self> {
-        let stream =
-            ClientStream::connect(&settings.upstream, settings.tls.as_ref(), REQUEST_TIMEOUT)
-                .await?;
-        let mut conn = Self {
-            stream,
-            client_id: StrBytes::from_string(settings.client_id.clone()),
-            correlation: 0,
-            inbuf: BytesMut::with_capacity(64 * 1024),
-        };
-        conn.sign_in(settings.credentials.as_ref()).await?;
-        Ok(conn)
-    }
-
-    /// SASL/PLAIN. The handshake goes first even without a user: an upstream that has users
-    /// accepts it, and a relay without one can then say so instead of having its first
-    /// request cut off. A refusal is an error of kind `PermissionDenied`.
-    async fn sign_in(&mut self, credentials: Option<&(String, String)>) -> std::io::Result<()> {
-        let mut req = SaslHandshakeRequest::default();
-        req.mechanism = StrBytes::from_static_str("PLAIN");
-        let resp: SaslHandshakeResponse = self
-            .call(
-                ApiKey::SaslHandshake,
-                SASL_HANDSHAKE_VERSION,
-                &req,
-                Duration::ZERO,
-            )
-            .await?;
-        let user = match (resp.error_code, credentials) {
-            // The upstream has no users: nothing to sign in to.
-            (errors::ILLEGAL_SASL_STATE, _) => return Ok(()),
-            (errors::NONE, Some(user)) => user,
-            (errors::NONE, None) => {
-                return Err(std::io::Error::new(
-                    std::io::ErrorKind::PermissionDenied,
-                    "the upstream has SASL users and the relay has none: set relay.username and relay.password",
-                ));
-            }
-            (code, _) => {
-                return Err(std::io::Error::new(
-                    std::io::ErrorKind::PermissionDenied,
-                    format!("upstream SaslHandshake error code {code}"),
-                ));
-            }
-        };
-        let (user, password) = (user.0.as_str(), user.1.as_str());
-        let mut auth = Vec::with_capacity(2 + user.len() + password.len());
-        auth.push(0);
-        auth.extend_from_slice(user.as_bytes());
-        auth.push(0);
-        auth.extend_from_slice(password.as_bytes());
-        let mut req = SaslAuthenticateRequest::default();
-        req.auth_bytes = Bytes::from(auth);
-        let resp: SaslAuthenticateResponse = self
-            .call(
-                ApiKey::SaslAuthenticate,
-                SASL_AUTHENTICATE_VERSION,
-                &req,
-                Duration::ZERO,
-            )
-            .await?;
-        if resp.error_code == errors::NONE {
-            return Ok(());
-        }
-        let why = resp.error_message.map_or_else(
-            || format!("error code {}", resp.error_code),
-            |m| m.to_string(),
-        );
-        Err(std::io::Error::new(
-            std::io::ErrorKind::PermissionDenied,
-            format!(
-                "upstream refused the relay's SASL user {user:?}: {why} (relay.username, relay.password)"
-            ),
-        ))
-    }
-
-    /// Sends one request and reads its response.
-    async fn call<Req: Encodable, Resp: Decodable>(
-        &mut self,
-        key: ApiKey,
-        version: i16,
-        req: &Req,
-        wait: Duration,
-    ) -> std::io::Result<Resp> {
-        self.correlation = self.correlation.wrapping_add(1);
-        let mut header = RequestHeader::default();
-        header.request_api_key = key as i16;
-        header.request_api_version = version;
-        header.correlation_id = self.correlation;
-        header.client_id = Some(self.client_id.clone());
-        let mut buf = BytesMut::with_capacity(256);
-        buf.put_i32(0);
-        header
-            .encode(&mut buf, key.request_header_version(version))
-            .and_then(|()| req.encode(&mut buf, version))
-            .map_err(std::io::Error::other)?;
-        let len = (buf.len() - 4) as i32;
-        buf[..4].copy_from_slice(&len.to_be_bytes());
-        let exchange = async {
-            self.stream.write_all(&buf).await?;
-            self.read_frame().await
-        };
-        let mut frame = tokio::time::timeout(wait + REQUEST_TIMEOUT, exchange)
-            .await
-            .map_err(|_| {
-                std::io::Error::new(std::io::ErrorKind::TimedOut, "upstream timed out")
-            })??;
-        let header = ResponseHeader::decode(&mut frame, key.response_header_version(version))
-            .map_err(std::io::Error::other)?;
-        if header.correlation_id != self.correlation {
-            return Err(std::io::Error::other(format!(
-                "response {} to request {}",
-                header.correlation_id, self.correlation
-            )));
-        }
-        Resp::decode(&mut frame, version).map_err(std::io::Error::other)
-    }
-
-    async fn read_frame(&mut self) -> std::io::Result<Bytes> {
-        loop {
-            if self.inbuf.len() >= 4 {
-                let len = (&self.inbuf[..4]).get_i32();
-                let len = usize::try_from(len)
-                    .ok()
-                    .filter(|&l| l <= MAX_FRAME)
-                    .ok_or_else(|| std::io::Error::other(format!("bad frame length {len}")))?;
-                if self.inbuf.len() >= 4 + len {
-                    self.inbuf.advance(4);
-                    return Ok(self.inbuf.split_to(len).freeze());
-                }
-                self.inbuf.reserve(4 + len - self.inbuf.len());
-            }
-            if self.stream.read_buf(&mut self.inbuf).await? == 0 {
-                return Err(std::io::ErrorKind::UnexpectedEof.into());
-            }
-        }
-    }
-
-    /// The topic's partition count upstream.
-    async fn partitions(&mut self, topic: &str) -> Result<u32, CoreError> {
-        let mut t = MetadataRequestTopic::default();
-        t.name = Some(TopicName(StrBytes::from_string(topic.to_owned())));
-        let mut req = MetadataRequest::default();
-        req.topics = Some(vec![t]);
-        // A reader on a relay gets what it would get on the upstream: a topic created on
-        // first use when the upstream auto-creates topics.
-        req.allow_auto_topic_creation = true;
-        let resp: MetadataResponse = self
-            .call(ApiKey::Metadata, METADATA_VERSION, &req, Duration::ZERO)
-            .await
-            .map_err(upstream_error)?;
-        let t = resp.topics.into_iter().next();
-        match t {
-            Some(t) if t.error_code == errors::NONE && !t.partitions.is_empty() => {
-                Ok(t.partitions.len() as u32)
-            }
-            _ => Err(CoreError::UnknownTopic {
-                topic: topic.to_owned(),
-            }),
-        }
-    }
-
-    /// Offsets by time of every partition: −1 latest, −2 earliest.
-    async fn list_offsets(
-        &mut self,
-        topic: &str,
-        partitions: u32,
-        timestamp: i64,
-    ) -> Result<Vec<i64>, CoreError> {
-        let mut t = ListOffsetsTopic::default();
-        t.name = TopicName(StrBytes::from_string(topic.to_owned()));
-        t.partitions = (0..partitions as i32)
-            .map(|i| {
-                let mut p = ListOffsetsPartition::default();
-                p.partition_index = i;
-                p.timestamp = timestamp;
-                p.current_leader_epoch = -1;
-                p
-            })
-            .collect();
-        let mut req = ListOffsetsRequest::default();
-        req.replica_id = BrokerId(-1);
-        req.topics = vec![t];
-        let resp: ListOffsetsResponse = self
-            .call(
-                ApiKey::ListOffsets,
-                LIST_OFFSETS_VERSION,
-                &req,
-                Duration::ZERO,
-            )
-            .await
-            .map_err(upstream_error)?;
-        let mut out = vec![-1i64; partitions as usize];
-        for p in resp.topics.into_iter().flat_map(|t| t.partitions) {
-            if p.error_code != errors::NONE {
-                return Err(CoreError::Upstream {
-                    reason: format!(
-                        "upstream ListOffsets error code {} on {topic}/{}",
-                        p.error_code, p.partition_index
-                    ),
-                });
-            }
-            if let Some(slot) = out.get_mut(p.partition_index as usize) {
-                *slot = p.offset;
-            }
-        }
-        if out.contains(&-1) {
-            return Err(CoreError::Upstream {
-                reason: format!("upstream ListOffsets left out partitions of {topic}"),
-            });
-        }
-        Ok(out)
-    }
-
-    /// One long-polling Fetch of every partition from its next offset, `first` first.
-    async fn fetch(
-        &mut self,
-        topic: &str,
-        next: &[i64],
-        first: usize,
-        settings: &MirrorSettings,
-    ) -> std::io::Result<FetchResponse> {
-        let req = fetch_request(topic, next, first, settings);
-        let wait = Duration::from_millis(settings.max_wait_ms.max(0) as u64);
-        self.call(ApiKey::Fetch, FETCH_VERSION, &req, wait).await
     }
 }
 

@@ -59,6 +59,12 @@ pub(crate) struct KafkaMetrics {
     /// because `kafka.max_producer_ids` producers are tracked and none has been idle long
     /// enough to expire.
     pub(crate) producer_ids_refused: Counter,
+    /// Records and bytes of the batches produced and appended (duplicates left out).
+    pub(crate) produced_records: Counter,
+    pub(crate) produced_bytes: Counter,
+    /// Records and bytes of the batches Fetch responses carried.
+    pub(crate) fetched_records: Counter,
+    pub(crate) fetched_bytes: Counter,
 }
 
 impl KafkaMetrics {
@@ -130,6 +136,26 @@ impl KafkaMetrics {
                 &self.producer_ids_refused,
             ),
             (
+                "sluice_kafka_produced_records_total",
+                "Records of the batches Kafka producers appended (retried duplicates left out).",
+                &self.produced_records,
+            ),
+            (
+                "sluice_kafka_produced_bytes_total",
+                "Bytes of the batches Kafka producers appended (retried duplicates left out).",
+                &self.produced_bytes,
+            ),
+            (
+                "sluice_kafka_fetched_records_total",
+                "Records of the batches Kafka Fetch responses carried.",
+                &self.fetched_records,
+            ),
+            (
+                "sluice_kafka_fetched_bytes_total",
+                "Bytes of the batches Kafka Fetch responses carried.",
+                &self.fetched_bytes,
+            ),
+            (
                 "sluice_kafka_received_bytes_total",
                 "Bytes of Kafka requests.",
                 &self.bytes_in,
@@ -156,6 +182,8 @@ pub struct KafkaServer {
     /// produce requests are refused).
     pub(crate) read_only: bool,
     pub(crate) metrics: KafkaMetrics,
+    /// Where the relays reading from this listener are.
+    pub(crate) followers: crate::followers::Followers,
     /// The listener runtime's counts for this listener (admitted, open, refused).
     pub listener: Arc<ListenerStats>,
     /// The same for the TLS listener.
@@ -258,6 +286,12 @@ impl KafkaServer {
         self.metrics.connections_open.get()
     }
 
+    /// The relays reading from this listener now, with the position of each partition they
+    /// follow.
+    pub fn followers(&self) -> Vec<crate::followers::Follower> {
+        self.followers.list()
+    }
+
     /// Builds the server for a bound listener (the advertised address defaults to it).
     pub fn new(engine: Engine, settings: KafkaSettings, bound: SocketAddr) -> Arc<Self> {
         Self::build(engine, settings, bound, false)
@@ -314,6 +348,7 @@ impl KafkaServer {
             cluster_id: "sluice".into(),
             read_only,
             metrics: KafkaMetrics::default(),
+            followers: crate::followers::Followers::default(),
             listener: Arc::default(),
             tls_listener: Arc::default(),
         })
@@ -451,6 +486,7 @@ impl KafkaServer {
                         }
                         debug!(%peer, error = %e, "kafka connection ended");
                     }
+                    server.followers.forget(peer);
                     server
                         .metrics
                         .connections_open

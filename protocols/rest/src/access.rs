@@ -92,6 +92,9 @@ pub fn classify(
     let topic = |action: Action, t: &str| Need::Topic(action, t.to_owned());
     match segs.as_slice() {
         ["healthz"] | ["readyz"] | ["openapi.json"] | ["mqtt"] => Need::Open,
+        // The console's page and assets carry no data; the calls it makes sign in.
+        [""] | ["console", ..] if read => Need::Open,
+        ["relays"] => Need::Cluster(Action::Admin),
         ["metrics"] => Need::Signed,
         ["connections"] => Need::Cluster(Action::Admin),
         ["topics"] if read => Need::Signed,
@@ -127,12 +130,17 @@ fn problem(status: StatusCode, kind: &'static str, detail: &str) -> Response {
     Problem::new(status, kind, detail).into_response()
 }
 
-fn unauthorized(detail: &str) -> Response {
+/// A 401. The Basic challenge goes to every client but a script's `fetch()` in a browser
+/// (`Sec-Fetch-Dest: empty`): there it would make the browser pop its own password dialog
+/// over the console's sign-in form.
+fn unauthorized(detail: &str, scripted: bool) -> Response {
     let mut r = problem(StatusCode::UNAUTHORIZED, "unauthorized", detail);
-    r.headers_mut().insert(
-        header::WWW_AUTHENTICATE,
-        HeaderValue::from_static("Basic realm=\"sluice\", charset=\"UTF-8\""),
-    );
+    if !scripted {
+        r.headers_mut().insert(
+            header::WWW_AUTHENTICATE,
+            HeaderValue::from_static("Basic realm=\"sluice\", charset=\"UTF-8\""),
+        );
+    }
     r
 }
 
@@ -192,12 +200,19 @@ pub async fn guard(State(access): State<Access>, mut req: Request, next: Next) -
             if let (Some(ip), AuthError::BadCredentials) = (source, why) {
                 tokio::time::sleep(ids.throttle().failed(ip)).await;
             }
-            return unauthorized(match why {
-                AuthError::BadCredentials => "invalid credentials",
-                AuthError::AnonymousRefused => {
-                    "credentials required: HTTP Basic (user and password) or a Bearer API token"
-                }
-            });
+            let scripted = req
+                .headers()
+                .get("sec-fetch-dest")
+                .is_some_and(|v| v.as_bytes() == b"empty");
+            return unauthorized(
+                match why {
+                    AuthError::BadCredentials => "invalid credentials",
+                    AuthError::AnonymousRefused => {
+                        "credentials required: HTTP Basic (user and password) or a Bearer API token"
+                    }
+                },
+                scripted,
+            );
         }
     };
     let allowed = match &need {
@@ -242,6 +257,10 @@ mod tests {
         let c = |m: Method, p: &str| classify(&m, p, &no_cameras);
         assert_eq!(c(Method::GET, "/healthz"), Need::Open);
         assert_eq!(c(Method::GET, "/mqtt"), Need::Open);
+        assert_eq!(c(Method::GET, "/"), Need::Open);
+        assert_eq!(c(Method::GET, "/console/console.js"), Need::Open);
+        assert_eq!(c(Method::POST, "/console/x"), Need::Signed);
+        assert_eq!(c(Method::GET, "/relays"), Need::Cluster(Action::Admin));
         assert_eq!(c(Method::GET, "/topics"), Need::Signed);
         assert_eq!(c(Method::POST, "/topics"), Need::Cluster(Action::Admin));
         assert_eq!(

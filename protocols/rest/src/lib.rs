@@ -57,6 +57,8 @@ pub(crate) struct RestMetrics {
     pub(crate) sse_streams: Gauge,
     /// Records sent on WebSocket and SSE streams.
     pub(crate) records_streamed: Counter,
+    /// Value bytes of the records fetches, streams and subscription receives handed out.
+    pub(crate) delivered_bytes: Counter,
     /// Batches a stream skipped because they cannot be decoded here (compressed by a Kafka
     /// producer).
     pub(crate) stream_batches_skipped: Counter,
@@ -103,6 +105,11 @@ impl RestMetrics {
                 "sluice_rest_records_streamed_total",
                 "Records sent on WebSocket and SSE streams.",
                 &self.records_streamed,
+            ),
+            (
+                "sluice_rest_delivered_bytes_total",
+                "Value bytes of the records REST fetches, WebSocket and SSE streams and subscription receives handed out.",
+                &self.delivered_bytes,
             ),
             (
                 "sluice_rest_stream_batches_skipped_total",

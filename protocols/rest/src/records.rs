@@ -523,11 +523,15 @@ pub(crate) async fn read(
         waited?;
         fetched = engine.fetch(topic, partition, offset, max_bytes).await?;
     }
-    let records: Vec<JsonRecord> = records_from(fetched.data, offset)?
-        .into_iter()
-        .take(limits.max_records)
-        .map(JsonRecord::from)
-        .collect();
+    let mut decoded = records_from(fetched.data, offset)?;
+    decoded.truncate(limits.max_records);
+    api.metrics.delivered_bytes.inc_by(
+        decoded
+            .iter()
+            .map(|r| r.record.value.as_ref().map_or(0, |v| v.len() as u64))
+            .sum(),
+    );
+    let records: Vec<JsonRecord> = decoded.into_iter().map(JsonRecord::from).collect();
     let next_offset = records.last().map_or(offset, |r| r.offset + 1);
     Ok(FetchResponse {
         records,

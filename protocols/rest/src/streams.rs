@@ -282,10 +282,12 @@ async fn serve_websocket(
                         }
                     }
                     let value = r.record.value.clone().unwrap_or_default();
+                    let len = value.len() as u64;
                     if socket.send(Message::Binary(value)).await.is_err() {
                         return;
                     }
                     api.metrics.records_streamed.inc();
+                    api.metrics.delivered_bytes.inc_by(len);
                 }
             }
             incoming = socket.recv() => match incoming {
@@ -361,6 +363,10 @@ impl SseState {
                         for r in records(&self.api, &item).iter().flat_map(|r| r.iter()) {
                             self.pending.push_back(sse_event(partition, r));
                             self.api.metrics.records_streamed.inc();
+                            self.api
+                                .metrics
+                                .delivered_bytes
+                                .inc_by(r.record.value.as_ref().map_or(0, |v| v.len() as u64));
                         }
                     }
                     Some((_, Err(e))) => self.end(&e.to_string()),

@@ -383,6 +383,12 @@ pub(crate) async fn receive(
         () = api.stopped() => Vec::new(),
     };
     api.metrics.messages_delivered.inc_by(messages.len() as u64);
+    api.metrics.delivered_bytes.inc_by(
+        messages
+            .iter()
+            .map(|m| m.record.record.value.as_ref().map_or(0, |v| v.len() as u64))
+            .sum(),
+    );
     Ok(Json(Received {
         messages: messages
             .into_iter()

@@ -38,6 +38,7 @@ pub(crate) async fn handle(
         .filter(|t| !conn.may_topic(Action::Subscribe, t))
         .map(str::to_owned)
         .collect();
+    server.followers.note(conn.peer, &conn.client_id, &req);
     server
         .follow_upstream(req.topics.iter().map(|t| t.topic.0.as_str()))
         .await;
@@ -52,10 +53,42 @@ pub(crate) async fn handle(
             if read.capped {
                 server.metrics.fetch_responses_capped.inc();
             }
+            let data = read
+                .response
+                .responses
+                .iter()
+                .flat_map(|t| &t.partitions)
+                .filter_map(|p| p.records.as_deref());
+            for records in data {
+                server.metrics.fetched_bytes.inc_by(records.len() as u64);
+                server.metrics.fetched_records.inc_by(record_count(records));
+            }
             return read.response;
         }
         new_data = wait_for_any(server, read.waits, deadline).await;
     }
+}
+
+/// Records in the whole batches of `data` (v2 batches: the count is at byte 57 of each).
+fn record_count(data: &[u8]) -> u64 {
+    const COUNT_AT: usize = 57;
+    let mut count = 0;
+    let mut rest = data;
+    while rest.len() >= COUNT_AT + 4 {
+        let len = i32::from_be_bytes([rest[8], rest[9], rest[10], rest[11]]);
+        let n = i32::from_be_bytes([
+            rest[COUNT_AT],
+            rest[COUNT_AT + 1],
+            rest[COUNT_AT + 2],
+            rest[COUNT_AT + 3],
+        ]);
+        count += n.max(0) as u64;
+        match usize::try_from(len).ok().and_then(|l| rest.get(12 + l..)) {
+            Some(next) => rest = next,
+            None => break,
+        }
+    }
+    count
 }
 
 /// The byte limits of one fetch: the client's, and the server's below them.
@@ -231,4 +264,35 @@ async fn wait_for_any(
         }
     }
     false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::record_count;
+    use bytes::Bytes;
+    use sluice_storage::{ProducerInfo, Record, encode_batch};
+
+    fn batch(records: usize) -> Vec<u8> {
+        let records: Vec<Record> = (0..records)
+            .map(|i| Record {
+                timestamp: 1,
+                key: None,
+                value: Some(Bytes::from(vec![i as u8; 10])),
+                headers: Vec::new(),
+            })
+            .collect();
+        encode_batch(&records, ProducerInfo::NONE).to_vec()
+    }
+
+    /// Counts every whole batch's records and stops at a partial one.
+    #[test]
+    fn counts_the_records_of_whole_batches() {
+        let mut data = batch(3);
+        data.extend(batch(5));
+        assert_eq!(record_count(&data), 8);
+        let partial = batch(4);
+        data.extend(&partial[..40]);
+        assert_eq!(record_count(&data), 8);
+        assert_eq!(record_count(&[]), 0);
+    }
 }

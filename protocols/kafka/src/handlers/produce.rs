@@ -155,6 +155,11 @@ async fn append(
                     .await
                 {
                     Ok(ack) => {
+                        server
+                            .metrics
+                            .produced_records
+                            .inc_by(header.record_count.max(0) as u64);
+                        server.metrics.produced_bytes.inc_by(batch.len() as u64);
                         server.producers.appended(
                             topic,
                             partition,

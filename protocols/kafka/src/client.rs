@@ -1,0 +1,273 @@
+//! A minimal Kafka client for Sluice's own links to a Kafka listener: a relay following its
+//! upstream (`mirror.rs`) and the gateway's canary reading its records back. One connection,
+//! one request at a time; SASL/PLAIN when the server has users; the versions a Sluice node
+//! supports (see `versions.rs`).
+
+use std::time::Duration;
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use kafka_protocol::messages::list_offsets_request::{ListOffsetsPartition, ListOffsetsTopic};
+use kafka_protocol::messages::metadata_request::MetadataRequestTopic;
+use kafka_protocol::messages::{
+    ApiKey, BrokerId, FetchRequest, FetchResponse, ListOffsetsRequest, ListOffsetsResponse,
+    MetadataRequest, MetadataResponse, RequestHeader, ResponseHeader, SaslAuthenticateRequest,
+    SaslAuthenticateResponse, SaslHandshakeRequest, SaslHandshakeResponse, TopicName,
+};
+use kafka_protocol::protocol::{Decodable, Encodable, StrBytes};
+use sluice_core::CoreError;
+use sluice_net::{ClientStream, TlsClient};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::errors;
+
+const METADATA_VERSION: i16 = 9;
+const LIST_OFFSETS_VERSION: i16 = 6;
+const FETCH_VERSION: i16 = 12;
+const SASL_HANDSHAKE_VERSION: i16 = 1;
+const SASL_AUTHENTICATE_VERSION: i16 = 2;
+/// Largest response frame accepted.
+const MAX_FRAME: usize = 256 << 20;
+/// How long a request may take beyond its own long-poll wait.
+pub(crate) const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// One connection to a Kafka listener, used by one task at a time.
+#[derive(Debug)]
+pub struct KafkaClient {
+    stream: ClientStream,
+    client_id: StrBytes,
+    correlation: i32,
+    inbuf: BytesMut,
+}
+
+impl KafkaClient {
+    /// Connects to `addr` (`HOST:PORT`) within `timeout` and signs in with `credentials`
+    /// (user, password) when the server has users. A refusal, or a server with users when no
+    /// credentials are given, is an error of kind `PermissionDenied`.
+    pub async fn connect(
+        addr: &str,
+        client_id: &str,
+        credentials: Option<&(String, String)>,
+        tls: Option<&TlsClient>,
+        timeout: Duration,
+    ) -> std::io::Result<Self> {
+        let stream = ClientStream::connect(addr, tls, timeout).await?;
+        let mut client = Self {
+            stream,
+            client_id: StrBytes::from_string(client_id.to_owned()),
+            correlation: 0,
+            inbuf: BytesMut::with_capacity(64 * 1024),
+        };
+        client.sign_in(credentials).await?;
+        Ok(client)
+    }
+
+    /// SASL/PLAIN. The handshake goes first even without a user: a server that has users
+    /// accepts it, and a client without one can then say so instead of having its first
+    /// request cut off.
+    async fn sign_in(&mut self, credentials: Option<&(String, String)>) -> std::io::Result<()> {
+        let mut req = SaslHandshakeRequest::default();
+        req.mechanism = StrBytes::from_static_str("PLAIN");
+        let resp: SaslHandshakeResponse = self
+            .call(
+                ApiKey::SaslHandshake,
+                SASL_HANDSHAKE_VERSION,
+                &req,
+                Duration::ZERO,
+            )
+            .await?;
+        let user = match (resp.error_code, credentials) {
+            // The server has no users: nothing to sign in to.
+            (errors::ILLEGAL_SASL_STATE, _) => return Ok(()),
+            (errors::NONE, Some(user)) => user,
+            (errors::NONE, None) => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::PermissionDenied,
+                    "the server has SASL users and no user name and password are set",
+                ));
+            }
+            (code, _) => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::PermissionDenied,
+                    format!("SaslHandshake error code {code}"),
+                ));
+            }
+        };
+        let (user, password) = (user.0.as_str(), user.1.as_str());
+        let mut auth = Vec::with_capacity(2 + user.len() + password.len());
+        auth.push(0);
+        auth.extend_from_slice(user.as_bytes());
+        auth.push(0);
+        auth.extend_from_slice(password.as_bytes());
+        let mut req = SaslAuthenticateRequest::default();
+        req.auth_bytes = Bytes::from(auth);
+        let resp: SaslAuthenticateResponse = self
+            .call(
+                ApiKey::SaslAuthenticate,
+                SASL_AUTHENTICATE_VERSION,
+                &req,
+                Duration::ZERO,
+            )
+            .await?;
+        if resp.error_code == errors::NONE {
+            return Ok(());
+        }
+        let why = resp.error_message.map_or_else(
+            || format!("error code {}", resp.error_code),
+            |m| m.to_string(),
+        );
+        Err(std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            format!("the server refused SASL user {user:?}: {why}"),
+        ))
+    }
+
+    /// Sends one request and reads its response, within `wait` (the request's own long poll)
+    /// plus [`REQUEST_TIMEOUT`].
+    async fn call<Req: Encodable, Resp: Decodable>(
+        &mut self,
+        key: ApiKey,
+        version: i16,
+        req: &Req,
+        wait: Duration,
+    ) -> std::io::Result<Resp> {
+        self.correlation = self.correlation.wrapping_add(1);
+        let mut header = RequestHeader::default();
+        header.request_api_key = key as i16;
+        header.request_api_version = version;
+        header.correlation_id = self.correlation;
+        header.client_id = Some(self.client_id.clone());
+        let mut buf = BytesMut::with_capacity(256);
+        buf.put_i32(0);
+        header
+            .encode(&mut buf, key.request_header_version(version))
+            .and_then(|()| req.encode(&mut buf, version))
+            .map_err(std::io::Error::other)?;
+        let len = (buf.len() - 4) as i32;
+        buf[..4].copy_from_slice(&len.to_be_bytes());
+        let exchange = async {
+            self.stream.write_all(&buf).await?;
+            self.read_frame().await
+        };
+        let mut frame = tokio::time::timeout(wait + REQUEST_TIMEOUT, exchange)
+            .await
+            .map_err(|_| {
+                std::io::Error::new(std::io::ErrorKind::TimedOut, "request timed out")
+            })??;
+        let header = ResponseHeader::decode(&mut frame, key.response_header_version(version))
+            .map_err(std::io::Error::other)?;
+        if header.correlation_id != self.correlation {
+            return Err(std::io::Error::other(format!(
+                "response {} to request {}",
+                header.correlation_id, self.correlation
+            )));
+        }
+        Resp::decode(&mut frame, version).map_err(std::io::Error::other)
+    }
+
+    async fn read_frame(&mut self) -> std::io::Result<Bytes> {
+        loop {
+            if self.inbuf.len() >= 4 {
+                let len = (&self.inbuf[..4]).get_i32();
+                let len = usize::try_from(len)
+                    .ok()
+                    .filter(|&l| l <= MAX_FRAME)
+                    .ok_or_else(|| std::io::Error::other(format!("bad frame length {len}")))?;
+                if self.inbuf.len() >= 4 + len {
+                    self.inbuf.advance(4);
+                    return Ok(self.inbuf.split_to(len).freeze());
+                }
+                self.inbuf.reserve(4 + len - self.inbuf.len());
+            }
+            if self.stream.read_buf(&mut self.inbuf).await? == 0 {
+                return Err(std::io::ErrorKind::UnexpectedEof.into());
+            }
+        }
+    }
+
+    /// The topic's partition count (created on first use where the server auto-creates).
+    pub async fn partitions(&mut self, topic: &str) -> Result<u32, CoreError> {
+        let mut t = MetadataRequestTopic::default();
+        t.name = Some(TopicName(StrBytes::from_string(topic.to_owned())));
+        let mut req = MetadataRequest::default();
+        req.topics = Some(vec![t]);
+        req.allow_auto_topic_creation = true;
+        let resp: MetadataResponse = self
+            .call(ApiKey::Metadata, METADATA_VERSION, &req, Duration::ZERO)
+            .await
+            .map_err(io_error)?;
+        let t = resp.topics.into_iter().next();
+        match t {
+            Some(t) if t.error_code == errors::NONE && !t.partitions.is_empty() => {
+                Ok(t.partitions.len() as u32)
+            }
+            _ => Err(CoreError::UnknownTopic {
+                topic: topic.to_owned(),
+            }),
+        }
+    }
+
+    /// Offsets by time of every partition: −1 latest, −2 earliest.
+    pub async fn list_offsets(
+        &mut self,
+        topic: &str,
+        partitions: u32,
+        timestamp: i64,
+    ) -> Result<Vec<i64>, CoreError> {
+        let mut t = ListOffsetsTopic::default();
+        t.name = TopicName(StrBytes::from_string(topic.to_owned()));
+        t.partitions = (0..partitions as i32)
+            .map(|i| {
+                let mut p = ListOffsetsPartition::default();
+                p.partition_index = i;
+                p.timestamp = timestamp;
+                p.current_leader_epoch = -1;
+                p
+            })
+            .collect();
+        let mut req = ListOffsetsRequest::default();
+        req.replica_id = BrokerId(-1);
+        req.topics = vec![t];
+        let resp: ListOffsetsResponse = self
+            .call(
+                ApiKey::ListOffsets,
+                LIST_OFFSETS_VERSION,
+                &req,
+                Duration::ZERO,
+            )
+            .await
+            .map_err(io_error)?;
+        let mut out = vec![-1i64; partitions as usize];
+        for p in resp.topics.into_iter().flat_map(|t| t.partitions) {
+            if p.error_code != errors::NONE {
+                return Err(CoreError::Upstream {
+                    reason: format!(
+                        "ListOffsets error code {} on {topic}/{}",
+                        p.error_code, p.partition_index
+                    ),
+                });
+            }
+            if let Some(slot) = out.get_mut(p.partition_index as usize) {
+                *slot = p.offset;
+            }
+        }
+        if out.contains(&-1) {
+            return Err(CoreError::Upstream {
+                reason: format!("ListOffsets left out partitions of {topic}"),
+            });
+        }
+        Ok(out)
+    }
+
+    /// One Fetch, waiting up to its `max_wait_ms` for data.
+    pub async fn fetch(&mut self, req: &FetchRequest) -> std::io::Result<FetchResponse> {
+        let wait = Duration::from_millis(req.max_wait_ms.max(0) as u64);
+        self.call(ApiKey::Fetch, FETCH_VERSION, req, wait).await
+    }
+}
+
+/// A failed exchange as the core's error for a link to another node.
+pub(crate) fn io_error(e: std::io::Error) -> CoreError {
+    CoreError::Upstream {
+        reason: e.to_string(),
+    }
+}
