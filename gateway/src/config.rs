@@ -64,6 +64,7 @@ pub(crate) struct Config {
     pub(crate) acl: Vec<sluice_core::auth::AclRule>,
     pub(crate) auth: crate::security::AuthSection,
     pub(crate) tls: crate::security::TlsSection,
+    pub(crate) canary: crate::canary::CanarySection,
 }
 
 /// The fewest connections the default total cap allows, however few files are left.
@@ -608,6 +609,9 @@ impl Config {
             ("http.tls_addr", &self.http.tls_addr),
             ("mqtt.tls_addr", &self.mqtt.tls_addr),
             ("kafka.tls_addr", &self.kafka.tls_addr),
+            ("canary.mqtt_addr", &self.canary.mqtt_addr),
+            ("canary.kafka_addr", &self.canary.kafka_addr),
+            ("canary.http_addr", &self.canary.http_addr),
         ] {
             // An empty address switches that listener off.
             if addr.is_empty() {
@@ -621,6 +625,7 @@ impl Config {
         }
         self.mqtt.validate().map_err(ConfigError::Invalid)?;
         self.kafka.validate().map_err(ConfigError::Invalid)?;
+        self.canary.validate().map_err(ConfigError::Invalid)?;
         crate::security::validate(self).map_err(ConfigError::Invalid)?;
         if self.http.addr.is_empty()
             && self.mqtt.addr.is_empty()

@@ -30,6 +30,10 @@ pub(crate) struct AppState {
     pub(crate) cameras: Option<Arc<sluice_rtsp::Cameras>>,
     /// What `/metrics` serves.
     pub(crate) metrics: crate::metrics::Shared,
+    /// The Kafka server, once its listener is bound (the relays reading from it).
+    pub(crate) kafka: crate::console::KafkaSlot,
+    /// The end-to-end canary, when it runs (`/readyz` may follow it).
+    pub(crate) canary: Option<Arc<crate::canary::Canary>>,
 }
 
 /// What a relay has beyond a main node: its name and its two links to the upstream.
@@ -141,6 +145,7 @@ pub(crate) fn router(state: AppState) -> Router {
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .route("/mqtt", get(crate::ws::mqtt))
+        .merge(crate::console::routes())
         .with_state(state)
         .merge(api)
 }
@@ -152,14 +157,21 @@ async fn healthz() -> &'static str {
 
 /// Readiness: recovery is done, listeners are bound, and shutdown has not begun; on a relay,
 /// also both links to the upstream are up, so a load balancer sends new clients to relays
-/// that can serve them.
+/// that can serve them; with `canary.fail_readiness_after`, also the canary's records come
+/// back on every path.
 async fn readyz(State(state): State<AppState>) -> impl IntoResponse {
     if !state.ready.load(Ordering::Acquire) {
-        return (StatusCode::SERVICE_UNAVAILABLE, "not ready\n");
+        return (StatusCode::SERVICE_UNAVAILABLE, "not ready\n".to_owned());
     }
-    match state.relay.as_ref().and_then(Relay::cut_off) {
-        Some(why) => (StatusCode::SERVICE_UNAVAILABLE, why),
-        None => (StatusCode::OK, "ready\n"),
+    if let Some(why) = state.relay.as_ref().and_then(Relay::cut_off) {
+        return (StatusCode::SERVICE_UNAVAILABLE, why.to_owned());
+    }
+    match state.canary.as_ref().and_then(|c| c.failing()) {
+        Some(why) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not ready: {why}\n"),
+        ),
+        None => (StatusCode::OK, "ready\n".to_owned()),
     }
 }
 

@@ -1,7 +1,10 @@
 //! `sluice`: the gateway binary. It reads the configuration (the only place that does), opens
 //! the engine, starts the listeners, and on SIGINT/SIGTERM drains and stops cleanly.
 
+mod canary;
+mod cli;
 mod config;
+mod console;
 mod http;
 mod metrics;
 mod process;
@@ -54,6 +57,9 @@ enum Command {
     /// Print a `[[users]]` entry for NAME: the password is read from stdin (its first line)
     /// and printed only as its argon2id hash and SCRAM credentials.
     Passwd(PasswdArgs),
+    /// Admin commands against a running gateway (docs/CLI.md).
+    #[command(flatten)]
+    Admin(cli::Admin),
 }
 
 #[derive(Debug, Args, Clone)]
@@ -138,8 +144,19 @@ impl Opts {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    match cli.command {
+        // Clients of a running gateway: no configuration, no logging.
+        Some(Command::Admin(admin)) => cli::run(admin),
+        command => gateway(command, cli.opts),
+    }
+}
+
+/// The gateway's own commands: serve, relay, print the configuration, passwd.
+fn gateway(command: Option<Command>, opts: Opts) -> ExitCode {
+    let cli = Cli { command, opts };
     let (loaded, print_only) = match &cli.command {
         None => (cli.opts.load(), false),
+        Some(Command::Admin(_)) => unreachable!("main runs the admin commands"),
         Some(Command::Serve(opts)) => (opts.load(), false),
         Some(Command::Relay(relay)) => (relay.opts.load_with(Some(relay)), false),
         Some(Command::PrintConfig(opts)) => (opts.load(), true),
@@ -395,6 +412,13 @@ async fn serve(mut config: Config, reload: security::LoadConfig) -> anyhow::Resu
         None
     };
 
+    let canary = if relay.is_none() {
+        canary::prepare(&mut config, &engine, &security).await?
+    } else {
+        None
+    };
+    let mut canary_addrs = canary::Addresses::configured(&config.canary);
+
     let ready = Arc::new(AtomicBool::new(false));
     let kafka_slot = Arc::new(std::sync::OnceLock::new());
     let access_metrics = Arc::new(sluice_rest::access::AccessMetrics::default());
@@ -425,6 +449,9 @@ async fn serve(mut config: Config, reload: security::LoadConfig) -> anyhow::Resu
         if let Some(relay) = &relay {
             relay::register_metrics(&mut registry, relay, &engine);
         }
+        if let Some(canary) = &canary {
+            canary.register_metrics(&mut registry);
+        }
         Arc::new(std::sync::RwLock::new(registry))
     };
     let register = |add: &dyn Fn(&mut sluice_metrics::Registry)| {
@@ -438,6 +465,8 @@ async fn serve(mut config: Config, reload: security::LoadConfig) -> anyhow::Resu
         relay: relay.clone(),
         cameras: cameras.clone(),
         metrics: registry.clone(),
+        kafka: kafka_slot.clone(),
+        canary: canary.clone(),
     });
     let camera_topics = cameras.clone();
     let known_topics = engine.clone();
@@ -474,6 +503,9 @@ async fn serve(mut config: Config, reload: security::LoadConfig) -> anyhow::Resu
             .await
             .with_context(|| format!("binding the {name} listener to {addr}"))?;
         let bound = listener.local_addr()?;
+        if tls.is_none() {
+            canary_addrs.bound("http", bound);
+        }
         let stats = Arc::new(sluice_net::ListenerStats::default());
         listeners.bound(name, stats.clone());
         http_tasks.push(tokio::spawn(http::serve(
@@ -498,6 +530,7 @@ async fn serve(mut config: Config, reload: security::LoadConfig) -> anyhow::Resu
             .await
             .with_context(|| format!("binding the Kafka listener to {addr}"))?;
         let kafka_addr = kafka_listener.local_addr()?;
+        canary_addrs.bound("kafka", kafka_addr);
         let kafka = if relay.is_some() {
             KafkaServer::read_only(engine.clone(), config.kafka.clone(), kafka_addr)
         } else {
@@ -579,6 +612,7 @@ async fn serve(mut config: Config, reload: security::LoadConfig) -> anyhow::Resu
                         format!("binding the MQTT listener to {}", config.mqtt.addr)
                     })?;
                 let mqtt_addr = mqtt_listener.local_addr()?;
+                canary_addrs.bound("mqtt", mqtt_addr);
                 listeners.bound("mqtt", mqtt.listener.clone());
                 tasks.push(tokio::spawn(mqtt.clone().serve(
                     mqtt_listener,
@@ -604,6 +638,9 @@ async fn serve(mut config: Config, reload: security::LoadConfig) -> anyhow::Resu
             }
             ready.store(true, Ordering::Release);
             info!("ready");
+            if let Some(canary) = &canary {
+                canary::start(canary, canary_addrs, stop_rx.clone());
+            }
             (tasks, signals.recv().await)
         }
         Err(signal) => (Vec::new(), signal),
