@@ -57,6 +57,8 @@ apt_install prometheus docker-compose
 apt_install openssl curl
 apt_install ffmpeg libjpeg-turbo-progs python3-gi gir1.2-gst-rtsp-server-1.0 gstreamer1.0-plugins-base \
   gstreamer1.0-plugins-good gstreamer1.0-plugins-bad gstreamer1.0-plugins-ugly gstreamer1.0-libav
+# The console suite's browser (tests/console drives it with Playwright; no browser download).
+apt_install chromium
 
 # The S3 server of tests/offload (s3s-fs; its crate ships a Cargo.lock, hence --locked).
 S3S_FS_VERSION=0.14.1
@@ -68,7 +70,8 @@ fi
 
 PYENV=target/pyenv
 REQUIREMENTS=(tests/kafka/requirements.txt tests/mqtt/requirements.txt tests/rest/requirements.txt tests/abuse/requirements.txt
-  tests/rtsp/requirements.txt tests/deploy/requirements.txt tests/offload/requirements.txt tests/security/requirements.txt)
+  tests/rtsp/requirements.txt tests/deploy/requirements.txt tests/offload/requirements.txt tests/security/requirements.txt
+  tests/console/requirements.txt)
 
 if [ ! -x "$PYENV/bin/python" ]; then
   echo "==> creating Python virtual environment $PYENV"
