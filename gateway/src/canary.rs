@@ -446,17 +446,24 @@ async fn publish(canary: Arc<Canary>, addr: String, interval: Duration) {
         options.set_credentials(user, password);
     }
     let (client, mut events) = rumqttc::AsyncClient::new(options, 16);
-    // The event loop connects, reconnects (at most once per interval) and reads PUBACKs; one
-    // record is in flight at a time, so a PUBACK is the current round's.
-    let acks = canary.clone();
-    let seq_in_flight = Arc::new(AtomicU64::new(0));
-    let in_flight = seq_in_flight.clone();
-    tokio::spawn(async move {
+    let seq_in_flight = AtomicU64::new(0);
+    // The event loop connects, reconnects (at most once per interval) and reads PUBACKs. A
+    // publish's packet id, seen as it goes out, ties its PUBACK to its round, so a late PUBACK
+    // of an earlier record is not taken for the current one.
+    let acknowledge = async {
         let mut failing = false;
+        let mut sent: Option<(u16, u64)> = None;
         loop {
             match events.poll().await {
-                Ok(rumqttc::Event::Incoming(rumqttc::Packet::PubAck(_))) => {
-                    acks.done(Path::Mqtt, in_flight.load(Ordering::Relaxed));
+                Ok(rumqttc::Event::Outgoing(rumqttc::Outgoing::Publish(pkid))) => {
+                    sent = Some((pkid, seq_in_flight.load(Ordering::Relaxed)));
+                }
+                Ok(rumqttc::Event::Incoming(rumqttc::Packet::PubAck(ack))) => {
+                    if let Some((pkid, seq)) = sent
+                        && pkid == ack.pkid
+                    {
+                        canary.done(Path::Mqtt, seq);
+                    }
                 }
                 Ok(rumqttc::Event::Incoming(rumqttc::Packet::ConnAck(_))) => failing = false,
                 Ok(_) => {}
@@ -469,28 +476,32 @@ async fn publish(canary: Arc<Canary>, addr: String, interval: Duration) {
                 }
             }
         }
-    });
-    let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + interval, interval);
-    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    for seq in 1.. {
-        ticks.tick().await;
-        seq_in_flight.store(seq, Ordering::Relaxed);
-        canary.next_round(seq);
-        let payload = canary.payload(seq);
-        // A full request queue (the connection is down) loses this record: it counts as a
-        // failure of the MQTT path at the next round.
-        if client
-            .try_publish(
-                &canary.settings.topic,
-                rumqttc::QoS::AtLeastOnce,
-                false,
-                payload,
-            )
-            .is_ok()
-        {
-            canary.published.fetch_add(1, Ordering::Relaxed);
+    };
+    let publishing = async {
+        let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + interval, interval);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        for seq in 1.. {
+            ticks.tick().await;
+            seq_in_flight.store(seq, Ordering::Relaxed);
+            canary.next_round(seq);
+            let payload = canary.payload(seq);
+            // A full request queue (the connection is down) loses this record: it counts as a
+            // failure of the MQTT path at the next round.
+            if client
+                .try_publish(
+                    &canary.settings.topic,
+                    rumqttc::QoS::AtLeastOnce,
+                    false,
+                    payload,
+                )
+                .is_ok()
+            {
+                canary.published.fetch_add(1, Ordering::Relaxed);
+            }
         }
-    }
+    };
+    // Both end together when the canary stops (`until_stopped` drops this future).
+    tokio::join!(acknowledge, publishing);
 }
 
 fn split_host_port(addr: &str) -> Option<(String, u16)> {
