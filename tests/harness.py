@@ -554,6 +554,28 @@ def prometheus_scraping(gw: "Gateway", work_dir: Path):
             proc.kill()
 
 
+class RelayGateway(Gateway):
+    """`sluice relay` of `upstream`, serving relays below it, and plain readers, on a read-only
+    Kafka listener (`--downstream-addr`)."""
+
+    def __init__(self, data_dir, upstream: Gateway):
+        super().__init__(data_dir)
+        self.upstream = upstream
+
+    def command(self) -> list[str]:
+        host, port = self.upstream.mqtt_addr
+        return [
+            str(self.binary), "relay",
+            "--upstream", self.upstream.bootstrap,
+            "--upstream-mqtt", f"{host}:{port}",
+            "--http-addr", "127.0.0.1:0",
+            "--mqtt-addr", "127.0.0.1:0",
+            "--downstream-addr", "127.0.0.1:0",
+            "--log-format", "text",
+            "--log-level", os.environ.get("SLUICE_TEST_LOG_LEVEL", "info"),
+        ]
+
+
 # ---- fixtures and hooks (imported by each suite's conftest.py) --------------------------------
 
 

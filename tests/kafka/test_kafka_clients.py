@@ -21,7 +21,7 @@ from confluent_kafka import (
     TopicPartition,
 )
 from confluent_kafka.admin import NewTopic
-from harness import Gateway
+from harness import RelayGateway
 
 
 def unique(prefix: str) -> str:
@@ -304,28 +304,6 @@ def test_kcat_produce_consume_and_metadata(gateway):
     assert m.returncode == 0, m.stderr
     assert re.search(rf"broker 0 at 127\.0\.0\.1:{gateway.kafka_port}\b", m.stdout), m.stdout
     assert f'topic "{topic}" with 1 partitions' in m.stdout, m.stdout
-
-
-class RelayGateway(Gateway):
-    """`sluice relay` of `upstream`, serving relays below it, and plain readers, on a read-only
-    Kafka listener (`--downstream-addr`)."""
-
-    def __init__(self, data_dir, upstream: Gateway):
-        super().__init__(data_dir)
-        self.upstream = upstream
-
-    def command(self) -> list[str]:
-        host, port = self.upstream.mqtt_addr
-        return [
-            str(self.binary), "relay",
-            "--upstream", self.upstream.bootstrap,
-            "--upstream-mqtt", f"{host}:{port}",
-            "--http-addr", "127.0.0.1:0",
-            "--mqtt-addr", "127.0.0.1:0",
-            "--downstream-addr", "127.0.0.1:0",
-            "--log-format", "text",
-            "--log-level", os.environ.get("SLUICE_TEST_LOG_LEVEL", "info"),
-        ]
 
 
 def test_kcat_reads_from_a_relay_and_a_produce_there_is_refused(gateway, tmp_path):
