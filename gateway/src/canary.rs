@@ -34,6 +34,7 @@ pub(crate) struct CanarySection {
     pub(crate) enabled: bool,
     pub(crate) interval_ms: u64,
     pub(crate) topic: String,
+    pub(crate) mqtt_topic: String,
     pub(crate) fail_readiness_after: u32,
     pub(crate) username: String,
     pub(crate) password: String,
@@ -54,6 +55,16 @@ impl CanarySection {
         }
         if self.enabled && self.topic.starts_with("__") {
             return Err("canary.topic must not be an internal topic (\"__\" prefix)".into());
+        }
+        if self.enabled
+            && (self.mqtt_topic.is_empty()
+                || self.mqtt_topic.contains(['+', '#', '\0'])
+                || self.mqtt_topic.len() > usize::from(u16::MAX))
+        {
+            return Err(format!(
+                "canary.mqtt_topic = {:?} is not an MQTT topic name (non-empty, no wildcards)",
+                self.mqtt_topic
+            ));
         }
         if self.username.is_empty() != self.password.is_empty() {
             return Err(
@@ -364,7 +375,7 @@ pub(crate) async fn prepare(
     config.mqtt.routes.insert(
         0,
         sluice_mqtt::Route {
-            filter: settings.topic.clone(),
+            filter: settings.mqtt_topic.clone(),
             topic: settings.topic.clone(),
         },
     );
@@ -396,6 +407,7 @@ pub(crate) fn start(canary: &Arc<Canary>, addrs: Addresses, stop: watch::Receive
     let interval = Duration::from_millis(canary.settings.interval_ms);
     info!(
         topic = canary.settings.topic,
+        mqtt_topic = canary.settings.mqtt_topic,
         interval_ms = canary.settings.interval_ms,
         mqtt = addrs.mqtt.as_deref().unwrap_or("-"),
         kafka = addrs.kafka.as_deref().unwrap_or("-"),
@@ -489,7 +501,7 @@ async fn publish(canary: Arc<Canary>, addr: String, interval: Duration) {
             // failure of the MQTT path at the next round.
             if client
                 .try_publish(
-                    &canary.settings.topic,
+                    &canary.settings.mqtt_topic,
                     rumqttc::QoS::AtLeastOnce,
                     false,
                     payload,
@@ -660,6 +672,7 @@ mod tests {
             enabled: true,
             interval_ms: 1000,
             topic: "sluice-canary".into(),
+            mqtt_topic: "$sluice/canary".into(),
             fail_readiness_after: fail_after,
             username: String::new(),
             password: String::new(),

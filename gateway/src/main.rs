@@ -412,6 +412,8 @@ async fn serve(mut config: Config, reload: security::LoadConfig) -> anyhow::Resu
         None
     };
 
+    // The routes of the configuration, logged as such (the canary adds its own in front).
+    let configured_routes = config.mqtt.routes.len();
     let canary = if relay.is_none() {
         canary::prepare(&mut config, &engine, &security).await?
     } else {
@@ -619,7 +621,7 @@ async fn serve(mut config: Config, reload: security::LoadConfig) -> anyhow::Resu
                     listening.clone(),
                     stop_rx.clone(),
                 )));
-                info!(protocol = "mqtt", addr = %mqtt_addr, routes = config.mqtt.routes.len(), default_topic = %config.mqtt.default_topic, "listening");
+                info!(protocol = "mqtt", addr = %mqtt_addr, routes = configured_routes, default_topic = %config.mqtt.default_topic, "listening");
             }
             if let Some(tls) = tls.as_ref().filter(|_| !config.mqtt.tls_addr.is_empty()) {
                 let addr = &config.mqtt.tls_addr;

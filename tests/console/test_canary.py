@@ -171,3 +171,38 @@ def test_with_access_control_the_canary_signs_in_as_its_user(gateway_factory, tm
     gw2 = gateway_factory(args=("--config", str(other)))
     gw2.wait_for_log(r"canary off: access control refuses anonymous clients")
     assert not any(k.startswith("sluice_canary_") for k in gw2.metrics())
+
+
+def test_wildcard_subscribers_do_not_receive_the_canary(gateway_factory):
+    """The canary publishes on "$sluice/canary": a "#" subscriber (a device dashboard, a bridge)
+    never sees it (MQTT 5 4.7.2), one that names the topic does."""
+    import queue
+
+    import paho.mqtt.client as paho
+    from paho.mqtt.enums import CallbackAPIVersion
+
+    gw = gateway_factory(env={"SLUICE_CANARY__INTERVAL_MS": str(INTERVAL_MS)})
+    got: dict[str, queue.Queue] = {"#": queue.Queue(), "$sluice/canary": queue.Queue()}
+    clients = []
+    for flt, q in got.items():
+        c = paho.Client(CallbackAPIVersion.VERSION2, protocol=paho.MQTTv5)
+        subscribed = threading.Event()
+        c.on_message = lambda _c, _u, m, q=q: q.put(m.topic)
+        c.on_subscribe = lambda *_a, e=subscribed: e.set()
+        c.connect("127.0.0.1", gw.mqtt_port)
+        c.loop_start()
+        c.subscribe(flt, qos=0)
+        assert subscribed.wait(WAIT_S), f"no SUBACK for {flt}"
+        clients.append(c)
+    try:
+        # Three canary records after both subscriptions were in place...
+        start = sample(gw, "sluice_canary_published_total")
+        wait_until("three canary records", lambda: sample(gw, "sluice_canary_published_total") >= start + 3)
+        wait_until("the named subscriber's copy", lambda: got["$sluice/canary"].qsize() >= 2)
+        # ...the named subscription got them; the "#" subscription, none.
+        assert got["$sluice/canary"].get_nowait() == "$sluice/canary"
+        assert got["#"].empty(), [got["#"].get_nowait() for _ in range(got["#"].qsize())]
+    finally:
+        for c in clients:
+            c.loop_stop()
+            c.disconnect()
