@@ -10,6 +10,10 @@ Environment read here (and never passed on to the gateway):
 
 Every SLUICE_* variable of the calling environment, and RUST_LOG, is removed from the gateway's
 environment, so that only what a test asks for (gateway_factory(env=...)) configures it.
+
+The end-to-end canary ([canary], docs/CONSOLE.md) is off in these gateways unless a test or a
+suite turns it on (tests/console does): its own MQTT, Kafka and WebSocket connections would
+count in the connection figures, caps and client lists the other suites assert on.
 """
 
 from __future__ import annotations
@@ -127,8 +131,12 @@ class Gateway:
 
     # ---- process control ---------------------------------------------------------------------
 
+    # Whether the canary runs (the product's default is on; see the module docstring).
+    canary = False
+
     def _child_env(self) -> dict:
         env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_") and k != "RUST_LOG"}
+        env["SLUICE_CANARY__ENABLED"] = "true" if self.canary else "false"
         env.update(self.extra_env)
         return env
 

@@ -33,7 +33,6 @@ from consolelib import WAIT_MS, Console  # noqa: E402
 from harness import (  # noqa: E402,F401  (fixtures and hooks are found by name here)
     Gateway,
     gateway,
-    gateway_class,
     gateway_factory,
     pytest_collection_modifyitems,
     pytest_configure,
@@ -46,6 +45,18 @@ CHROMIUM_ARGS = [
     "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
 ]
+
+
+class ConsoleGateway(Gateway):
+    """A gateway with the canary on, as the embedded defaults have it (the harness turns it off
+    for the other suites)."""
+
+    canary = True
+
+
+@pytest.fixture
+def gateway_class():
+    return ConsoleGateway
 
 
 @pytest.fixture(scope="session")

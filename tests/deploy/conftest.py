@@ -29,5 +29,6 @@ from harness import (  # noqa: E402,F401  (fixtures and hooks are found by name 
 @pytest.fixture
 def gateway(gateway_factory) -> Gateway:
     """The gateway as the compose file runs it: offload on (to MinIO there; here to the
-    embedded default, a directory store), so every family the dashboard names is exposed."""
-    return gateway_factory(env={"SLUICE_OFFLOAD__ENABLED": "true"})
+    embedded default, a directory store) and the canary on (the embedded default, which the
+    harness turns off), so every family the dashboard names is exposed."""
+    return gateway_factory(env={"SLUICE_OFFLOAD__ENABLED": "true", "SLUICE_CANARY__ENABLED": "true"})
