@@ -11,6 +11,10 @@ use parking_lot::Mutex;
 /// The part of a client id that marks a relay's link.
 const RELAY_MARK: &str = "sluice-relay-";
 
+/// Partitions noted per connection at most: a client that calls itself a relay and names
+/// ever new topics in its fetches must not grow this without bound.
+const MAX_POSITIONS: usize = 10_000;
+
 /// One relay connection and the next offset it asked for in each partition.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Follower {
@@ -44,8 +48,12 @@ impl Followers {
         }
         for t in &req.topics {
             for p in &t.partitions {
-                if let Ok(partition) = u32::try_from(p.partition) {
-                    positions.insert((t.topic.0.to_string(), partition), p.fetch_offset);
+                let Ok(partition) = u32::try_from(p.partition) else {
+                    continue;
+                };
+                let key = (t.topic.0.to_string(), partition);
+                if positions.len() < MAX_POSITIONS || positions.contains_key(&key) {
+                    positions.insert(key, p.fetch_offset);
                 }
             }
         }
@@ -120,5 +128,9 @@ mod tests {
         );
         followers.forget(relay);
         assert!(followers.list().is_empty());
+        // A connection's noted partitions are bounded.
+        let many: Vec<i64> = vec![0; MAX_POSITIONS + 5];
+        followers.note(relay, "sluice-relay-x", &fetch("wide", &many));
+        assert_eq!(followers.list()[0].positions.len(), MAX_POSITIONS);
     }
 }
