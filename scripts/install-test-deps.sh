@@ -17,8 +17,11 @@
 #     another version (a few minutes of compiling, once per machine);
 #   - for the access-control and TLS suite (tests/security): openssl (makes the test PKI) and
 #     curl, each only if it is missing (kcat and mosquitto-clients as above);
+#   - for the cluster suite (tests/cluster): Debian's etcd-server (its service is not started:
+#     the suite runs its own etcd on free ports);
 #   - a Python virtual environment at target/pyenv with tests/kafka, tests/mqtt, tests/rest,
-#     tests/abuse, tests/rtsp, tests/deploy, tests/offload and tests/security requirements.txt,
+#     tests/abuse, tests/rtsp, tests/deploy, tests/offload, tests/security, tests/console and
+#     tests/cluster requirements.txt,
 #     reinstalled only when any of them changes (stamp file target/pyenv/.installed-<sha256 of all>).
 # Usage: ./scripts/install-test-deps.sh
 #   then: target/pyenv/bin/python -m pytest -q tests/kafka
@@ -55,6 +58,8 @@ apt_install() {
 apt_install kcat mosquitto-clients mosquitto
 apt_install prometheus docker-compose
 apt_install openssl curl
+# tests/cluster: the coordination service of cluster mode.
+apt_install etcd-server
 apt_install ffmpeg libjpeg-turbo-progs python3-gi gir1.2-gst-rtsp-server-1.0 gstreamer1.0-plugins-base \
   gstreamer1.0-plugins-good gstreamer1.0-plugins-bad gstreamer1.0-plugins-ugly gstreamer1.0-libav
 # The console suite's browser (tests/console drives it with Playwright; no browser download).
@@ -71,7 +76,7 @@ fi
 PYENV=target/pyenv
 REQUIREMENTS=(tests/kafka/requirements.txt tests/mqtt/requirements.txt tests/rest/requirements.txt tests/abuse/requirements.txt
   tests/rtsp/requirements.txt tests/deploy/requirements.txt tests/offload/requirements.txt tests/security/requirements.txt
-  tests/console/requirements.txt)
+  tests/console/requirements.txt tests/cluster/requirements.txt)
 
 if [ ! -x "$PYENV/bin/python" ]; then
   echo "==> creating Python virtual environment $PYENV"

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Runs every check CI runs: formatting, clippy with warnings as errors, all Rust tests, the
 # Kafka, MQTT, REST, hostile-input, RTSP, deployment, tiered-storage (offload), access-control/TLS
-# (security) and operator-tool (console, CLI, canary) end-to-end suites with stock clients, and
-# a short smoke run of the benchmark binary.
+# (security), operator-tool (console, CLI, canary) and cluster-mode end-to-end suites with stock
+# clients, and a short smoke run of the benchmark binary.
 # Installs what the tests need first, idempotently (with sudo when not root).
 # Usage: ./scripts/test.sh
 set -euo pipefail
@@ -45,6 +45,7 @@ suite tests/deploy "deployment (docker-compose config, Dockerfile, Prometheus sc
 suite tests/offload "tiered storage end to end (sealed segments offloaded to s3s-fs, read back over Kafka and REST; S3 outages; Prometheus)"
 suite tests/security "access control and TLS end to end (users, ACLs, TLS listeners, client certificates, SIGHUP reloads; mosquitto, paho, librdkafka, kcat, curl)"
 suite tests/console "operator tools end to end (the console in headless Chromium, the sluice admin CLI, the end-to-end canary)"
+suite tests/cluster "cluster mode end to end (three nodes on etcd and s3s-fs: leaders, kill -9, fencing, etcd and S3 outages)"
 
 echo "==> benchmark smoke run (tiny sizes; real figures come from docs/BENCHMARKS.md's commands)"
 cargo run --quiet --locked -p sluice-bench -- ledger \

@@ -391,6 +391,7 @@ impl Engine {
                 counters: Arc::new(EngineCounters::default()),
                 lag,
                 tiered,
+                placement: Arc::new(OnceLock::new()),
             },
             closing: AtomicBool::new(false),
             topic_source: OnceLock::new(),

@@ -91,9 +91,28 @@ pub enum CoreError {
     InternalTopic { topic: String },
     #[error("the engine is shutting down")]
     ShuttingDown,
+    /// Cluster mode: etcd could not be asked or told about a topic; retriable.
+    #[error("cluster metadata unavailable: {reason}")]
+    Cluster { reason: String },
+    /// Cluster mode: another node owns the partition, or this node's lease on it is not
+    /// current; the client is to find the owner again and retry.
+    #[error("{topic}/{partition} is not owned by this node (owner: {owner:?})")]
+    NotOwner {
+        topic: String,
+        partition: u32,
+        owner: Option<i32>,
+    },
     /// A relay could not get a topic or its data from its upstream node.
     #[error("relay upstream: {reason}")]
     Upstream { reason: String },
+    /// Cluster mode: a write was not made durable in the cluster (this node was fenced, or
+    /// the object store or etcd failed); nothing of it is acknowledged, the client retries.
+    #[error("{topic}/{partition}: not committed to the cluster: {reason}")]
+    Uncommitted {
+        topic: String,
+        partition: u32,
+        reason: String,
+    },
 }
 
 impl CoreError {

@@ -7,6 +7,7 @@
 
 mod ackset;
 pub mod auth;
+pub mod cluster;
 mod engine;
 mod error;
 mod groups;

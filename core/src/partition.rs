@@ -2,10 +2,11 @@
 //! appends into group commits (one write and at most one fsync per group).
 
 use std::ops::ControlFlow;
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
+use bytes::BytesMut;
 use sluice_storage::{
     AppendInfo, CleanStats, Cleaning, DetachedSegments, LogReader, PartitionLog, RetentionOutcome,
     StorageError, ValidatedBatch,
@@ -13,6 +14,7 @@ use sluice_storage::{
 use tokio::sync::{mpsc, oneshot, watch};
 use tracing::{error, warn};
 
+use crate::cluster::Placement;
 use crate::error::{CoreError, Result};
 use crate::live::{LagBudget, LiveBatch, LiveRing};
 use crate::metrics::{EngineCounters, PartitionCounters};
@@ -27,6 +29,8 @@ enum WriterMsg {
         reply: AppendReply,
     },
     SetPolicy(TopicPolicy),
+    /// Cluster mode: append what the shared log holds past this log's end.
+    Recover(oneshot::Sender<std::result::Result<u64, String>>),
     /// Move the log start up to the offset (DeleteRecords); the reply is the new log start.
     DeleteRecords {
         offset: u64,
@@ -190,6 +194,7 @@ impl std::fmt::Debug for WriterMsg {
         f.write_str(match self {
             Self::Append { .. } => "Append",
             Self::SetPolicy(_) => "SetPolicy",
+            Self::Recover(_) => "Recover",
             Self::DeleteRecords { .. } => "DeleteRecords",
             Self::DetachCopiedBefore { .. } => "DetachCopiedBefore",
             Self::InstallCleaned { .. } => "InstallCleaned",
@@ -206,6 +211,8 @@ pub(crate) struct EngineShared {
     pub(crate) lag: Arc<LagBudget>,
     /// The engine offloads: the tier applies retention to topics with remote storage.
     pub(crate) tiered: bool,
+    /// Cluster mode's placement, once installed: the shared log of `cluster` durability.
+    pub(crate) placement: Arc<OnceLock<Arc<dyn Placement>>>,
 }
 
 impl Partition {
@@ -241,6 +248,7 @@ impl Partition {
             last_sync: tokio::time::Instant::now(),
             tail: tail.clone(),
             tiered: engine.tiered,
+            placement: engine.placement.clone(),
         };
         tokio::spawn(writer.run(settings.maintenance_interval));
         Self {
@@ -278,10 +286,17 @@ pub(crate) fn append_outcome(
 ) -> Result<AppendInfo> {
     match reply {
         Ok(Ok(info)) => Ok(info),
-        Ok(Err(e)) => Err(CoreError::Storage {
-            topic: topic.to_owned(),
-            partition,
-            source: e,
+        Ok(Err(e)) => Err(match &*e {
+            StorageError::Uncommitted { reason } => CoreError::Uncommitted {
+                topic: topic.to_owned(),
+                partition,
+                reason: reason.clone(),
+            },
+            _ => CoreError::Storage {
+                topic: topic.to_owned(),
+                partition,
+                source: e,
+            },
         }),
         Err(_) => Err(CoreError::ShuttingDown),
     }
@@ -335,6 +350,13 @@ impl Partition {
         rx.await.ok()
     }
 
+    /// Cluster mode: brings the log up to the partition's shared log; the groups appended.
+    pub(crate) async fn recover(&self) -> std::result::Result<u64, String> {
+        self.ask(WriterMsg::Recover)
+            .await
+            .unwrap_or_else(|| Err("the partition is closed".to_owned()))
+    }
+
     /// Lets the writer finish every append queued so far, fsync and stop.
     pub(crate) async fn shutdown(&self) {
         let (ack, done) = oneshot::channel();
@@ -365,6 +387,7 @@ struct Writer {
     tail: Arc<TailHint>,
     /// The engine offloads: retention of offloading topics is the tier's.
     tiered: bool,
+    placement: Arc<OnceLock<Arc<dyn Placement>>>,
 }
 
 impl Writer {
@@ -480,6 +503,10 @@ impl Writer {
                 }
                 ControlFlow::Continue(())
             }
+            Some(WriterMsg::Recover(reply)) => {
+                let _ = reply.send(self.recover().await);
+                ControlFlow::Continue(())
+            }
             Some(WriterMsg::Shutdown(ack)) => ControlFlow::Break(Some(ack)),
             _ => ControlFlow::Continue(()),
         }
@@ -524,6 +551,45 @@ impl Writer {
         }
     }
 
+    /// Appends the groups the partition's shared log holds past this log's end (cluster
+    /// mode, on taking the partition or after a commit whose outcome is unknown). Running in
+    /// the writer, it cannot overlap a commit. Returns the groups appended.
+    async fn recover(&mut self) -> Result<u64, String> {
+        let placement = self
+            .placement
+            .get()
+            .cloned()
+            .ok_or_else(|| "not in cluster mode".to_owned())?;
+        let from = self
+            .log
+            .as_ref()
+            .map(PartitionLog::next_offset)
+            .ok_or_else(|| "the partition is closed".to_owned())?;
+        let groups = placement.read_from(&self.topic, self.id, from).await?;
+        let mut next = from;
+        let mut appended = 0;
+        for group in groups {
+            let mut batches = Vec::new();
+            for b in sluice_storage::split_batches(group).map_err(|e| e.to_string())? {
+                let b =
+                    ValidatedBatch::copied(BytesMut::from(&b[..])).map_err(|e| e.to_string())?;
+                if b.header().base_offset != next as i64 {
+                    return Err(format!(
+                        "the shared log of {}/{} has a gap: expected offset {next}, found {}",
+                        self.topic,
+                        self.id,
+                        b.header().base_offset
+                    ));
+                }
+                next = b.header().last_offset() as u64 + 1;
+                batches.push(b);
+            }
+            self.append_local(batches, Vec::new(), false).await;
+            appended += 1;
+        }
+        Ok(appended)
+    }
+
     async fn commit_group(&mut self, mut batches: Vec<ValidatedBatch>, replies: Vec<AppendReply>) {
         let sync = match self.policy.durability {
             Durability::Fsync => true,
@@ -531,7 +597,53 @@ impl Writer {
                 self.last_sync.elapsed() >= Duration::from_millis(self.policy.flush_interval_ms)
             }
             Durability::None => false,
+            Durability::Cluster => {
+                if let Err(reason) = self.commit_shared(&mut batches).await {
+                    self.counters
+                        .append_errors
+                        .fetch_add(replies.len() as u64, Ordering::Relaxed);
+                    let e = Arc::new(StorageError::Uncommitted { reason });
+                    for reply in replies {
+                        let _ = reply.send(Err(e.clone()));
+                    }
+                    return;
+                }
+                false
+            }
         };
+        self.append_local(batches, replies, sync).await;
+    }
+
+    /// Cluster durability: stamps the group's offsets and has the placement make it durable
+    /// in the object store and etcd before it is written here.
+    async fn commit_shared(&mut self, batches: &mut [ValidatedBatch]) -> Result<(), String> {
+        let placement = self.placement.get().cloned().ok_or_else(|| {
+            "durability \"cluster\" needs cluster mode ([cluster] etcd)".to_owned()
+        })?;
+        let log = self
+            .log
+            .as_ref()
+            .ok_or_else(|| "the partition is closed".to_owned())?;
+        let Some((base, last)) = log.stamp(batches) else {
+            return Ok(());
+        };
+        let mut group = BytesMut::with_capacity(batches.iter().map(ValidatedBatch::len).sum());
+        for b in batches.iter() {
+            group.extend_from_slice(b.as_slice());
+        }
+        placement
+            .commit(&self.topic, self.id, base, last, group.freeze())
+            .await
+    }
+
+    /// Writes a group to the local log (fsynced when `sync`), publishes it to the live ring
+    /// and answers `replies` (one per batch; none for a recovered group).
+    async fn append_local(
+        &mut self,
+        mut batches: Vec<ValidatedBatch>,
+        replies: Vec<AppendReply>,
+        sync: bool,
+    ) {
         let records: u64 = batches.iter().map(ValidatedBatch::record_count).sum();
         let bytes: u64 = batches.iter().map(|b| b.len() as u64).sum();
         let outcome = self

@@ -21,6 +21,9 @@ pub enum Durability {
     Interval,
     /// Acknowledge after the write; leave flushing to the page cache (and to segment rolls).
     None,
+    /// Cluster mode (docs/CLUSTER.md): acknowledge once the group is in the object store and
+    /// the partition's log in etcd names it; the local copy is a cache in the page cache.
+    Cluster,
 }
 
 /// What happens to a topic's old records (Kafka's `cleanup.policy`).

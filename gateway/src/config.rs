@@ -65,6 +65,7 @@ pub(crate) struct Config {
     pub(crate) auth: crate::security::AuthSection,
     pub(crate) tls: crate::security::TlsSection,
     pub(crate) canary: crate::canary::CanarySection,
+    pub(crate) cluster: crate::cluster::ClusterSection,
 }
 
 /// The fewest connections the default total cap allows, however few files are left.
@@ -626,6 +627,17 @@ impl Config {
         self.mqtt.validate().map_err(ConfigError::Invalid)?;
         self.kafka.validate().map_err(ConfigError::Invalid)?;
         self.canary.validate().map_err(ConfigError::Invalid)?;
+        self.cluster
+            .validate(self.is_relay())
+            .map_err(ConfigError::Invalid)?;
+        if self.topics.defaults.durability == sluice_core::Durability::Cluster
+            && !self.cluster.enabled()
+        {
+            return invalid(
+                "topics.defaults.durability = \"cluster\" needs cluster mode ([cluster] etcd)"
+                    .into(),
+            );
+        }
         crate::security::validate(self).map_err(ConfigError::Invalid)?;
         if self.http.addr.is_empty()
             && self.mqtt.addr.is_empty()

@@ -34,6 +34,8 @@ pub(crate) struct AppState {
     pub(crate) kafka: crate::console::KafkaSlot,
     /// The end-to-end canary, when it runs (`/readyz` may follow it).
     pub(crate) canary: Option<Arc<crate::canary::Canary>>,
+    /// Cluster mode's node, when `[cluster]` names etcd.
+    pub(crate) cluster: Option<Arc<sluice_cluster::Cluster>>,
 }
 
 /// What a relay has beyond a main node: its name and its two links to the upstream.
@@ -165,6 +167,12 @@ async fn readyz(State(state): State<AppState>) -> impl IntoResponse {
     }
     if let Some(why) = state.relay.as_ref().and_then(Relay::cut_off) {
         return (StatusCode::SERVICE_UNAVAILABLE, why.to_owned());
+    }
+    if let Some(Err(why)) = state.cluster.as_ref().map(|c| c.ready()) {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not ready: {why}\n"),
+        );
     }
     match state.canary.as_ref().and_then(|c| c.failing()) {
         Some(why) => (

@@ -3,6 +3,7 @@
 
 mod canary;
 mod cli;
+mod cluster;
 mod config;
 mod console;
 mod http;
@@ -421,6 +422,23 @@ async fn serve(mut config: Config, reload: security::LoadConfig) -> anyhow::Resu
     };
     let mut canary_addrs = canary::Addresses::configured(&config.canary);
 
+    // Installed before any listener serves, so no write is accepted before the node knows
+    // which partitions it owns.
+    let cluster = if config.cluster.enabled() {
+        let blobs = sluice_core::cluster::Blobs::open(
+            &config.offload.spec(),
+            &config.data_dir.join("offload"),
+        )
+        .map_err(anyhow::Error::msg)
+        .context("opening the object store of cluster mode ([offload] store)")?;
+        let c = sluice_cluster::Cluster::new(config.cluster.settings(), engine.clone(), blobs)
+            .context("starting cluster mode")?;
+        engine.set_placement(c.clone());
+        Some(c)
+    } else {
+        None
+    };
+
     let ready = Arc::new(AtomicBool::new(false));
     let kafka_slot = Arc::new(std::sync::OnceLock::new());
     let access_metrics = Arc::new(sluice_rest::access::AccessMetrics::default());
@@ -454,6 +472,9 @@ async fn serve(mut config: Config, reload: security::LoadConfig) -> anyhow::Resu
         if let Some(canary) = &canary {
             canary.register_metrics(&mut registry);
         }
+        if let Some(cluster) = &cluster {
+            cluster.register_metrics(&mut registry);
+        }
         Arc::new(std::sync::RwLock::new(registry))
     };
     let register = |add: &dyn Fn(&mut sluice_metrics::Registry)| {
@@ -469,6 +490,7 @@ async fn serve(mut config: Config, reload: security::LoadConfig) -> anyhow::Resu
         metrics: registry.clone(),
         kafka: kafka_slot.clone(),
         canary: canary.clone(),
+        cluster: cluster.clone(),
     });
     let camera_topics = cameras.clone();
     let known_topics = engine.clone();
@@ -493,6 +515,7 @@ async fn serve(mut config: Config, reload: security::LoadConfig) -> anyhow::Resu
         "/healthz /readyz /metrics /mqtt (MQTT over WebSocket) /openapi.json and the REST API (docs/REST.md)"
     };
     let mut http_tasks = Vec::new();
+    let (mut http_bound, mut mqtt_bound) = (None, None);
     let https = tls
         .as_ref()
         .map(|t| (config.http.tls_addr.as_str(), Some(t.clone())));
@@ -507,6 +530,7 @@ async fn serve(mut config: Config, reload: security::LoadConfig) -> anyhow::Resu
         let bound = listener.local_addr()?;
         if tls.is_none() {
             canary_addrs.bound("http", bound);
+            http_bound = Some(bound);
         }
         let stats = Arc::new(sluice_net::ListenerStats::default());
         listeners.bound(name, stats.clone());
@@ -615,6 +639,7 @@ async fn serve(mut config: Config, reload: security::LoadConfig) -> anyhow::Resu
                     })?;
                 let mqtt_addr = mqtt_listener.local_addr()?;
                 canary_addrs.bound("mqtt", mqtt_addr);
+                mqtt_bound = Some(mqtt_addr);
                 listeners.bound("mqtt", mqtt.listener.clone());
                 tasks.push(tokio::spawn(mqtt.clone().serve(
                     mqtt_listener,
@@ -637,6 +662,24 @@ async fn serve(mut config: Config, reload: security::LoadConfig) -> anyhow::Resu
                     stop_rx.clone(),
                 )));
                 info!(protocol = "mqtt-tls", addr = %bound, "listening");
+            }
+            if let Some(cluster) = &cluster {
+                let node = cluster::local_node(
+                    &config.cluster,
+                    http_bound,
+                    mqtt_bound,
+                    kafka_slot.get().map(|k| k.advertised()),
+                );
+                cluster.join(node).await.context("joining the cluster")?;
+                let mut stop = stop_rx.clone();
+                tokio::spawn(cluster.clone().run(async move {
+                    let _ = stop.wait_for(|s| *s).await;
+                }));
+                info!(
+                    node = config.cluster.node_id,
+                    owned = cluster.owned().len(),
+                    "joined the cluster"
+                );
             }
             ready.store(true, Ordering::Release);
             info!("ready");

@@ -30,6 +30,10 @@ pub enum StorageError {
     /// something other than its manifest says): the same read may succeed later.
     #[error("remote segment read failed: {reason}")]
     Remote { reason: String },
+    /// Cluster mode: the group was not made durable in the object store and etcd (fenced, or
+    /// either failing), so it was not written here either.
+    #[error("not committed to the cluster: {reason}")]
+    Uncommitted { reason: String },
 }
 
 impl StorageError {

@@ -206,6 +206,16 @@ impl ValidatedBatch {
         &self.header
     }
 
+    /// The batch as it will be stored.
+    pub fn as_slice(&self) -> &[u8] {
+        &self.buf
+    }
+
+    /// A copy of another log's batch ([`Self::copied`]).
+    pub fn is_copy(&self) -> bool {
+        self.keep_offset
+    }
+
     pub fn len(&self) -> usize {
         self.buf.len()
     }

@@ -217,6 +217,7 @@ impl Engine {
         started: Instant,
         reserved: Option<crate::partition::Reserved>,
     ) -> Result<PendingAck> {
+        self.check_owner(topic, id, true)?;
         let part = &t.partitions[id as usize];
         let (max, compression, compacted) = {
             let meta = t.meta.read();

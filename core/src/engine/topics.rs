@@ -153,6 +153,29 @@ impl Engine {
         policy: Option<TopicPolicy>,
         first_offsets: &[u64],
     ) -> Result<TopicDescription> {
+        self.create_topic_inner(name, partitions, policy, first_offsets, true)
+            .await
+    }
+
+    /// Cluster mode: creates here a topic the cluster already has (its record in etcd).
+    pub async fn adopt_topic(
+        &self,
+        name: &str,
+        partitions: u32,
+        policy: TopicPolicy,
+    ) -> Result<TopicDescription> {
+        self.create_topic_inner(name, partitions, Some(policy), &[], false)
+            .await
+    }
+
+    async fn create_topic_inner(
+        &self,
+        name: &str,
+        partitions: u32,
+        policy: Option<TopicPolicy>,
+        first_offsets: &[u64],
+        register: bool,
+    ) -> Result<TopicDescription> {
         validate_topic_name(name)?;
         self.check_writable(name)?;
         let max = self.max_partitions_per_topic();
@@ -165,12 +188,20 @@ impl Engine {
         let policy = policy.unwrap_or_else(|| self.inner.config.default_policy.clone());
         policy.validate()?;
         check_tiered(&self.inner.config, &policy)?;
+        self.check_cluster(&policy)?;
         self.check_open()?;
         let _admin = self.inner.admin.lock().await;
         if self.inner.topics.contains_key(name) {
             return Err(CoreError::TopicExists {
                 topic: name.to_owned(),
             });
+        }
+        // The cluster decides first: a name another node registered is that node's topic.
+        if register
+            && !is_internal_topic(name)
+            && let Some(p) = self.placement()
+        {
+            p.register_topic(name, partitions, &policy).await?;
         }
         if !self.system {
             self.check_room(true, partitions)?;
@@ -370,6 +401,7 @@ impl Engine {
         self.check_writable(name)?;
         policy.validate()?;
         check_tiered(&self.inner.config, &policy)?;
+        self.check_cluster(&policy)?;
         let _admin = self.inner.admin.lock().await;
         let topic = self.topic(name)?;
         let mut meta = topic.meta.read().clone();
@@ -437,8 +469,28 @@ impl Engine {
             })
     }
 
+    /// Cluster mode: the topic, created here from the cluster's record when another node
+    /// created it and this node has not caught up yet.
+    async fn adopt_known(&self, name: &str) -> Result<Option<Arc<Topic>>> {
+        let Some(p) = self.placement() else {
+            return Ok(None);
+        };
+        let Some((partitions, policy)) = p.find_topic(name).await? else {
+            return Ok(None);
+        };
+        match self.adopt_topic(name, partitions, policy).await {
+            Ok(_) | Err(CoreError::TopicExists { .. }) => self.topic(name).map(Some),
+            Err(e) => Err(e),
+        }
+    }
+
     /// The topic, created with the default policy when it is unknown and auto-creation is on.
     pub(super) async fn topic_for_write(&self, name: &str) -> Result<Arc<Topic>> {
+        if matches!(self.topic(name), Err(CoreError::UnknownTopic { .. }))
+            && let Some(topic) = self.adopt_known(name).await?
+        {
+            return Ok(topic);
+        }
         match self.topic(name) {
             Err(CoreError::UnknownTopic { .. }) if self.inner.topic_source.get().is_some() => {
                 self.provide(name).await
@@ -448,7 +500,12 @@ impl Engine {
                     .create_topic(name, self.inner.config.default_partitions, None)
                     .await
                 {
-                    Ok(_) | Err(CoreError::TopicExists { .. }) => self.topic(name),
+                    Ok(_) => self.topic(name),
+                    // Created meanwhile, here or (cluster mode) by another node.
+                    Err(CoreError::TopicExists { .. }) => match self.adopt_known(name).await? {
+                        Some(topic) => Ok(topic),
+                        None => self.topic(name),
+                    },
                     Err(e) => Err(e),
                 }
             }
@@ -472,11 +529,77 @@ impl Engine {
         let _ = self.inner.topic_source.set(source);
     }
 
+    /// Puts the engine in cluster mode: writes are accepted only for partitions `placement`
+    /// says this node may write (set once, before serving; later calls are ignored).
+    pub fn set_placement(&self, placement: Arc<dyn crate::cluster::Placement>) {
+        let _ = self.inner.shared.placement.set(placement);
+    }
+
+    /// Refuses durability `cluster` outside cluster mode: nothing could acknowledge it.
+    fn check_cluster(&self, policy: &TopicPolicy) -> Result<()> {
+        if policy.durability == crate::policy::Durability::Cluster && self.placement().is_none() {
+            return Err(CoreError::InvalidPolicy {
+                reason: "durability = \"cluster\" needs cluster mode ([cluster] etcd)".into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Cluster mode's view of the nodes and owners; `None` on a single node.
+    pub fn placement(&self) -> Option<&Arc<dyn crate::cluster::Placement>> {
+        self.inner.shared.placement.get()
+    }
+
+    /// Cluster mode: brings the partition's local log up to its shared log (before this node
+    /// accepts writes for it); the groups appended.
+    pub async fn recover_partition(&self, topic: &str, partition: u32) -> Result<u64> {
+        let t = self.topic(topic)?;
+        let p =
+            t.partitions
+                .get(partition as usize)
+                .ok_or_else(|| CoreError::UnknownPartition {
+                    topic: topic.to_owned(),
+                    partition,
+                })?;
+        p.recover()
+            .await
+            .map_err(|reason| CoreError::RemoteUnavailable {
+                topic: topic.to_owned(),
+                partition,
+                reason,
+            })
+    }
+
+    /// [`CoreError::NotOwner`] unless this node may write the partition now.
+    pub fn check_owner(&self, topic: &str, partition: u32, write: bool) -> Result<()> {
+        let Some(p) = self.placement() else {
+            return Ok(());
+        };
+        let owner = p.owner(topic, partition);
+        let ok = if write {
+            p.writable(topic, partition)
+        } else {
+            owner == Some(p.local_id())
+        };
+        if ok {
+            Ok(())
+        } else {
+            Err(CoreError::NotOwner {
+                topic: topic.to_owned(),
+                partition,
+                owner,
+            })
+        }
+    }
+
     /// A topic to read from: its partition count, after asking the topic source (if any) for
     /// a topic the engine does not have. Never auto-creates.
     pub async fn readable_topic(&self, name: &str) -> Result<u32> {
         let topic = match self.topic(name) {
-            Err(CoreError::UnknownTopic { .. }) => self.provide(name).await?,
+            Err(CoreError::UnknownTopic { .. }) => match self.adopt_known(name).await? {
+                Some(topic) => topic,
+                None => self.provide(name).await?,
+            },
             other => other?,
         };
         Ok(topic.partitions.len() as u32)

@@ -437,3 +437,50 @@ fn every_key_set_to_another_value_is_read_and_round_trips() {
     // Switches that are refused without the file they name.
     assert_eq!(refused, ["relay.upstream_tls", "tls.cert_principal"]);
 }
+
+#[test]
+fn cluster_mode_is_off_by_default_and_its_settings_are_checked() {
+    let c = Config::load(None, env(&[]), &CliOverrides::default()).unwrap();
+    assert!(!c.cluster.enabled(), "a single node unless etcd is named");
+    let on = "[cluster]\netcd = [\"http://127.0.0.1:2379\"]\nnode_id = 2\n";
+    let c = Config::load(Some(file(on).path()), env(&[]), &CliOverrides::default()).unwrap();
+    assert!(c.cluster.enabled());
+    let s = c.cluster.settings();
+    assert_eq!((s.node_id, s.lease_ttl.as_millis()), (2, 6000));
+    let cases = [
+        (
+            "[topics.defaults]\ndurability = \"cluster\"\n",
+            "needs cluster mode",
+        ),
+        ("[cluster]\netcd = [\"127.0.0.1:2379\"]\n", "cluster.etcd"),
+        (
+            "[cluster]\netcd = [\"http://e:2379\"]\nlease_ttl_ms = 2500\n",
+            "cluster.lease_ttl_ms",
+        ),
+        (
+            "[cluster]\netcd = [\"http://e:2379\"]\nnode_id = -1\n",
+            "cluster.node_id",
+        ),
+        (
+            "[cluster]\netcd = [\"http://e:2379\"]\nname = \"a/b\"\n",
+            "cluster.name",
+        ),
+        (
+            "[cluster]\netcd = [\"http://e:2379\"]\npoll_interval_ms = 6000\n",
+            "cluster.poll_interval_ms",
+        ),
+        (
+            "[cluster]\netcd = [\"http://e:2379\"]\ncommit_timeout_ms = 10\n",
+            "cluster.commit_timeout_ms",
+        ),
+        (
+            "[cluster]\netcd = [\"http://e:2379\"]\n[relay]\nupstream = \"up:9092\"\n",
+            "exclude each other",
+        ),
+    ];
+    for (text, needle) in cases {
+        let f = file(text);
+        let err = Config::load(Some(f.path()), env(&[]), &CliOverrides::default()).unwrap_err();
+        assert!(err.to_string().contains(needle), "{text:?} gave {err}");
+    }
+}

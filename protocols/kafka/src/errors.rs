@@ -7,6 +7,7 @@ pub(crate) const UNKNOWN_SERVER_ERROR: i16 = -1;
 pub(crate) const OFFSET_OUT_OF_RANGE: i16 = 1;
 pub(crate) const CORRUPT_MESSAGE: i16 = 2;
 pub(crate) const UNKNOWN_TOPIC_OR_PARTITION: i16 = 3;
+pub(crate) const LEADER_NOT_AVAILABLE: i16 = 5;
 pub(crate) const NOT_LEADER_OR_FOLLOWER: i16 = 6;
 pub(crate) const MESSAGE_TOO_LARGE: i16 = 10;
 pub(crate) const COORDINATOR_LOAD_IN_PROGRESS: i16 = 14;
@@ -62,7 +63,11 @@ pub(crate) fn code(e: &CoreError) -> i16 {
         CoreError::InvalidGroupId { .. } => INVALID_GROUP_ID,
         CoreError::CommitMetadataTooLarge { .. } => OFFSET_METADATA_TOO_LARGE,
         // Retriable: the client reconnects and retries against the restarted gateway.
-        CoreError::ShuttingDown => NOT_LEADER_OR_FOLLOWER,
+        // The client refreshes its metadata and retries, at the new owner if there is one.
+        CoreError::ShuttingDown | CoreError::NotOwner { .. } | CoreError::Uncommitted { .. } => {
+            NOT_LEADER_OR_FOLLOWER
+        }
+        CoreError::Cluster { .. } => LEADER_NOT_AVAILABLE,
         _ => UNKNOWN_SERVER_ERROR,
     }
 }

@@ -272,10 +272,40 @@ impl Conn {
     }
 }
 
-/// The node id of this single-node cluster.
+/// The node id of a single node (in cluster mode each node has its own, `[cluster] node_id`).
 pub(crate) const NODE_ID: i32 = 0;
 
 impl KafkaServer {
+    /// This node's broker id.
+    pub(crate) fn node_id(&self) -> i32 {
+        self.engine.placement().map_or(NODE_ID, |p| p.local_id())
+    }
+
+    /// Every broker as (id, host, port): this node at the address of the listener `conn` came
+    /// through, and in cluster mode every other live node at its registered Kafka address.
+    pub(crate) fn brokers(&self, conn: &Conn) -> Vec<(i32, String, i32)> {
+        let me = self.node_id();
+        let (host, port) = conn.advertised.clone();
+        let mut out = vec![(me, host, port)];
+        if let Some(p) = self.engine.placement() {
+            out.extend(
+                p.nodes()
+                    .into_iter()
+                    .filter(|n| n.id != me)
+                    .map(|n| (n.id, n.kafka.0, i32::from(n.kafka.1))),
+            );
+            out.sort_by_key(|b| b.0);
+        }
+        out
+    }
+
+    /// The partition's leader: this node on a single node; in cluster mode its owner, if any.
+    pub(crate) fn leader(&self, topic: &str, partition: u32) -> Option<i32> {
+        match self.engine.placement() {
+            None => Some(NODE_ID),
+            Some(p) => p.owner(topic, partition),
+        }
+    }
     /// Registers the Kafka listener's metrics.
     pub fn register_metrics(&self, registry: &mut Registry) {
         self.metrics.register(registry);
@@ -629,7 +659,7 @@ impl KafkaServer {
                 ResponseKind::ListOffsets(handlers::list_offsets::handle(self, conn, r, v).await)
             }
             RequestKind::FindCoordinator(r) => {
-                ResponseKind::FindCoordinator(handlers::find_coordinator::handle(conn, r, v))
+                ResponseKind::FindCoordinator(handlers::find_coordinator::handle(self, conn, r, v))
             }
             RequestKind::JoinGroup(r) if !conn.may_group(r.group_id.as_str()) => {
                 let mut resp = kafka_protocol::messages::JoinGroupResponse::default();

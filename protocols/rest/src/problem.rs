@@ -117,6 +117,9 @@ impl From<CoreError> for Problem {
             | CoreError::InvalidBatch(_) => (StatusCode::BAD_REQUEST, "bad-request"),
             CoreError::InternalTopic { .. } => (StatusCode::FORBIDDEN, "internal-topic"),
             CoreError::ShuttingDown => (StatusCode::SERVICE_UNAVAILABLE, "shutting-down"),
+            CoreError::NotOwner { .. } => (StatusCode::SERVICE_UNAVAILABLE, "not-owner"),
+            CoreError::Uncommitted { .. } => (StatusCode::SERVICE_UNAVAILABLE, "not-committed"),
+            CoreError::Cluster { .. } => (StatusCode::SERVICE_UNAVAILABLE, "cluster-unavailable"),
             CoreError::RemoteUnavailable { .. } => {
                 (StatusCode::SERVICE_UNAVAILABLE, "remote-unavailable")
             }

@@ -96,6 +96,14 @@ impl PartitionLog {
         Ok(infos)
     }
 
+    /// Gives `batches` the offsets [`Self::append`] will give them, without writing: cluster
+    /// mode makes a group durable elsewhere, with its offsets, before it is written here.
+    /// Returns the first and last offset, or `None` for no batches.
+    pub fn stamp(&self, batches: &mut [ValidatedBatch]) -> Option<(u64, u64)> {
+        let end = stamp_from(self.next_offset, batches);
+        (end > self.next_offset).then(|| (self.next_offset, end - 1))
+    }
+
     fn should_roll(&self, incoming: u64, now_ms: i64) -> bool {
         let size = self.active.size();
         if size == 0 {
@@ -116,17 +124,7 @@ impl PartitionLog {
     ) -> Result<()> {
         let segment = self.active.clone();
         let start_size = segment.size();
-        let mut offset = self.next_offset;
-        for b in batches.iter_mut() {
-            // A copy of another log keeps its offsets: it moves ahead over that log's gaps
-            // (compaction's), never back.
-            if b.keep_offset {
-                offset = offset.max(b.header.base_offset.max(0) as u64);
-            }
-            batch::set_base_offset(&mut b.buf, offset as i64);
-            b.header.base_offset = offset as i64;
-            offset += b.offset_span();
-        }
+        let offset = stamp_from(self.next_offset, batches);
         let slices: Vec<IoSlice<'_>> = batches.iter().map(|b| IoSlice::new(&b.buf)).collect();
         let file = segment.open_file()?;
         if let Err(e) = file.append(&slices) {
@@ -234,4 +232,19 @@ impl PartitionLog {
         }
         self.sync_active()
     }
+}
+
+/// Gives `batches` consecutive offsets from `offset` on; returns the offset after them.
+fn stamp_from(mut offset: u64, batches: &mut [ValidatedBatch]) -> u64 {
+    for b in batches.iter_mut() {
+        // A copy of another log keeps its offsets: it moves ahead over that log's gaps
+        // (compaction's), never back.
+        if b.keep_offset {
+            offset = offset.max(b.header.base_offset.max(0) as u64);
+        }
+        batch::set_base_offset(&mut b.buf, offset as i64);
+        b.header.base_offset = offset as i64;
+        offset += b.offset_span();
+    }
+    offset
 }

@@ -166,8 +166,11 @@ async fn read_once(
                 t.partitions.push(pd);
                 continue;
             }
+            // Only the owner's log is complete (cluster mode): others send the client there.
             let offset = match (
-                engine.offsets(name, partition),
+                engine
+                    .check_owner(name, partition, false)
+                    .and_then(|()| engine.offsets(name, partition)),
                 u64::try_from(p.fetch_offset),
             ) {
                 (Err(e), _) => {

@@ -2,11 +2,13 @@ use kafka_protocol::messages::{BrokerId, FindCoordinatorRequest, FindCoordinator
 
 use super::s;
 use crate::errors;
-use crate::server::{Conn, NODE_ID};
+use crate::server::{Conn, KafkaServer};
 
-/// Every group's (and transaction's) coordinator is this node, at the address of the listener
-/// the client came through; a group the client may not use is GROUP_AUTHORIZATION_FAILED.
+/// Every group's (and transaction's) coordinator is the node asked, at the address of the
+/// listener the client came through (in cluster mode too, for now: docs/CLUSTER.md); a group
+/// the client may not use is GROUP_AUTHORIZATION_FAILED.
 pub(crate) fn handle(
+    server: &KafkaServer,
     conn: &Conn,
     req: FindCoordinatorRequest,
     _version: i16,
@@ -21,7 +23,7 @@ pub(crate) fn handle(
         r.port = -1;
         return r;
     }
-    r.node_id = BrokerId(NODE_ID);
+    r.node_id = BrokerId(server.node_id());
     r.host = s(host);
     r.port = port;
     r

@@ -39,7 +39,10 @@ pub(crate) async fn handle(
                 t.partitions.push(pr);
                 continue;
             }
-            match engine.offsets(&name, partition) {
+            match engine
+                .check_owner(&name, partition, false)
+                .and_then(|()| engine.offsets(&name, partition))
+            {
                 Err(e) => pr.error_code = errors::code(&e),
                 Ok((start, hw)) => match p.timestamp {
                     LATEST => pr.offset = hw as i64,

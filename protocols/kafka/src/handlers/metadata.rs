@@ -5,7 +5,7 @@ use kafka_protocol::messages::{BrokerId, MetadataRequest, MetadataResponse, Topi
 
 use super::s;
 use crate::errors;
-use crate::server::{Conn, KafkaServer, NODE_ID};
+use crate::server::{Conn, KafkaServer};
 use sluice_core::auth::Action;
 
 /// Topics and the broker. A topic the client may not describe is answered
@@ -72,12 +72,21 @@ pub(crate) async fn handle(
                     .map(|p| {
                         let mut mp = MetadataResponsePartition::default();
                         mp.partition_index = p as i32;
-                        mp.leader_id = BrokerId(NODE_ID);
                         if version >= 7 {
                             mp.leader_epoch = 0;
                         }
-                        mp.replica_nodes = vec![BrokerId(NODE_ID)];
-                        mp.isr_nodes = vec![BrokerId(NODE_ID)];
+                        match server.leader(&name, p) {
+                            Some(leader) => {
+                                mp.leader_id = BrokerId(leader);
+                                mp.replica_nodes = vec![BrokerId(leader)];
+                                mp.isr_nodes = vec![BrokerId(leader)];
+                            }
+                            // Cluster mode, between owners: clients retry after a refresh.
+                            None => {
+                                mp.error_code = errors::LEADER_NOT_AVAILABLE;
+                                mp.leader_id = BrokerId(-1);
+                            }
+                        }
                         mp
                     })
                     .collect();
@@ -86,18 +95,24 @@ pub(crate) async fn handle(
         }
         topics.push(t);
     }
-    let (host, port) = conn.advertised.clone();
-    let mut broker = MetadataResponseBroker::default();
-    broker.node_id = BrokerId(NODE_ID);
-    broker.host = s(host);
-    broker.port = port;
+    let brokers = server.brokers(conn);
+    let controller = brokers.first().map_or(server.node_id(), |b| b.0);
     let mut r = MetadataResponse::default();
-    r.brokers = vec![broker];
+    r.brokers = brokers
+        .into_iter()
+        .map(|(id, host, port)| {
+            let mut broker = MetadataResponseBroker::default();
+            broker.node_id = BrokerId(id);
+            broker.host = s(host);
+            broker.port = port;
+            broker
+        })
+        .collect();
     if version >= 2 {
         r.cluster_id = Some(s(server.cluster_id.clone()));
     }
     if version >= 1 {
-        r.controller_id = BrokerId(NODE_ID);
+        r.controller_id = BrokerId(controller);
     }
     r.topics = topics;
     r

@@ -81,9 +81,10 @@ pub(crate) fn apply(policy: &mut TopicPolicy, name: &str, value: &str) -> Result
                 "fsync" => Durability::Fsync,
                 "interval" => Durability::Interval,
                 "none" => Durability::None,
+                "cluster" => Durability::Cluster,
                 _ => {
                     return Err(format!(
-                        "sluice.durability = {value:?}: fsync, interval or none"
+                        "sluice.durability = {value:?}: fsync, interval, none or cluster"
                     ));
                 }
             }
@@ -107,6 +108,7 @@ pub(crate) fn describe(policy: &TopicPolicy) -> Vec<(&'static str, String)> {
         Durability::Fsync => "fsync",
         Durability::Interval => "interval",
         Durability::None => "none",
+        Durability::Cluster => "cluster",
     };
     vec![
         ("cleanup.policy", policy.cleanup_policy.name().into()),

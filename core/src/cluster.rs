@@ -1,0 +1,92 @@
+//! What the engine and the protocols ask of cluster mode (docs/CLUSTER.md): which nodes exist,
+//! which one owns each partition, and whether this node may write one now. A single node has no
+//! [`Placement`] and owns everything; the gateway installs one when `[cluster]` names etcd.
+
+use std::fmt;
+
+use bytes::Bytes;
+use object_store::ObjectStoreExt;
+
+use crate::error::Result;
+use crate::policy::TopicPolicy;
+
+/// One live node, as it registered itself.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeInfo {
+    /// The node's id, which is also its Kafka broker id.
+    pub id: i32,
+    /// Where Kafka clients reach it (host, port).
+    pub kafka: (String, u16),
+    /// Its MQTT and HTTP addresses (`host:port`), for operators and forwarding.
+    pub mqtt: String,
+    pub http: String,
+}
+
+/// The cluster as this node currently sees it, and the shared log of its partitions at
+/// durability `cluster`.
+#[async_trait::async_trait]
+pub trait Placement: Send + Sync + fmt::Debug + 'static {
+    /// This node's id.
+    fn local_id(&self) -> i32;
+    /// Every node registered now, sorted by id.
+    fn nodes(&self) -> Vec<NodeInfo>;
+    /// The node holding the partition's ownership lease, if any.
+    fn owner(&self, topic: &str, partition: u32) -> Option<i32>;
+    /// True when this node holds the partition's lease and its last keep-alive is recent enough
+    /// that the lease cannot have run out: the only state in which it accepts writes.
+    fn writable(&self, topic: &str, partition: u32) -> bool;
+
+    /// Makes a new topic known to every node; [`crate::CoreError::TopicExists`] when the
+    /// cluster has one of that name already.
+    async fn register_topic(&self, name: &str, partitions: u32, policy: &TopicPolicy)
+    -> Result<()>;
+
+    /// The cluster's record of a topic (its partitions and policy), if it has one.
+    async fn find_topic(&self, name: &str) -> Result<Option<(u32, TopicPolicy)>>;
+
+    /// Makes one group of a partition at durability `cluster` durable: returns once its bytes
+    /// (the batches, stamped with offsets `base..=last`) are in the object store and the
+    /// partition's log in etcd names them, under this node's claim. An error means the group
+    /// is not acknowledged and its offsets are not this node's to reuse until the partition
+    /// has been recovered ([`Placement::read_from`]).
+    async fn commit(
+        &self,
+        topic: &str,
+        partition: u32,
+        base: u64,
+        last: u64,
+        group: Bytes,
+    ) -> Result<(), String>;
+
+    /// The groups the partition's shared log holds from offset `from` on, in order, each the
+    /// stored batches of one commit.
+    async fn read_from(&self, topic: &str, partition: u32, from: u64)
+    -> Result<Vec<Bytes>, String>;
+}
+
+/// The object store as cluster mode uses it: whole objects put once, read back by range. Kept
+/// here so that object_store stays a dependency of the core alone.
+#[derive(Debug, Clone)]
+pub struct Blobs(std::sync::Arc<dyn object_store::ObjectStore>);
+
+impl Blobs {
+    /// The store of `[offload]` (`spec`; an empty URL is the directory `default_dir`).
+    pub fn open(spec: &crate::StoreSpec, default_dir: &std::path::Path) -> Result<Self, String> {
+        crate::open_store(spec, default_dir).map(Self)
+    }
+
+    pub async fn put(&self, key: &str, data: Bytes) -> Result<(), String> {
+        self.0
+            .put(&object_store::path::Path::from(key), data.into())
+            .await
+            .map(drop)
+            .map_err(|e| format!("object store PUT {key}: {e}"))
+    }
+
+    pub async fn get_range(&self, key: &str, start: u64, len: u64) -> Result<Bytes, String> {
+        self.0
+            .get_range(&object_store::path::Path::from(key), start..start + len)
+            .await
+            .map_err(|e| format!("object store GET {key}: {e}"))
+    }
+}
