@@ -10,6 +10,7 @@
 
 mod commit;
 mod etcd;
+mod forward;
 mod rank;
 mod sync;
 
@@ -54,6 +55,9 @@ pub struct ClusterSettings {
     pub commit_max_bytes: usize,
     /// A `cluster` write not durable within this long is refused (retriable).
     pub commit_timeout: Duration,
+    /// This node's user on the other nodes' Kafka listeners (the internal link), when they
+    /// have users.
+    pub credentials: Option<(String, String)>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -107,6 +111,7 @@ struct Counters {
     object_bytes: AtomicU64,
     committed_groups: AtomicU64,
     commit_failures: AtomicU64,
+    forwarded: AtomicU64,
 }
 
 #[derive(Debug)]
@@ -117,7 +122,9 @@ pub struct Cluster {
     etcd: Etcd,
     blobs: Blobs,
     engine: Engine,
-    view: ArcSwap<View>,
+    view: Arc<ArcSwap<View>>,
+    /// The internal link to each owner node, started at its first forwarded batch.
+    links: Mutex<HashMap<i32, mpsc::Sender<forward::Forward>>>,
     lease: AtomicI64,
     /// Until when the lease certainly holds: the send time of the last answered keep-alive
     /// plus the TTL it reported. Writes stop at this instant whatever etcd says later.
@@ -155,7 +162,8 @@ impl Cluster {
             etcd,
             blobs,
             engine,
-            view: ArcSwap::from_pointee(View::default()),
+            view: Arc::new(ArcSwap::from_pointee(View::default())),
+            links: Mutex::new(HashMap::new()),
             lease: AtomicI64::new(0),
             lease_until: Mutex::new(None),
             etcd_ok: AtomicBool::new(false),
@@ -368,6 +376,7 @@ impl Cluster {
             s.counter("sluice_cluster_objects_total", "Objects the committer put (one per commit interval with writes).", n(&c.objects))?;
             s.counter("sluice_cluster_object_bytes_total", "Bytes of the objects the committer put.", n(&c.object_bytes))?;
             s.counter("sluice_cluster_committed_groups_total", "Partition groups made durable in the object store and etcd.", n(&c.committed_groups))?;
+            s.counter("sluice_cluster_forwarded_batches_total", "Batches published through this node (MQTT, REST, cameras) for partitions another node owns, sent to the owner over the internal link.", n(&c.forwarded))?;
             s.counter("sluice_cluster_commit_failures_total", "Partition groups refused: fenced, store or etcd failing, or past cluster.commit_timeout_ms.", n(&c.commit_failures))
         });
     }
@@ -452,6 +461,38 @@ impl Placement for Cluster {
         group: Bytes,
     ) -> Result<(), String> {
         self.commit_group(topic, partition, base, last, group).await
+    }
+
+    fn forward(&self, topic: &str, partition: u32, batch: Bytes, reply: forward::Reply) {
+        let Some(node) = self.owner(topic, partition) else {
+            return forward::refuse(reply, format!("{topic}/{partition} has no owner now"));
+        };
+        let f = forward::Forward {
+            topic: topic.to_owned(),
+            partition,
+            batch,
+            reply,
+        };
+        let mut links = self.links.lock();
+        let link = links.entry(node).or_insert_with(|| {
+            let (tx, rx) = mpsc::channel(forward::QUEUE);
+            let link = forward::Link {
+                node,
+                local: self.id(),
+                view: self.view.clone(),
+                credentials: self.settings.credentials.clone(),
+                timeout: self.settings.commit_timeout + self.settings.request_timeout,
+            };
+            tokio::spawn(link.run(rx));
+            tx
+        });
+        self.counters.forwarded.fetch_add(1, Ordering::Relaxed);
+        if let Err(e) = link.try_send(f) {
+            let f = match e {
+                mpsc::error::TrySendError::Full(f) | mpsc::error::TrySendError::Closed(f) => f,
+            };
+            forward::refuse(f.reply, format!("the link to node {node} is saturated"));
+        }
     }
 
     async fn read_from(

@@ -58,6 +58,21 @@ pub trait Placement: Send + Sync + fmt::Debug + 'static {
         group: Bytes,
     ) -> Result<(), String>;
 
+    /// Hands a batch for a partition another node owns to that node (the internal link), in
+    /// the order of calls; `reply` gets its offsets once the owner has acknowledged it.
+    fn forward(
+        &self,
+        topic: &str,
+        partition: u32,
+        batch: Bytes,
+        reply: tokio::sync::oneshot::Sender<
+            std::result::Result<
+                sluice_storage::AppendInfo,
+                std::sync::Arc<sluice_storage::StorageError>,
+            >,
+        >,
+    );
+
     /// The groups the partition's shared log holds from offset `from` on, in order, each the
     /// stored batches of one commit.
     async fn read_from(&self, topic: &str, partition: u32, from: u64)

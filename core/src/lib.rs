@@ -42,9 +42,9 @@ pub use policy::{
     TopicPolicy,
 };
 pub use sluice_storage::{
-    BatchError, BatchHeader, Clock, Compression, DecodedRecord, DirectFsStorage, DirectStats,
-    Fetched, FsStorage, MappedBuf, OpenBatch, PLACED_ENCODE_MIN, Record, Storage, SystemClock,
-    decode_records, split_batches,
+    AppendInfo, BatchError, BatchHeader, Clock, Compression, DecodedRecord, DirectFsStorage,
+    DirectStats, Fetched, FsStorage, MappedBuf, OpenBatch, PLACED_ENCODE_MIN, Record, Storage,
+    StorageError, SystemClock, decode_records, split_batches,
 };
 pub use subscription::{
     Consumer, InitialPosition, Message, MessageId, SubscribeOptions, SubscriptionBacklog,

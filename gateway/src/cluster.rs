@@ -21,6 +21,8 @@ pub(crate) struct ClusterSection {
     pub(crate) commit_interval_ms: u64,
     pub(crate) commit_max_bytes: usize,
     pub(crate) commit_timeout_ms: u64,
+    pub(crate) username: String,
+    pub(crate) password: String,
 }
 
 impl ClusterSection {
@@ -95,6 +97,8 @@ impl ClusterSection {
             commit_interval: Duration::from_millis(self.commit_interval_ms),
             commit_max_bytes: self.commit_max_bytes,
             commit_timeout: Duration::from_millis(self.commit_timeout_ms),
+            credentials: (!self.username.is_empty())
+                .then(|| (self.username.clone(), self.password.clone())),
         }
     }
 }

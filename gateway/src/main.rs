@@ -210,6 +210,9 @@ fn gateway(command: Option<Command>, opts: Opts) -> ExitCode {
         if !shown.offload.secret_access_key.is_empty() {
             shown.offload.secret_access_key = "<hidden>".into();
         }
+        if !shown.cluster.password.is_empty() {
+            shown.cluster.password = "<hidden>".into();
+        }
         // Hashes and SCRAM keys are not passwords, but a ServerKey lets its holder pose as
         // this server to SCRAM clients: shown only as set.
         for user in &mut shown.users {

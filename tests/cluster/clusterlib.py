@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -19,7 +20,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE.parent / "offload"))
 
 from harness import Gateway, free_port  # noqa: E402
-from offloadlib import S3Server, wait_for  # noqa: E402,F401
+from offloadlib import S3Server, mqtt_publish_all, wait_for  # noqa: E402,F401
 
 ETCD = Path(os.environ.get("SLUICE_ETCD") or shutil.which("etcd") or "/usr/bin/etcd")
 # Short leases so that failovers fit in a test; the product's default is 6 s.
@@ -231,3 +232,62 @@ def assert_gap_free(log: dict[int, list[tuple[int, bytes]]]) -> None:
     for p, records in log.items():
         offsets = [o for o, _ in records]
         assert offsets == list(range(len(offsets))), f"partition {p}: offsets {offsets[:50]}..."
+
+
+class MqttLoad:
+    """An MQTT 5 client on `node` publishing QoS 1 messages to `sensors/<i>` in a thread,
+    at most 50 in flight, until stop(); then `acked` holds the payloads the broker acknowledged
+    with a success reason code, `refused` the count of the others (a retriable failure)."""
+
+    def __init__(self, node: Gateway, name: str):
+        import paho.mqtt.client as paho
+        from paho.mqtt.enums import CallbackAPIVersion
+
+        self.client = paho.Client(CallbackAPIVersion.VERSION2, client_id=name, protocol=paho.MQTTv5)
+        self.client.max_inflight_messages_set(50)
+        # Never held while calling into paho, whose network thread calls _on_publish.
+        self.lock = threading.Lock()
+        self.sent: dict[int, bytes] = {}
+        self.results: dict[int, bool] = {}
+        self.acked: list[bytes] = []
+        self.refused = 0
+        self.stopping = threading.Event()
+        self.client.on_publish = self._on_publish
+        host, port = node.mqtt_addr
+        self.client.connect(host, port, keepalive=60)
+        self.client.loop_start()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _on_publish(self, client, userdata, mid, rc, props):
+        with self.lock:
+            self.results[mid] = not rc.is_failure
+
+    def _run(self):
+        i = 0
+        while not self.stopping.is_set() and i < 30000:
+            payload = f"mqtt-{i}".encode()
+            info = self.client.publish(f"sensors/{i % 97}", payload, qos=1)
+            with self.lock:
+                self.sent[info.mid] = payload
+            i += 1
+            time.sleep(0.004)
+
+    def stop(self, timeout: float = 60.0) -> None:
+        self.stopping.set()
+        self.thread.join(timeout=10)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self.lock:
+                if len(self.results) >= len(self.sent):
+                    break
+            time.sleep(0.05)
+        self.client.loop_stop()
+        self.client.disconnect()
+        with self.lock:
+            for mid, payload in self.sent.items():
+                ok = self.results.get(mid)
+                if ok:
+                    self.acked.append(payload)
+                elif ok is not None:
+                    self.refused += 1

@@ -21,7 +21,9 @@ from clusterlib import (
     create_topic,
     documented_cluster_families,
     leaders,
+    MqttLoad,
     metric,
+    mqtt_publish_all,
     read_all,
     wait_for,
     wait_owned,
@@ -102,18 +104,43 @@ def test_partitions_spread_and_stock_clients_follow_leaders(cluster):
     # Every group went through the object store and etcd: each owner committed some.
     assert sum(metric(n, "sluice_cluster_committed_groups_total") for n in nodes) >= 12
 
-    # A node that does not own a partition refuses writes to it (clients go to the leader).
+    # REST on a node that does not own the partition: handed to the owner over the internal
+    # link, answered with the owner's offset.
     p, owner = next((p, o) for p, o in owners.items() if o != 1)
-    refused = nodes[0].produce_rest("spread", b"elsewhere", partition=p)
-    assert refused.status_code == 503, refused.text
-    assert "not-owner" in refused.text
+    acked.append(rest_acked(nodes[0].produce_rest("spread", b"through node 1", partition=p), b"through node 1"))
+    assert metric(nodes[0], "sluice_cluster_forwarded_batches_total") >= 1
+    log = read_all(nodes[2], "spread", 12)
+    assert_gap_free(log)
+    assert_acked_present(log, acked)
+
+
+def test_mqtt_publishers_on_every_node_land_in_one_topic(cluster):
+    nodes = cluster(3)
+    # The MQTT default topic, made first so that its partitions have owners before the first
+    # publish (a publish to a partition between owners is refused, and MQTT does not retry).
+    create_topic(nodes[0], "mqtt", 3)
+    owners = wait_owned(nodes, "mqtt", 3)
+    for n in nodes:
+        mqtt_publish_all(n, [(f"sensors/node{n.node_id}/{i}", f"{n.node_id}:{i}".encode(), [])
+                             for i in range(30)])
+    log = read_all(nodes[0], "mqtt", 3)
+    assert_gap_free(log)
+    values = sorted(v for records in log.values() for _, v in records)
+    assert values == sorted(f"{n}:{i}".encode() for n in (1, 2, 3) for i in range(30))
+    # Each node owns some of the three partitions or none; every node not owning all of them
+    # forwarded the publishes of the others.
+    for n in nodes:
+        if set(owners.values()) != {n.node_id}:
+            assert metric(n, "sluice_cluster_forwarded_batches_total") >= 1
 
 
 @pytest.mark.timeout(240)
 def test_kill9_under_acks_all_load_loses_nothing_and_offsets_never_repeat(cluster):
     nodes = cluster(3)
     create_topic(nodes[0], "failover", 6)
+    create_topic(nodes[0], "mqtt", 3)
     owners = wait_owned(nodes, "failover", 6)
+    wait_owned(nodes, "mqtt", 3)
     # The victim is the node (other than node 1, the clients' bootstrap) leading most partitions.
     victim = max(nodes[1:], key=lambda n: sum(1 for o in owners.values() if o == n.node_id))
     assert any(o == victim.node_id for o in owners.values()), owners
@@ -139,6 +166,8 @@ def test_kill9_under_acks_all_load_loses_nothing_and_offsets_never_repeat(cluste
 
     worker = threading.Thread(target=load, daemon=True)
     worker.start()
+    # MQTT QoS 1 through node 1, forwarded to the owners of the MQTT topic's partitions.
+    mqtt = MqttLoad(nodes[0], "failover-publisher")
     try:
         wait_for(lambda: (len(acked) >= 300, len(acked)), 60, "records acknowledged before the kill")
         killed_at = time.monotonic()
@@ -151,6 +180,7 @@ def test_kill9_under_acks_all_load_loses_nothing_and_offsets_never_repeat(cluste
     finally:
         stop.set()
         worker.join(timeout=30)
+        mqtt.stop()
     assert producer.flush(120) == 0
     assert not errors, errors[:5]
     assert set(after.values()) <= {n.node_id for n in survivors}
@@ -158,6 +188,11 @@ def test_kill9_under_acks_all_load_loses_nothing_and_offsets_never_repeat(cluste
     log = read_all(nodes[0], "failover", 6)
     assert_gap_free(log)
     assert_acked_present(log, acked)
+    mqtt_log = read_all(nodes[0], "mqtt", 3)
+    assert_gap_free(mqtt_log)
+    stored = {v for records in mqtt_log.values() for _, v in records}
+    assert mqtt.acked and not set(mqtt.acked) - stored, f"{len(set(mqtt.acked) - stored)} acknowledged MQTT messages lost"
+    print(f"MQTT: {len(mqtt.acked)} acknowledged, {mqtt.refused} refused with a failure reason code")
 
     # The node comes back on its old data directory, rejoins, and takes a share back.
     victim.start()

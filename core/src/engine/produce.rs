@@ -84,7 +84,7 @@ impl Engine {
             reserved = Some(r);
             Some(position)
         });
-        self.enqueue_to(&t, topic, id, batch, started, reserved)
+        self.enqueue_to(&t, topic, id, batch, started, reserved, true)
             .await
     }
 
@@ -135,6 +135,7 @@ impl Engine {
             batch,
             open.started,
             Some(open.reserved),
+            true,
         )
         .await
     }
@@ -150,7 +151,8 @@ impl Engine {
         let started = Instant::now();
         let t = self.topic_for_write(topic).await?;
         let id = Self::choose_partition(&t, topic, partition)?;
-        self.enqueue_to(&t, topic, id, batch, started, None).await
+        self.enqueue_to(&t, topic, id, batch, started, None, false)
+            .await
     }
 
     /// The partition a produce goes to.
@@ -207,7 +209,10 @@ impl Engine {
     /// Rewrites the batch in its topic's codec when the topic names one, checks it against
     /// the topic's size limit and queues it on partition `id`,
     /// taking its place in the partition's [`crate::partition::TailHint`] unless `reserved`
-    /// already holds it.
+    /// already holds it. In cluster mode, a partition another node owns gets the batch over
+    /// the internal link when `forward` is set (MQTT, REST and cameras publish through any
+    /// node; Kafka clients are sent to the leader instead).
+    #[allow(clippy::too_many_arguments)]
     pub(super) async fn enqueue_to(
         &self,
         t: &Topic,
@@ -216,8 +221,17 @@ impl Engine {
         batch: ValidatedBatch,
         started: Instant,
         reserved: Option<crate::partition::Reserved>,
+        forward: bool,
     ) -> Result<PendingAck> {
-        self.check_owner(topic, id, true)?;
+        let forward_to = match self.check_owner(topic, id, true) {
+            Ok(()) => None,
+            Err(CoreError::NotOwner {
+                owner: Some(owner), ..
+            }) if forward && self.placement().is_some_and(|p| p.local_id() != owner) => {
+                self.placement().cloned()
+            }
+            Err(e) => return Err(e),
+        };
         let part = &t.partitions[id as usize];
         let (max, compression, compacted) = {
             let meta = t.meta.read();
@@ -249,9 +263,21 @@ impl Engine {
             }
             _ => (batch, reserved),
         };
-        let reserved = reserved.unwrap_or_else(|| part.tail.reserve(batch.len() as u64));
-        let rx = part.enqueue(batch).await?;
-        reserved.queued();
+        let rx = if let Some(placement) = forward_to {
+            let (reply, rx) = tokio::sync::oneshot::channel();
+            placement.forward(
+                topic,
+                id,
+                bytes::Bytes::copy_from_slice(batch.as_slice()),
+                reply,
+            );
+            rx
+        } else {
+            let reserved = reserved.unwrap_or_else(|| part.tail.reserve(batch.len() as u64));
+            let rx = part.enqueue(batch).await?;
+            reserved.queued();
+            rx
+        };
         Ok(PendingAck {
             rx,
             topic: topic.to_owned(),

@@ -8,10 +8,12 @@ use std::time::Duration;
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use kafka_protocol::messages::list_offsets_request::{ListOffsetsPartition, ListOffsetsTopic};
 use kafka_protocol::messages::metadata_request::MetadataRequestTopic;
+use kafka_protocol::messages::produce_request::{PartitionProduceData, TopicProduceData};
 use kafka_protocol::messages::{
     ApiKey, BrokerId, FetchRequest, FetchResponse, ListOffsetsRequest, ListOffsetsResponse,
-    MetadataRequest, MetadataResponse, RequestHeader, ResponseHeader, SaslAuthenticateRequest,
-    SaslAuthenticateResponse, SaslHandshakeRequest, SaslHandshakeResponse, TopicName,
+    MetadataRequest, MetadataResponse, ProduceRequest, ProduceResponse, RequestHeader,
+    ResponseHeader, SaslAuthenticateRequest, SaslAuthenticateResponse, SaslHandshakeRequest,
+    SaslHandshakeResponse, TopicName,
 };
 use kafka_protocol::protocol::{Decodable, Encodable, StrBytes};
 use sluice_core::CoreError;
@@ -23,6 +25,7 @@ use crate::errors;
 const METADATA_VERSION: i16 = 9;
 const LIST_OFFSETS_VERSION: i16 = 6;
 const FETCH_VERSION: i16 = 12;
+const PRODUCE_VERSION: i16 = 9;
 const SASL_HANDSHAKE_VERSION: i16 = 1;
 const SASL_AUTHENTICATE_VERSION: i16 = 2;
 /// Largest response frame accepted.
@@ -256,6 +259,55 @@ impl KafkaClient {
             });
         }
         Ok(out)
+    }
+
+    /// One Produce with acks=all of `batches` (each `(topic, partition, records)`, at most one
+    /// per partition); answers, in the same order, each partition's error code and the base
+    /// offset its records got.
+    pub async fn produce(
+        &mut self,
+        batches: &[(String, u32, Bytes)],
+        timeout: Duration,
+    ) -> std::io::Result<Vec<(i16, i64)>> {
+        let mut req = ProduceRequest::default();
+        req.acks = -1;
+        req.timeout_ms = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX);
+        for (topic, partition, records) in batches {
+            let name = TopicName(StrBytes::from_string(topic.clone()));
+            let at = match req.topic_data.iter().position(|t| t.name == name) {
+                Some(at) => at,
+                None => {
+                    let mut t = TopicProduceData::default();
+                    t.name = name;
+                    req.topic_data.push(t);
+                    req.topic_data.len() - 1
+                }
+            };
+            let mut pd = PartitionProduceData::default();
+            pd.index = *partition as i32;
+            pd.records = Some(records.clone());
+            req.topic_data[at].partition_data.push(pd);
+        }
+        let resp: ProduceResponse = self
+            .call(ApiKey::Produce, PRODUCE_VERSION, &req, timeout)
+            .await?;
+        batches
+            .iter()
+            .map(|(topic, partition, _)| {
+                resp.responses
+                    .iter()
+                    .filter(|t| t.name.0.as_str() == topic)
+                    .flat_map(|t| t.partition_responses.iter())
+                    .find(|p| p.index == *partition as i32)
+                    .map(|p| (p.error_code, p.base_offset))
+                    .ok_or_else(|| {
+                        std::io::Error::new(
+                            std::io::ErrorKind::InvalidData,
+                            format!("Produce answer without {topic}/{partition}"),
+                        )
+                    })
+            })
+            .collect()
     }
 
     /// One Fetch, waiting up to its `max_wait_ms` for data.
