@@ -70,6 +70,8 @@ cargo run --quiet --locked -p sluice-bench -- broadcast \
 cargo run --quiet --locked -p sluice-bench -- tls --sluice target/debug/sluice \
   --dir target/bench-smoke-tls --small-messages 200 --large-messages 2 --kafka-megabytes 2 \
   --subscribers 50 --fanout-messages 3 --fanout-rate 20 >/dev/null
+target/pyenv/bin/python bench/cluster/bench_cluster.py --smoke --gateway target/debug/sluice \
+  --seconds 2 --rate 200 --kills 1 >/dev/null 2>&1
 
 echo "==> all checks passed"
 echo "tests: ${passed} passed, ${failed} failed"

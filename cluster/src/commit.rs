@@ -11,6 +11,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::{Bytes, BytesMut};
+use futures_util::{StreamExt, TryStreamExt};
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
 use tracing::warn;
@@ -23,6 +24,8 @@ use crate::{Cluster, PartId};
 const GROUPS_PER_TXN: usize = 40;
 /// At most this many groups read back per call while recovering.
 const READ_GROUPS: i64 = 1000;
+/// Ranged GETs in flight while recovering (each group is a range of its own object).
+const READ_PARALLEL: usize = 16;
 
 /// One group waiting for the committer.
 #[derive(Debug)]
@@ -243,17 +246,22 @@ impl Cluster {
             .range_from(&prefix, &self.log_key(&id, from), READ_GROUPS)
             .await
             .map_err(|e| e.to_string())?;
-        let mut groups = Vec::with_capacity(kvs.len());
-        for kv in kvs {
-            let entry: Entry = serde_json::from_slice(&kv.value)
-                .map_err(|e| format!("log entry {}: {e}", kv.key))?;
-            groups.push(
+        let entries = kvs
+            .into_iter()
+            .map(|kv| {
+                serde_json::from_slice::<Entry>(&kv.value)
+                    .map_err(|e| format!("log entry {}: {e}", kv.key))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        futures_util::stream::iter(entries)
+            .map(|entry| async move {
                 self.blobs
                     .get_range(&entry.object, entry.start, entry.len)
-                    .await?,
-            );
-        }
-        Ok(groups)
+                    .await
+            })
+            .buffered(READ_PARALLEL)
+            .try_collect()
+            .await
     }
 }
 

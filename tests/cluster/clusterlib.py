@@ -94,22 +94,26 @@ class ClusterNode(Gateway):
     the OS picks), topics at durability `cluster` by default, its object store `s3`."""
 
     def __init__(self, data_dir, node_id: int, etcd: Etcd, s3: S3Server, name: str = "test",
-                 env: dict | None = None):
+                 env: dict | None = None, settings: dict | None = None):
         super().__init__(data_dir, env=env)
         self.node_id = node_id
         self.host = f"127.0.0.{node_id}"
+        cluster = {
+            "lease_ttl_ms": LEASE_TTL_MS,
+            "poll_interval_ms": POLL_MS,
+            "claim_grace_ms": CLAIM_GRACE_MS,
+            "request_timeout_ms": 1000,
+            "commit_timeout_ms": COMMIT_TIMEOUT_MS,
+            **(settings or {}),
+        }
         config = Path(data_dir) / "cluster.toml"
         config.write_text(
             "[cluster]\n"
             f'etcd = ["{etcd.url}"]\n'
             f'name = "{name}"\n'
             f"node_id = {node_id}\n"
-            f"lease_ttl_ms = {LEASE_TTL_MS}\n"
-            f"poll_interval_ms = {POLL_MS}\n"
-            f"claim_grace_ms = {CLAIM_GRACE_MS}\n"
-            "request_timeout_ms = 1000\n"
-            f"commit_timeout_ms = {COMMIT_TIMEOUT_MS}\n"
-            "[topics.defaults]\n"
+            + "".join(f"{k} = {v}\n" for k, v in cluster.items())
+            + "[topics.defaults]\n"
             'durability = "cluster"\n'
             "[offload]\n"
             'store = "s3://sluice/cluster-test"\n'
