@@ -320,3 +320,30 @@ async fn every_new_directory_entry_is_made_durable_up_to_the_data_directory() {
         );
     }
 }
+
+/// Durability `cluster` needs cluster mode: a single node refuses it when a topic is created
+/// or changed, rather than accepting writes nothing could acknowledge.
+#[tokio::test(flavor = "current_thread")]
+async fn cluster_durability_is_refused_outside_cluster_mode() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = open(dir.path()).await;
+    let cluster = TopicPolicy {
+        durability: Durability::Cluster,
+        ..Default::default()
+    };
+    let refused = engine
+        .create_topic("shared", 1, Some(cluster.clone()))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&refused, CoreError::InvalidPolicy { reason } if reason.contains("cluster mode")),
+        "{refused}"
+    );
+    engine.create_topic("local", 1, None).await.unwrap();
+    let refused = engine.set_policy("local", cluster).await.unwrap_err();
+    assert!(
+        matches!(refused, CoreError::InvalidPolicy { .. }),
+        "{refused}"
+    );
+    assert!(engine.partition_count("shared").is_err());
+}

@@ -11,6 +11,7 @@ import threading
 import time
 
 import pytest
+import requests
 
 from clusterlib import (
     COMMIT_TIMEOUT_MS,
@@ -103,6 +104,10 @@ def test_partitions_spread_and_stock_clients_follow_leaders(cluster):
 
     # Every group went through the object store and etcd: each owner committed some.
     assert sum(metric(n, "sluice_cluster_committed_groups_total") for n in nodes) >= 12
+
+    # A `cluster` topic keeps its durability: its records are in the shared log.
+    switched = requests.put(f"{nodes[0].http}/topics/spread/policy", json={"durability": "fsync"}, timeout=30)
+    assert switched.status_code == 400 and "cluster" in switched.text, switched.text
 
     # REST on a node that does not own the partition: handed to the owner over the internal
     # link, answered with the owner's offset.

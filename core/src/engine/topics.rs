@@ -405,6 +405,15 @@ impl Engine {
         let _admin = self.inner.admin.lock().await;
         let topic = self.topic(name)?;
         let mut meta = topic.meta.read().clone();
+        // A `cluster` topic's records are in the shared log, another's on one node's disk: a
+        // switch would leave a new owner without the records before it, reusing offsets.
+        let shared = |d| d == crate::policy::Durability::Cluster;
+        if shared(meta.policy.durability) != shared(policy.durability) {
+            return Err(CoreError::InvalidPolicy {
+                reason: "durability cannot change to or from \"cluster\" once a topic exists"
+                    .into(),
+            });
+        }
         meta.policy = policy.clone();
         let store = self.inner.store.clone();
         let saved = meta.clone();
