@@ -15,6 +15,7 @@ import requests
 
 from clusterlib import (
     COMMIT_TIMEOUT_MS,
+    ClusterNode,
     TAKEOVER_S,
     assert_gap_free,
     brokers,
@@ -313,3 +314,15 @@ def test_s3_outage_refuses_cluster_writes_while_local_topics_go_on(cluster, s3):
         log = read_all(node, t, 1)
         assert_gap_free(log)
         assert_acked_present(log, acked[t])
+
+
+def test_the_canary_stays_off_in_cluster_mode(tmp_path, etcd, s3):
+    """Its readers would read their own node's copy, complete only where it owns the partition."""
+    node = ClusterNode(tmp_path / "canary-node", 1, etcd, s3, env={"SLUICE_CANARY__ENABLED": "true"})
+    node.start()
+    try:
+        node.wait_for_log("canary off: cluster mode")
+        assert not any(k.startswith("sluice_canary_") for k in node.metrics())
+        assert node.http_get("/readyz")[0] == 200
+    finally:
+        node.stop()
