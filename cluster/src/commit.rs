@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use futures_util::{StreamExt, TryStreamExt};
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
@@ -136,24 +136,22 @@ impl Cluster {
             self.settings.name,
             self.id()
         );
-        let mut body = BytesMut::with_capacity(batch.iter().map(|p| p.group.len()).sum());
+        let mut size = 0u64;
         let mut entries = Vec::with_capacity(batch.len());
         for p in &batch {
             entries.push(Entry {
                 object: object.clone(),
-                start: body.len() as u64,
+                start: size,
                 len: p.group.len() as u64,
                 last: p.last,
             });
-            body.extend_from_slice(&p.group);
+            size += p.group.len() as u64;
         }
-        let size = body.len() as u64;
-        let put = tokio::time::timeout(
-            self.settings.commit_timeout,
-            self.blobs.put(&object, body.freeze()),
-        )
-        .await
-        .unwrap_or_else(|_| Err(format!("object store PUT {object}: timed out")));
+        let parts = batch.iter().map(|p| p.group.clone()).collect();
+        let put =
+            tokio::time::timeout(self.settings.commit_timeout, self.blobs.put(&object, parts))
+                .await
+                .unwrap_or_else(|_| Err(format!("object store PUT {object}: timed out")));
         if let Err(e) = put {
             for p in batch {
                 let _ = p.reply.send(Err(e.clone()));

@@ -90,9 +90,13 @@ impl Blobs {
         crate::open_store(spec, default_dir).map(Self)
     }
 
-    pub async fn put(&self, key: &str, data: Bytes) -> Result<(), String> {
+    /// Puts one object made of `parts`, in order, without joining them first.
+    pub async fn put(&self, key: &str, parts: Vec<Bytes>) -> Result<(), String> {
         self.0
-            .put(&object_store::path::Path::from(key), data.into())
+            .put(
+                &object_store::path::Path::from(key),
+                parts.into_iter().collect(),
+            )
             .await
             .map(drop)
             .map_err(|e| format!("object store PUT {key}: {e}"))

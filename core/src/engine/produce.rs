@@ -265,12 +265,8 @@ impl Engine {
         };
         let rx = if let Some(placement) = forward_to {
             let (reply, rx) = tokio::sync::oneshot::channel();
-            placement.forward(
-                topic,
-                id,
-                bytes::Bytes::copy_from_slice(batch.as_slice()),
-                reply,
-            );
+            drop(reserved);
+            placement.forward(topic, id, batch.into_bytes(), reply);
             rx
         } else {
             let reserved = reserved.unwrap_or_else(|| part.tail.reserve(batch.len() as u64));

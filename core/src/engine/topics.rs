@@ -584,11 +584,10 @@ impl Engine {
         let Some(p) = self.placement() else {
             return Ok(());
         };
-        let owner = p.owner(topic, partition);
         let ok = if write {
             p.writable(topic, partition)
         } else {
-            owner == Some(p.local_id())
+            p.owner(topic, partition) == Some(p.local_id())
         };
         if ok {
             Ok(())
@@ -596,7 +595,7 @@ impl Engine {
             Err(CoreError::NotOwner {
                 topic: topic.to_owned(),
                 partition,
-                owner,
+                owner: p.owner(topic, partition),
             })
         }
     }
