@@ -207,9 +207,23 @@ def metric(node: Gateway, name: str) -> float:
     return node.metrics().get(name, float("nan"))
 
 
-def read_all(node: Gateway, topic: str, partitions: int, timeout: float = 60.0) -> dict[int, list[tuple[int, bytes]]]:
+def read_all(node: Gateway, topic: str, partitions: int, timeout: float = 90.0) -> dict[int, list[tuple[int, bytes]]]:
     """Every record of every partition, read by kafka-python bootstrapped at `node` (it asks
-    each partition's leader): partition -> [(offset, value)] in the order fetched."""
+    each partition's leader): partition -> [(offset, value)] in the order fetched. A read that
+    times out while leaders are still being handed back is started again, as a client would,
+    until `timeout`."""
+    from kafka.errors import KafkaTimeoutError
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return _read_all_once(node, topic, partitions, max(deadline - time.monotonic(), 1.0))
+        except KafkaTimeoutError:
+            if time.monotonic() >= deadline:
+                raise
+
+
+def _read_all_once(node: Gateway, topic: str, partitions: int, timeout: float) -> dict[int, list[tuple[int, bytes]]]:
     from kafka import KafkaConsumer, TopicPartition
 
     consumer = KafkaConsumer(bootstrap_servers=node.bootstrap, enable_auto_commit=False,
