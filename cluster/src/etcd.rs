@@ -55,6 +55,8 @@ pub(crate) enum Op {
         lease: i64,
     },
     Delete(String),
+    /// Every key starting with the prefix.
+    DeletePrefix(String),
 }
 
 #[derive(Debug)]
@@ -255,6 +257,10 @@ impl Etcd {
                     "key": b64(key), "value": b64(value), "lease": lease.to_string()
                 }}),
                 Op::Delete(key) => json!({ "request_delete_range": { "key": b64(key) } }),
+                Op::DeletePrefix(prefix) => json!({ "request_delete_range": {
+                    "key": b64(prefix),
+                    "range_end": b64(prefix_end(prefix)),
+                } }),
             })
             .collect();
         let v = self

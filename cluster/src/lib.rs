@@ -10,7 +10,9 @@
 
 mod commit;
 mod etcd;
+mod follow;
 mod forward;
+mod groups;
 mod rank;
 mod sync;
 
@@ -24,7 +26,9 @@ use bytes::Bytes;
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use sluice_core::cluster::{Blobs, NodeInfo, Placement};
-use sluice_core::{CoreError, Engine, TopicPolicy, is_internal_topic};
+use sluice_core::{
+    CommittedOffset, CoreError, Engine, OffsetCommit, TopicPolicy, is_internal_topic,
+};
 use sluice_metrics::{Latency, RegisterExt, Registry};
 use tokio::sync::mpsc;
 use tracing::{info, warn};
@@ -112,6 +116,9 @@ struct Counters {
     committed_groups: AtomicU64,
     commit_failures: AtomicU64,
     forwarded: AtomicU64,
+    copied_batches: AtomicU64,
+    copied_bytes: AtomicU64,
+    copy_gaps: AtomicU64,
 }
 
 #[derive(Debug)]
@@ -125,6 +132,8 @@ pub struct Cluster {
     view: Arc<ArcSwap<View>>,
     /// The internal link to each owner node, started at its first forwarded batch.
     links: Mutex<HashMap<i32, mpsc::Sender<forward::Forward>>>,
+    /// The task copying each other owner node's partitions here (`follow`).
+    followers: Mutex<HashMap<i32, tokio::task::JoinHandle<()>>>,
     lease: AtomicI64,
     /// Until when the lease certainly holds: the send time of the last answered keep-alive
     /// plus the TTL it reported. Writes stop at this instant whatever etcd says later.
@@ -164,6 +173,7 @@ impl Cluster {
             engine,
             view: Arc::new(ArcSwap::from_pointee(View::default())),
             links: Mutex::new(HashMap::new()),
+            followers: Mutex::new(HashMap::new()),
             lease: AtomicI64::new(0),
             lease_until: Mutex::new(None),
             etcd_ok: AtomicBool::new(false),
@@ -258,11 +268,15 @@ impl Cluster {
                 if let Err(e) = me.sync(&mut memory).await {
                     me.failed(&e);
                 }
+                me.follow_owners();
             }
         });
         shutdown.await;
         keeper.abort();
         poller.abort();
+        for (_, task) in self.followers.lock().drain() {
+            task.abort();
+        }
         if let Some(c) = committer {
             c.abort();
         }
@@ -277,6 +291,12 @@ impl Cluster {
         self.counters.etcd_errors.fetch_add(1, Ordering::Relaxed);
         self.etcd_ok.store(false, Ordering::Relaxed);
         warn!(error = %e, "etcd request failed");
+    }
+
+    /// Counts a failed etcd request and passes its reason on.
+    fn failed_with(&self, e: ClusterError) -> String {
+        self.failed(&e);
+        e.to_string()
     }
 
     async fn keep_alive(self: Arc<Self>) {
@@ -377,6 +397,9 @@ impl Cluster {
             s.counter("sluice_cluster_object_bytes_total", "Bytes of the objects the committer put.", n(&c.object_bytes))?;
             s.counter("sluice_cluster_committed_groups_total", "Partition groups made durable in the object store and etcd.", n(&c.committed_groups))?;
             s.counter("sluice_cluster_forwarded_batches_total", "Batches published through this node (MQTT, REST, cameras) for partitions another node owns, sent to the owner over the internal link.", n(&c.forwarded))?;
+            s.counter("sluice_cluster_copied_batches_total", "Batches copied here from the owners of partitions this node does not own, for the readers on this node.", n(&c.copied_batches))?;
+            s.counter("sluice_cluster_copied_bytes_total", "Bytes of the batches copied here from other owners.", n(&c.copied_bytes))?;
+            s.counter("sluice_cluster_copy_gaps_total", "Partitions whose copy here stopped because it was not within the owner's log (ahead of it, or behind its start).", n(&c.copy_gaps))?;
             s.counter("sluice_cluster_commit_failures_total", "Partition groups refused: fenced, store or etcd failing, or past cluster.commit_timeout_ms.", n(&c.commit_failures))
         });
     }
@@ -502,5 +525,35 @@ impl Placement for Cluster {
         from: u64,
     ) -> Result<Vec<Bytes>, String> {
         self.read_groups(topic, partition, from).await
+    }
+
+    fn coordinator(&self, group: &str) -> Option<i32> {
+        self.group_coordinator(group)
+    }
+
+    async fn commit_offsets(
+        &self,
+        group: &str,
+        entries: &[OffsetCommit],
+        timestamp_ms: i64,
+    ) -> Result<(), String> {
+        self.put_offsets(group, entries, timestamp_ms)
+            .await
+            .map_err(|e| self.failed_with(e))
+    }
+
+    async fn group_offsets(
+        &self,
+        group: &str,
+    ) -> Result<Vec<(String, u32, CommittedOffset)>, String> {
+        self.read_offsets(group)
+            .await
+            .map_err(|e| self.failed_with(e))
+    }
+
+    async fn delete_group(&self, group: &str) -> Result<(), String> {
+        self.forget_group(group)
+            .await
+            .map_err(|e| self.failed_with(e))
     }
 }

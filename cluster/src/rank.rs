@@ -35,6 +35,15 @@ pub(crate) fn rank(nodes: &[i32], node: i32, topic: &str, partition: u32) -> Opt
     })
 }
 
+/// The node that ranks first among `nodes` for `key` in `slot`: every node names the same one
+/// from the same member list (the coordinator of a consumer group, for example).
+pub(crate) fn first(nodes: &[i32], key: &str, slot: u32) -> Option<i32> {
+    nodes
+        .iter()
+        .copied()
+        .max_by_key(|&n| (weight(n, key, slot), n))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -44,6 +53,19 @@ mod tests {
             .iter()
             .find(|&&n| rank(nodes, n, topic, partition) == Some(0))
             .expect("one node ranks first")
+    }
+
+    #[test]
+    fn first_is_the_node_at_rank_zero() {
+        let nodes = [4, 1, 9];
+        for slot in 0..100 {
+            let key = format!("group-{slot}");
+            assert_eq!(
+                first(&nodes, &key, u32::MAX),
+                Some(preferred(&nodes, &key, u32::MAX))
+            );
+        }
+        assert_eq!(first(&[], "g", 0), None);
     }
 
     #[test]

@@ -8,6 +8,7 @@ use bytes::Bytes;
 use object_store::ObjectStoreExt;
 
 use crate::error::Result;
+use crate::groups::{CommittedOffset, OffsetCommit};
 use crate::policy::TopicPolicy;
 
 /// One live node, as it registered itself.
@@ -77,6 +78,27 @@ pub trait Placement: Send + Sync + fmt::Debug + 'static {
     /// stored batches of one commit.
     async fn read_from(&self, topic: &str, partition: u32, from: u64)
     -> Result<Vec<Bytes>, String>;
+
+    /// The node coordinating a consumer group now (Kafka's FindCoordinator), if any is live.
+    fn coordinator(&self, group: &str) -> Option<i32>;
+
+    /// Makes a group's committed offsets durable in the cluster's metadata, where whichever
+    /// node coordinates the group next finds them.
+    async fn commit_offsets(
+        &self,
+        group: &str,
+        entries: &[OffsetCommit],
+        timestamp_ms: i64,
+    ) -> Result<(), String>;
+
+    /// The group's committed offsets as the cluster holds them.
+    async fn group_offsets(
+        &self,
+        group: &str,
+    ) -> Result<Vec<(String, u32, CommittedOffset)>, String>;
+
+    /// Forgets a group's committed offsets in the cluster's metadata.
+    async fn delete_group(&self, group: &str) -> Result<(), String>;
 }
 
 /// The object store as cluster mode uses it: whole objects put once, read back by range. Kept

@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use bytes::BytesMut;
+use bytes::{Bytes, BytesMut};
 use sluice_storage::{
     AppendInfo, CleanStats, Cleaning, DetachedSegments, LogReader, PartitionLog, RetentionOutcome,
     StorageError, ValidatedBatch,
@@ -31,6 +31,12 @@ enum WriterMsg {
     SetPolicy(TopicPolicy),
     /// Cluster mode: append what the shared log holds past this log's end.
     Recover(oneshot::Sender<std::result::Result<u64, String>>),
+    /// Cluster mode, on a node that does not own the partition: append batches copied from
+    /// its owner, which start at or below this log's end; the reply is the next offset.
+    Copy {
+        batches: Vec<Bytes>,
+        reply: oneshot::Sender<std::result::Result<u64, String>>,
+    },
     /// Move the log start up to the offset (DeleteRecords); the reply is the new log start.
     DeleteRecords {
         offset: u64,
@@ -195,6 +201,7 @@ impl std::fmt::Debug for WriterMsg {
             Self::Append { .. } => "Append",
             Self::SetPolicy(_) => "SetPolicy",
             Self::Recover(_) => "Recover",
+            Self::Copy { .. } => "Copy",
             Self::DeleteRecords { .. } => "DeleteRecords",
             Self::DetachCopiedBefore { .. } => "DetachCopiedBefore",
             Self::InstallCleaned { .. } => "InstallCleaned",
@@ -357,6 +364,14 @@ impl Partition {
             .unwrap_or_else(|| Err("the partition is closed".to_owned()))
     }
 
+    /// Cluster mode: appends batches copied from the partition's owner (see
+    /// [`Engine::copy_from_owner`](crate::Engine::copy_from_owner)); the next offset after.
+    pub(crate) async fn copy(&self, batches: Vec<Bytes>) -> std::result::Result<u64, String> {
+        self.ask(|reply| WriterMsg::Copy { batches, reply })
+            .await
+            .unwrap_or_else(|| Err("the partition is closed".to_owned()))
+    }
+
     /// Lets the writer finish every append queued so far, fsync and stop.
     pub(crate) async fn shutdown(&self) {
         let (ack, done) = oneshot::channel();
@@ -507,6 +522,10 @@ impl Writer {
                 let _ = reply.send(self.recover().await);
                 ControlFlow::Continue(())
             }
+            Some(WriterMsg::Copy { batches, reply }) => {
+                let _ = reply.send(self.copy(batches).await);
+                ControlFlow::Continue(())
+            }
             Some(WriterMsg::Shutdown(ack)) => ControlFlow::Break(Some(ack)),
             _ => ControlFlow::Continue(()),
         }
@@ -588,6 +607,50 @@ impl Writer {
             appended += 1;
         }
         Ok(appended)
+    }
+
+    /// Appends batches copied from the partition's owner, so that readers on this node (MQTT,
+    /// WebSocket, SSE, REST) see partitions other nodes own. The owner's log is a prefix of
+    /// the shared one, so whatever it serves may be appended here at its own offsets; batches
+    /// this log already holds are skipped, and one past its end (a gap) is refused. Refused
+    /// while this node may write the partition: then its own log is the one that counts.
+    async fn copy(&mut self, batches: Vec<Bytes>) -> Result<u64, String> {
+        if self
+            .placement
+            .get()
+            .is_some_and(|p| p.writable(&self.topic, self.id))
+        {
+            return Err(format!(
+                "{}/{} is this node's own: nothing is copied into it",
+                self.topic, self.id
+            ));
+        }
+        let from = self
+            .log
+            .as_ref()
+            .map(PartitionLog::next_offset)
+            .ok_or_else(|| "the partition is closed".to_owned())?;
+        let mut next = from;
+        let mut taken = Vec::with_capacity(batches.len());
+        for b in batches {
+            let b = ValidatedBatch::copied(BytesMut::from(&b[..])).map_err(|e| e.to_string())?;
+            let (base, last) = (b.header().base_offset, b.header().last_offset());
+            if last < next as i64 {
+                continue;
+            }
+            if base != next as i64 {
+                return Err(format!(
+                    "{}/{}: the owner's batch starts at offset {base}, this copy ends at {next}",
+                    self.topic, self.id
+                ));
+            }
+            next = last as u64 + 1;
+            taken.push(b);
+        }
+        if !taken.is_empty() {
+            self.append_local(taken, Vec::new(), false).await;
+        }
+        Ok(self.log.as_ref().map_or(next, PartitionLog::next_offset))
     }
 
     async fn commit_group(&mut self, mut batches: Vec<ValidatedBatch>, replies: Vec<AppendReply>) {

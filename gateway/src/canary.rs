@@ -361,12 +361,6 @@ pub(crate) async fn prepare(
     if !settings.enabled || config.mqtt.addr.is_empty() {
         return Ok(None);
     }
-    if config.cluster.enabled() {
-        // Its readers read this node's copy of its topic, which is only complete where the
-        // node owns the partition (docs/CLUSTER.md, "Reads on any node").
-        info!("canary off: cluster mode does not serve reads of partitions owned elsewhere yet");
-        return Ok(None);
-    }
     let current = security.current();
     if !current.is_open() && !current.identities.allow_anonymous() && settings.username.is_empty() {
         warn!(
@@ -409,7 +403,12 @@ async fn ensure_topic(engine: &Engine, topic: &str) -> Result<(), CoreError> {
 }
 
 /// Starts the canary's tasks; they end when `stop` turns true.
-pub(crate) fn start(canary: &Arc<Canary>, addrs: Addresses, stop: watch::Receiver<bool>) {
+pub(crate) fn start(
+    canary: &Arc<Canary>,
+    engine: &Engine,
+    addrs: Addresses,
+    stop: watch::Receiver<bool>,
+) {
     let interval = Duration::from_millis(canary.settings.interval_ms);
     info!(
         topic = canary.settings.topic,
@@ -423,7 +422,7 @@ pub(crate) fn start(canary: &Arc<Canary>, addrs: Addresses, stop: watch::Receive
     if let Some(addr) = addrs.kafka {
         tokio::spawn(until_stopped(
             stop.clone(),
-            read_kafka(canary.clone(), addr, interval),
+            read_kafka(canary.clone(), engine.clone(), addr, interval),
         ));
     }
     if let Some(addr) = addrs.http {
@@ -527,14 +526,35 @@ fn split_host_port(addr: &str) -> Option<(String, u16)> {
     Some((host.trim_matches(['[', ']']).to_owned(), port.parse().ok()?))
 }
 
+/// Where the canary's partition is read over Kafka: this node's listener, or in cluster mode
+/// the listener of the node that owns the partition now, as a Kafka client would find it
+/// (the others answer NOT_LEADER_OR_FOLLOWER).
+fn leader_addr(engine: &Engine, topic: &str, local: &str) -> String {
+    let Some(placement) = engine.placement() else {
+        return local.to_owned();
+    };
+    match placement.owner(topic, 0) {
+        Some(owner) if owner != placement.local_id() => placement
+            .nodes()
+            .into_iter()
+            .find(|n| n.id == owner)
+            .map_or_else(
+                || local.to_owned(),
+                |n| format!("{}:{}", n.kafka.0, n.kafka.1),
+            ),
+        _ => local.to_owned(),
+    }
+}
+
 /// Reads the canary's topic over the Kafka listener from its end at the first connection,
-/// and from where it was after a reconnection.
-async fn read_kafka(canary: Arc<Canary>, addr: String, interval: Duration) {
+/// and from where it was after a reconnection (to the partition's leader in cluster mode).
+async fn read_kafka(canary: Arc<Canary>, engine: Engine, local: String, interval: Duration) {
     let topic = canary.settings.topic.clone();
     let credentials = canary.settings.credentials();
     let mut next: Option<i64> = None;
     let mut failing = false;
     loop {
+        let addr = leader_addr(&engine, &topic, &local);
         let result: Result<(), String> = async {
             let mut client = sluice_kafka::KafkaClient::connect(
                 &addr,

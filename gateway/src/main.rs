@@ -416,15 +416,6 @@ async fn serve(mut config: Config, reload: security::LoadConfig) -> anyhow::Resu
         None
     };
 
-    // The routes of the configuration, logged as such (the canary adds its own in front).
-    let configured_routes = config.mqtt.routes.len();
-    let canary = if relay.is_none() {
-        canary::prepare(&mut config, &engine, &security).await?
-    } else {
-        None
-    };
-    let mut canary_addrs = canary::Addresses::configured(&config.canary);
-
     // Installed before any listener serves, so no write is accepted before the node knows
     // which partitions it owns.
     let cluster = if config.cluster.enabled() {
@@ -441,6 +432,16 @@ async fn serve(mut config: Config, reload: security::LoadConfig) -> anyhow::Resu
     } else {
         None
     };
+
+    // After the placement: in cluster mode the canary's topic is the cluster's.
+    // The routes of the configuration, logged as such (the canary adds its own in front).
+    let configured_routes = config.mqtt.routes.len();
+    let canary = if relay.is_none() {
+        canary::prepare(&mut config, &engine, &security).await?
+    } else {
+        None
+    };
+    let mut canary_addrs = canary::Addresses::configured(&config.canary);
 
     let ready = Arc::new(AtomicBool::new(false));
     let kafka_slot = Arc::new(std::sync::OnceLock::new());
@@ -687,7 +688,7 @@ async fn serve(mut config: Config, reload: security::LoadConfig) -> anyhow::Resu
             ready.store(true, Ordering::Release);
             info!("ready");
             if let Some(canary) = &canary {
-                canary::start(canary, canary_addrs, stop_rx.clone());
+                canary::start(canary, &engine, canary_addrs, stop_rx.clone());
             }
             (tasks, signals.recv().await)
         }

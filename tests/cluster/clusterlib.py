@@ -309,3 +309,63 @@ class MqttLoad:
                     self.acked.append(payload)
                 elif ok is not None:
                     self.refused += 1
+
+
+class MqttSubscriber:
+    """An MQTT 5 client on `node` subscribed at QoS 1 to `topic_filter` from construction on;
+    `payloads()` is what it received so far, in order."""
+
+    def __init__(self, node: Gateway, name: str, topic_filter: str, timeout: float = 20.0):
+        import paho.mqtt.client as paho
+        from paho.mqtt.enums import CallbackAPIVersion
+
+        self.client = paho.Client(CallbackAPIVersion.VERSION2, client_id=name, protocol=paho.MQTTv5)
+        self.lock = threading.Lock()
+        self.received: list[bytes] = []
+        subscribed = threading.Event()
+        granted: list = []
+
+        def on_connect(client, userdata, flags, rc, props):
+            client.subscribe(topic_filter, qos=1)
+
+        def on_subscribe(client, userdata, mid, codes, props):
+            granted.extend(codes)
+            subscribed.set()
+
+        def on_message(client, userdata, msg):
+            with self.lock:
+                self.received.append(msg.payload)
+
+        self.client.on_connect = on_connect
+        self.client.on_subscribe = on_subscribe
+        self.client.on_message = on_message
+        host, port = node.mqtt_addr
+        self.client.connect(host, port, keepalive=60)
+        self.client.loop_start()
+        assert subscribed.wait(timeout), f"no SUBACK from node {getattr(node, 'node_id', '?')}"
+        assert granted and not granted[0].is_failure, f"subscription refused: {granted}"
+
+    def payloads(self) -> list[bytes]:
+        with self.lock:
+            return list(self.received)
+
+    def close(self) -> None:
+        self.client.loop_stop()
+        self.client.disconnect()
+
+
+def rest_records(node: Gateway, topic: str, partition: int, offset: int = 0) -> list[tuple[int, bytes]]:
+    """Every record of one partition from `offset` to its high watermark, read over REST from
+    `node`'s own copy, as (offset, value)."""
+    import base64
+
+    out = []
+    while True:
+        r = requests.get(f"{node.http}/topics/{topic}/partitions/{partition}/records",
+                         params={"offset": offset, "max_records": 1000}, timeout=30)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        out.extend((rec["offset"], base64.b64decode(rec["value"])) for rec in body["records"])
+        if body["next_offset"] >= body["high_watermark"] or not body["records"]:
+            return out
+        offset = body["next_offset"]

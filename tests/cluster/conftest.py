@@ -51,18 +51,18 @@ def s3(tmp_path):
 
 @pytest.fixture
 def cluster(tmp_path, etcd, s3, request):
-    """start(count=3) -> [node 1, node 2, node 3], started one after another; every node is
+    """start(count=3, env=None) -> [node 1, node 2, node 3], started one after another; every node is
     stopped at teardown (killed when it does not stop)."""
     nodes: list[ClusterNode] = []
     request.node._cluster_nodes = nodes
 
-    def node(node_id: int) -> ClusterNode:
-        n = ClusterNode(tmp_path / f"node-{node_id}", node_id, etcd, s3)
+    def node(node_id: int, env: dict | None) -> ClusterNode:
+        n = ClusterNode(tmp_path / f"node-{node_id}", node_id, etcd, s3, env=env)
         nodes.append(n)
         return n
 
-    def start(count: int = 3) -> list[ClusterNode]:
-        return [node(i).start() for i in range(1, count + 1)]
+    def start(count: int = 3, env: dict | None = None) -> list[ClusterNode]:
+        return [node(i, env).start() for i in range(1, count + 1)]
 
     yield start
     for n in nodes:

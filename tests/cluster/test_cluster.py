@@ -24,9 +24,11 @@ from clusterlib import (
     documented_cluster_families,
     leaders,
     MqttLoad,
+    MqttSubscriber,
     metric,
     mqtt_publish_all,
     read_all,
+    rest_records,
     wait_for,
     wait_owned,
 )
@@ -120,24 +122,111 @@ def test_partitions_spread_and_stock_clients_follow_leaders(cluster):
     assert_acked_present(log, acked)
 
 
-def test_mqtt_publishers_on_every_node_land_in_one_topic(cluster):
+def test_mqtt_clients_on_every_node_see_each_others_messages(cluster):
     nodes = cluster(3)
     # The MQTT default topic, made first so that its partitions have owners before the first
     # publish (a publish to a partition between owners is refused, and MQTT does not retry).
     create_topic(nodes[0], "mqtt", 3)
     owners = wait_owned(nodes, "mqtt", 3)
-    for n in nodes:
-        mqtt_publish_all(n, [(f"sensors/node{n.node_id}/{i}", f"{n.node_id}:{i}".encode(), [])
-                             for i in range(30)])
+    subscribers = [MqttSubscriber(n, f"watcher-{n.node_id}", "sensors/#") for n in nodes]
+    try:
+        for n in nodes:
+            mqtt_publish_all(n, [(f"sensors/node{n.node_id}/{i}", f"{n.node_id}:{i}".encode(), [])
+                                 for i in range(30)])
+        expected = sorted(f"{n}:{i}".encode() for n in (1, 2, 3) for i in range(30))
+        # Each subscriber, whichever node it is on, gets every node's messages: the records of
+        # partitions other nodes own are copied to it from their owners.
+        for n, sub in zip(nodes, subscribers):
+            wait_for(lambda: (sorted(sub.payloads()) == expected, len(sub.payloads())), 60,
+                     f"every message at the subscriber on node {n.node_id}")
+    finally:
+        for sub in subscribers:
+            sub.close()
     log = read_all(nodes[0], "mqtt", 3)
     assert_gap_free(log)
     values = sorted(v for records in log.values() for _, v in records)
-    assert values == sorted(f"{n}:{i}".encode() for n in (1, 2, 3) for i in range(30))
+    assert values == expected
+    # Every subscriber got each partition's messages in the partition's order.
+    where = {v: (p, o) for p, records in log.items() for o, v in records}
+    for n, sub in zip(nodes, subscribers):
+        for p in range(3):
+            seen = [where[v][1] for v in sub.payloads() if where[v][0] == p]
+            assert seen == sorted(seen), f"node {n.node_id}, partition {p}: {seen}"
+    # REST on every node reads the same records at the same offsets, owned there or not.
+    for n in nodes:
+        for p in range(3):
+            assert rest_records(n, "mqtt", p) == log[p], f"node {n.node_id}, partition {p}"
     # Each node owns some of the three partitions or none; every node not owning all of them
-    # forwarded the publishes of the others.
+    # forwarded the publishes of the others and copied the owners' records.
     for n in nodes:
         if set(owners.values()) != {n.node_id}:
             assert metric(n, "sluice_cluster_forwarded_batches_total") >= 1
+            assert metric(n, "sluice_cluster_copied_batches_total") >= 1
+
+
+@pytest.mark.timeout(240)
+def test_a_consumer_group_has_one_coordinator_and_outlives_it(cluster):
+    from confluent_kafka import TopicPartition
+
+    nodes = cluster(3)
+    create_topic(nodes[0], "grouped", 6)
+    wait_owned(nodes, "grouped", 6)
+    producer = nodes[0].producer()
+    for i in range(600):
+        producer.produce("grouped", value=f"v{i}".encode(), partition=i % 6)
+    assert producer.flush(60) == 0
+    group = "fleet-analytics"
+    # Two members bootstrapping from different nodes are sent to one coordinator: their
+    # assignments split the partitions between them.
+    members = [nodes[i].consumer(**{"group.id": group}) for i in (0, 2)]
+    assigned = [set(), set()]
+    for k, c in enumerate(members):
+        def on_assign(consumer, parts, k=k):
+            assigned[k] = {p.partition for p in parts}
+
+        def on_revoke(consumer, parts, k=k):
+            assigned[k] = set()
+
+        c.subscribe(["grouped"], on_assign=on_assign, on_revoke=on_revoke)
+
+    def split():
+        for c in members:
+            c.poll(0.2)
+        a, b = assigned
+        return bool(a and b and not a & b and a | b == set(range(6))), (a, b)
+
+    wait_for(split, 90, "two members of one group splitting six partitions")
+    for k, c in enumerate(members):
+        c.commit(offsets=[TopicPartition("grouped", p, 40 + p) for p in sorted(assigned[k])],
+                 asynchronous=False)
+    everyone = ",".join(n.bootstrap for n in nodes)
+    admin = nodes[0].admin(**{"bootstrap.servers": everyone})
+    described = admin.describe_consumer_groups([group])[group].result(timeout=30)
+    assert len(described.members) == 2
+    coordinator = described.coordinator.id
+    for c in members:
+        c.close()
+
+    # The coordinator is lost; the group's next member finds another one, which has the
+    # group's commits (kept in etcd), and starts each partition where the group left it.
+    victim = next(n for n in nodes if n.node_id == coordinator)
+    victim.kill9()
+    survivors = [n for n in nodes if n is not victim]
+    wait_owned(survivors, "grouped", 6, exclude=(victim.node_id,))
+    late = survivors[0].consumer(**{"group.id": group,
+                                    "bootstrap.servers": ",".join(n.bootstrap for n in survivors)})
+    late.subscribe(["grouped"])
+    first: dict[int, int] = {}
+
+    def firsts():
+        m = late.poll(0.5)
+        if m is not None and m.error() is None:
+            first.setdefault(m.partition(), m.offset())
+        return len(first) == 6, first
+
+    wait_for(firsts, 120, "the group's next member reading every partition")
+    assert first == {p: 40 + p for p in range(6)}
+    late.close()
 
 
 @pytest.mark.timeout(240)
@@ -316,13 +405,21 @@ def test_s3_outage_refuses_cluster_writes_while_local_topics_go_on(cluster, s3):
         assert_acked_present(log, acked[t])
 
 
-def test_the_canary_stays_off_in_cluster_mode(tmp_path, etcd, s3):
-    """Its readers would read their own node's copy, complete only where it owns the partition."""
-    node = ClusterNode(tmp_path / "canary-node", 1, etcd, s3, env={"SLUICE_CANARY__ENABLED": "true"})
-    node.start()
-    try:
-        node.wait_for_log("canary off: cluster mode")
-        assert not any(k.startswith("sluice_canary_") for k in node.metrics())
-        assert node.http_get("/readyz")[0] == 200
-    finally:
-        node.stop()
+def test_the_canary_reads_its_records_back_on_every_node(cluster):
+    """Each node's canary publishes over MQTT on its node (forwarded to the owner of the
+    canary's partition), reads back over its node's WebSocket (the copy followed from the
+    owner) and over Kafka from the partition's leader."""
+    nodes = cluster(3, env={"SLUICE_CANARY__ENABLED": "true", "SLUICE_CANARY__INTERVAL_MS": "500"})
+
+    def sample(node, name):
+        return node.metrics().get(name, 0.0)
+
+    for n in nodes:
+        for path in ("mqtt", "kafka", "websocket"):
+            wait_for(lambda: (sample(n, f'sluice_canary_latency_seconds_count{{path="{path}"}}') >= 3,
+                              sample(n, f'sluice_canary_latency_seconds_count{{path="{path}"}}')),
+                     60, f"canary records back over {path} on node {n.node_id}")
+    owner = leaders(nodes[0], "sluice-canary")[0]
+    assert any(n.node_id != owner for n in nodes)
+    for n in nodes:
+        assert n.http_get("/readyz")[0] == 200

@@ -32,10 +32,56 @@ impl Engine {
                 key: "kafka.max_groups",
             });
         }
-        self.inner
-            .groups
-            .commit(group, entries, self.now_ms())
+        let now = self.now_ms();
+        // Cluster mode: in etcd first, so that the next coordinator finds it; this node's store
+        // then serves its own readers (REST, the console's lag).
+        if let Some(p) = self.placement() {
+            p.commit_offsets(group, &entries, now)
+                .await
+                .map_err(|reason| CoreError::Cluster { reason })?;
+        }
+        self.inner.groups.commit(group, entries, now).await
+    }
+
+    /// Cluster mode: brings this node's copy of a group's committed offsets level with the
+    /// cluster's (another node may have coordinated the group since), before they are read.
+    /// Nothing to do on a single node.
+    pub async fn load_group(&self, group: &str) -> Result<()> {
+        let Some(p) = self.placement() else {
+            return Ok(());
+        };
+        let held = p
+            .group_offsets(group)
             .await
+            .map_err(|reason| CoreError::Cluster { reason })?;
+        // Written as committed, one store commit per commit time.
+        let mut stale: std::collections::BTreeMap<i64, Vec<OffsetCommit>> = Default::default();
+        for (topic, partition, c) in held {
+            if self.committed_offset(group, &topic, partition).as_ref() == Some(&c)
+                || self.partition(&topic, partition, |_| ()).is_err()
+            {
+                continue;
+            }
+            stale
+                .entry(c.commit_timestamp_ms)
+                .or_default()
+                .push(OffsetCommit {
+                    topic,
+                    partition,
+                    offset: c.offset,
+                    metadata: c.metadata,
+                });
+        }
+        for (at, entries) in stale {
+            self.inner.groups.commit(group, entries, at).await?;
+        }
+        Ok(())
+    }
+
+    /// True where this node coordinates `group`: always on a single node.
+    pub fn coordinates(&self, group: &str) -> bool {
+        self.placement()
+            .is_none_or(|p| p.coordinator(group) == Some(p.local_id()))
     }
 
     /// A group's committed offset on one partition.
@@ -60,6 +106,12 @@ impl Engine {
 
     /// Forgets a group's offsets; false when it had none.
     pub async fn delete_group(&self, group: &str) -> Result<bool> {
+        if let Some(p) = self.placement() {
+            self.load_group(group).await?;
+            p.delete_group(group)
+                .await
+                .map_err(|reason| CoreError::Cluster { reason })?;
+        }
         self.inner.groups.delete_group(group).await
     }
 

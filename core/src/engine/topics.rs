@@ -562,6 +562,25 @@ impl Engine {
     /// Cluster mode: brings the partition's local log up to its shared log (before this node
     /// accepts writes for it); the groups appended.
     pub async fn recover_partition(&self, topic: &str, partition: u32) -> Result<u64> {
+        self.ask_writer(topic, partition, WriterAsk::Recover).await
+    }
+
+    /// Cluster mode: appends whole batches fetched from the partition's owner to this node's
+    /// copy, at their own offsets, for the readers here; batches the copy holds already are
+    /// skipped. Refused where this node may write the partition. The next offset after.
+    pub async fn copy_from_owner(
+        &self,
+        topic: &str,
+        partition: u32,
+        batches: Vec<bytes::Bytes>,
+    ) -> Result<u64> {
+        self.ask_writer(topic, partition, WriterAsk::Copy(batches))
+            .await
+    }
+
+    /// Has the partition's writer do one cluster-mode job; its failure is the partition's
+    /// shared log (or its owner) being out of reach.
+    async fn ask_writer(&self, topic: &str, partition: u32, ask: WriterAsk) -> Result<u64> {
         let t = self.topic(topic)?;
         let p =
             t.partitions
@@ -570,13 +589,15 @@ impl Engine {
                     topic: topic.to_owned(),
                     partition,
                 })?;
-        p.recover()
-            .await
-            .map_err(|reason| CoreError::RemoteUnavailable {
-                topic: topic.to_owned(),
-                partition,
-                reason,
-            })
+        let answer = match ask {
+            WriterAsk::Recover => p.recover().await,
+            WriterAsk::Copy(batches) => p.copy(batches).await,
+        };
+        answer.map_err(|reason| CoreError::RemoteUnavailable {
+            topic: topic.to_owned(),
+            partition,
+            reason,
+        })
     }
 
     /// [`CoreError::NotOwner`] unless this node may write the partition now.
@@ -619,4 +640,10 @@ impl Engine {
         let topic = self.topic_for_write(name).await?;
         Ok(topic.partitions.len() as u32)
     }
+}
+
+/// What cluster mode asks of a partition's writer.
+enum WriterAsk {
+    Recover,
+    Copy(Vec<bytes::Bytes>),
 }

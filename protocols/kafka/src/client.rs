@@ -6,6 +6,7 @@
 use std::time::Duration;
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
+use kafka_protocol::messages::fetch_request::{FetchPartition, FetchTopic};
 use kafka_protocol::messages::list_offsets_request::{ListOffsetsPartition, ListOffsetsTopic};
 use kafka_protocol::messages::metadata_request::MetadataRequestTopic;
 use kafka_protocol::messages::produce_request::{PartitionProduceData, TopicProduceData};
@@ -32,6 +33,25 @@ const SASL_AUTHENTICATE_VERSION: i16 = 2;
 const MAX_FRAME: usize = 256 << 20;
 /// How long a request may take beyond its own long-poll wait.
 pub(crate) const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// One partition's part of a Fetch answer ([`KafkaClient::fetch_from`]).
+#[derive(Debug)]
+pub struct Fetched {
+    pub error_code: i16,
+    pub high_watermark: i64,
+    pub records: Bytes,
+}
+
+impl Fetched {
+    pub fn is_ok(&self) -> bool {
+        self.error_code == errors::NONE
+    }
+
+    /// The offset asked for is not in the partition's log (past its end, or below its start).
+    pub fn out_of_range(&self) -> bool {
+        self.error_code == errors::OFFSET_OUT_OF_RANGE
+    }
+}
 
 /// One connection to a Kafka listener, used by one task at a time.
 #[derive(Debug)]
@@ -306,6 +326,69 @@ impl KafkaClient {
                             format!("Produce answer without {topic}/{partition}"),
                         )
                     })
+            })
+            .collect()
+    }
+
+    /// One Fetch of `positions` (each `(topic, partition, offset)`), waiting up to
+    /// `max_wait` for data; in the order given, each partition's error code, high watermark
+    /// and records (whole batches, perhaps a cut last one).
+    pub async fn fetch_from(
+        &mut self,
+        positions: &[(String, u32, u64)],
+        max_wait: Duration,
+        partition_max_bytes: i32,
+    ) -> std::io::Result<Vec<Fetched>> {
+        let mut topics: Vec<FetchTopic> = Vec::new();
+        for (topic, partition, offset) in positions {
+            if topics.last().is_none_or(|t| t.topic.0.as_str() != topic) {
+                let mut t = FetchTopic::default();
+                t.topic = TopicName(StrBytes::from_string(topic.clone()));
+                topics.push(t);
+            }
+            let mut p = FetchPartition::default();
+            p.partition = *partition as i32;
+            p.fetch_offset = i64::try_from(*offset).unwrap_or(i64::MAX);
+            p.partition_max_bytes = partition_max_bytes;
+            p.current_leader_epoch = -1;
+            p.log_start_offset = -1;
+            if let Some(t) = topics.last_mut() {
+                t.partitions.push(p);
+            }
+        }
+        let mut req = FetchRequest::default();
+        req.replica_id = BrokerId(-1);
+        req.max_wait_ms = i32::try_from(max_wait.as_millis()).unwrap_or(i32::MAX);
+        req.min_bytes = 1;
+        req.max_bytes = i32::MAX;
+        req.session_epoch = -1;
+        req.topics = topics;
+        let resp = self.fetch(&req).await?;
+        let mut answers: std::collections::HashMap<(String, u32), Fetched> = resp
+            .responses
+            .into_iter()
+            .flat_map(|t| {
+                let topic = t.topic.0.to_string();
+                t.partitions.into_iter().map(move |p| {
+                    let key = (topic.clone(), p.partition_index.max(0) as u32);
+                    let fetched = Fetched {
+                        error_code: p.error_code,
+                        high_watermark: p.high_watermark,
+                        records: p.records.unwrap_or_default(),
+                    };
+                    (key, fetched)
+                })
+            })
+            .collect();
+        positions
+            .iter()
+            .map(|(topic, partition, _)| {
+                answers.remove(&(topic.clone(), *partition)).ok_or_else(|| {
+                    std::io::Error::new(
+                        std::io::ErrorKind::InvalidData,
+                        format!("Fetch answer without {topic}/{partition}"),
+                    )
+                })
             })
             .collect()
     }

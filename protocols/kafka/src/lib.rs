@@ -24,7 +24,7 @@ use serde::{Deserialize, Serialize};
 #[cfg(test)]
 #[global_allocator]
 static ALLOC: sluice_alloc_guard::GuardedAlloc = sluice_alloc_guard::GuardedAlloc;
-pub use client::KafkaClient;
+pub use client::{Fetched, KafkaClient};
 pub use followers::Follower;
 pub use mirror::{Mirror, MirrorSettings, MirrorStats};
 pub use server::KafkaServer;

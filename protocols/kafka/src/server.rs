@@ -20,7 +20,7 @@ use tracing::{debug, warn};
 
 use crate::KafkaSettings;
 use crate::codec::{self, DecodeError};
-use crate::coordinator::{Coordinator, GroupSettings};
+use crate::coordinator::{Coordinator, GroupSettings, code};
 use crate::errors;
 use crate::handlers;
 use crate::producers::Producers;
@@ -667,12 +667,23 @@ impl KafkaServer {
                 resp.generation_id = -1;
                 ResponseKind::JoinGroup(resp)
             }
+            RequestKind::JoinGroup(r) if !self.engine.coordinates(r.group_id.as_str()) => {
+                let mut resp = kafka_protocol::messages::JoinGroupResponse::default();
+                resp.error_code = code::NOT_COORDINATOR;
+                resp.generation_id = -1;
+                ResponseKind::JoinGroup(resp)
+            }
             RequestKind::JoinGroup(r) => {
                 ResponseKind::JoinGroup(handlers::join_group::handle(self, conn, r, v).await)
             }
             RequestKind::SyncGroup(r) if !conn.may_group(r.group_id.as_str()) => {
                 let mut resp = kafka_protocol::messages::SyncGroupResponse::default();
                 resp.error_code = errors::GROUP_AUTHORIZATION_FAILED;
+                ResponseKind::SyncGroup(resp)
+            }
+            RequestKind::SyncGroup(r) if !self.engine.coordinates(r.group_id.as_str()) => {
+                let mut resp = kafka_protocol::messages::SyncGroupResponse::default();
+                resp.error_code = code::NOT_COORDINATOR;
                 ResponseKind::SyncGroup(resp)
             }
             RequestKind::SyncGroup(r) => {
@@ -683,12 +694,22 @@ impl KafkaServer {
                 resp.error_code = errors::GROUP_AUTHORIZATION_FAILED;
                 ResponseKind::Heartbeat(resp)
             }
+            RequestKind::Heartbeat(r) if !self.engine.coordinates(r.group_id.as_str()) => {
+                let mut resp = kafka_protocol::messages::HeartbeatResponse::default();
+                resp.error_code = code::NOT_COORDINATOR;
+                ResponseKind::Heartbeat(resp)
+            }
             RequestKind::Heartbeat(r) => {
                 ResponseKind::Heartbeat(handlers::heartbeat::handle(self, r))
             }
             RequestKind::LeaveGroup(r) if !conn.may_group(r.group_id.as_str()) => {
                 let mut resp = kafka_protocol::messages::LeaveGroupResponse::default();
                 resp.error_code = errors::GROUP_AUTHORIZATION_FAILED;
+                ResponseKind::LeaveGroup(resp)
+            }
+            RequestKind::LeaveGroup(r) if !self.engine.coordinates(r.group_id.as_str()) => {
+                let mut resp = kafka_protocol::messages::LeaveGroupResponse::default();
+                resp.error_code = code::NOT_COORDINATOR;
                 ResponseKind::LeaveGroup(resp)
             }
             RequestKind::LeaveGroup(r) => {
@@ -698,7 +719,7 @@ impl KafkaServer {
                 ResponseKind::OffsetCommit(handlers::offset_commit::handle(self, conn, r).await)
             }
             RequestKind::OffsetFetch(r) => {
-                ResponseKind::OffsetFetch(handlers::offset_fetch::handle(self, conn, r, v))
+                ResponseKind::OffsetFetch(handlers::offset_fetch::handle(self, conn, r, v).await)
             }
             RequestKind::ListGroups(_) => {
                 ResponseKind::ListGroups(handlers::list_groups::handle(self, conn, v))

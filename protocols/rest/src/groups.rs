@@ -110,6 +110,8 @@ pub(crate) async fn describe(
     p: Result<Path<String>, PathRejection>,
 ) -> Result<Json<Group>, Problem> {
     let group = group_of(p)?;
+    // Cluster mode: the group may have committed through another node.
+    api.engine.load_group(&group).await?;
     let lags = api
         .engine
         .group_lags()
@@ -239,6 +241,7 @@ pub(crate) async fn fetch(
     };
     limits.check()?;
     let (log_start, high_watermark) = api.engine.offsets(&topic, partition)?;
+    api.engine.load_group(&group).await?;
     let reset = match q.reset {
         Reset::Earliest => log_start,
         Reset::Latest => high_watermark,

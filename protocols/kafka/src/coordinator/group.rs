@@ -18,6 +18,7 @@ pub(crate) mod code {
     /// and retry with backoff, and get in once other groups have emptied and been forgotten,
     /// where GROUP_MAX_SIZE_REACHED would stop a Java consumer for good and name the wrong limit.
     pub(crate) const COORDINATOR_NOT_AVAILABLE: i16 = 15;
+    pub(crate) const NOT_COORDINATOR: i16 = 16;
     pub(crate) const ILLEGAL_GENERATION: i16 = 22;
     pub(crate) const INCONSISTENT_GROUP_PROTOCOL: i16 = 23;
     pub(crate) const UNKNOWN_MEMBER_ID: i16 = 25;

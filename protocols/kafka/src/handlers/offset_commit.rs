@@ -10,21 +10,24 @@ use crate::server::{Conn, KafkaServer};
 use sluice_core::auth::Action;
 
 /// Commits offsets for a group after checking the member and generation with the coordinator;
-/// the commit is durable (fsynced with every commit queued beside it) before the answer.
+/// the commit is durable (fsynced with every commit queued beside it; in cluster mode, in etcd
+/// too) before the answer. A node that does not coordinate the group answers NOT_COORDINATOR.
 pub(crate) async fn handle(
     server: &KafkaServer,
     conn: &Conn,
     req: OffsetCommitRequest,
 ) -> OffsetCommitResponse {
     let group = req.group_id.0.as_str().to_owned();
-    let check = if conn.may_group(&group) {
+    let check = if !conn.may_group(&group) {
+        errors::GROUP_AUTHORIZATION_FAILED
+    } else if !server.engine.coordinates(&group) {
+        code::NOT_COORDINATOR
+    } else {
         server.coordinator.check_commit(
             &group,
             req.member_id.as_str(),
             req.generation_id_or_member_epoch,
         )
-    } else {
-        errors::GROUP_AUTHORIZATION_FAILED
     };
     let engine = &server.engine;
     // Per partition: an error decided up front, or None to commit.

@@ -4,14 +4,17 @@ use kafka_protocol::messages::offset_fetch_response::{
 use kafka_protocol::messages::{OffsetFetchRequest, OffsetFetchResponse, TopicName};
 
 use super::s;
+use crate::coordinator::code;
 use crate::errors;
 use crate::server::{Conn, KafkaServer};
 use sluice_core::auth::Action;
 
 /// Committed offsets of one group (v1–7); -1 where nothing is committed. A group the client
 /// may not use is GROUP_AUTHORIZATION_FAILED (the response's error from v2, each partition's
-/// before), a topic it may not read TOPIC_AUTHORIZATION_FAILED.
-pub(crate) fn handle(
+/// before), a topic it may not read TOPIC_AUTHORIZATION_FAILED. In cluster mode a node that
+/// does not coordinate the group answers NOT_COORDINATOR, and the coordinator reads the
+/// group's offsets from etcd first (another node may have coordinated it since).
+pub(crate) async fn handle(
     server: &KafkaServer,
     conn: &Conn,
     req: OffsetFetchRequest,
@@ -19,10 +22,21 @@ pub(crate) fn handle(
 ) -> OffsetFetchResponse {
     let group = req.group_id.0.as_str();
     let engine = &server.engine;
-    let group_denied = !conn.may_group(group);
-    if group_denied && version >= 2 {
+    let group_error = if !conn.may_group(group) {
+        Some(errors::GROUP_AUTHORIZATION_FAILED)
+    } else if !engine.coordinates(group) {
+        Some(code::NOT_COORDINATOR)
+    } else if engine.load_group(group).await.is_err() {
+        // The cluster's copy could not be read (etcd): clients retry this one.
+        Some(code::COORDINATOR_NOT_AVAILABLE)
+    } else {
+        None
+    };
+    if let Some(error) = group_error
+        && version >= 2
+    {
         let mut resp = OffsetFetchResponse::default();
-        resp.error_code = errors::GROUP_AUTHORIZATION_FAILED;
+        resp.error_code = error;
         return resp;
     }
     let wanted: Vec<(String, Vec<i32>)> = match req.topics {
@@ -50,14 +64,14 @@ pub(crate) fn handle(
             let mut p = OffsetFetchResponsePartition::default();
             p.partition_index = index;
             p.committed_leader_epoch = -1;
-            if group_denied || !conn.may_topic(Action::Subscribe, &topic) {
+            let denied = group_error.or_else(|| {
+                (!conn.may_topic(Action::Subscribe, &topic))
+                    .then_some(errors::TOPIC_AUTHORIZATION_FAILED)
+            });
+            if let Some(error) = denied {
                 p.committed_offset = -1;
                 p.metadata = Some(s(""));
-                p.error_code = if group_denied {
-                    errors::GROUP_AUTHORIZATION_FAILED
-                } else {
-                    errors::TOPIC_AUTHORIZATION_FAILED
-                };
+                p.error_code = error;
                 t.partitions.push(p);
                 continue;
             }
