@@ -20,6 +20,9 @@ and one s3s-fs, the product's default [cluster] settings: lease 6 s, commit_inte
     produce latency of a record is delivery callback - produce() call;
   - ONE confluent-kafka consumer, assigned every partition at its end before the window,
     reads them back; the end-to-end latency is receipt - the send time written in the value;
+  - on 2 and 3 nodes, ONE Server-Sent Events reader on the last node's HTTP listener
+    (/topics/{t}/events) of the records of partitions that node does not own: its copies,
+    followed from their owners; the copy reader's latency is receipt - send time, as above;
   - CPU of every gateway process (user + sys over the window, /proc) and their peak RSS;
   - for cluster cases, objects PUT (sluice_cluster_objects_total) and their bytes, per
     second and per MB produced, summed over the nodes.
@@ -79,7 +82,10 @@ def summary_ms(values_s: list[float]) -> dict:
 class Window:
     """One producer and one consumer for `seconds` at `rate` records/s against `bootstrap`."""
 
-    def __init__(self, bootstrap: str, topic: str, partitions: int, rate: int, value_bytes: int):
+    def __init__(self, bootstrap: str, topic: str, partitions: int, rate: int, value_bytes: int,
+                 copy_reader: tuple[str, set[int]] | None = None):
+        """copy_reader: (SSE URL of another node's stream of the topic, the partitions that node
+        does not own): the latency to a reader there, of records it holds as copies."""
         from confluent_kafka import Consumer, Producer, TopicPartition
 
         self.topic, self.rate, self.value_bytes = topic, rate, value_bytes
@@ -93,10 +99,16 @@ class Window:
         self.consumer.assign(tps)
         self.produce_lat: list[float] = []
         self.e2e_lat: list[float] = []
+        self.copy_reader = copy_reader
+        self.copy_lat: list[float] = []
         self.acked: list[tuple[int, int, bytes]] = []
         self.errors: list[str] = []
         self.received = 0
         self.stop = threading.Event()
+
+    def copies_expected(self) -> int:
+        """Acknowledged records of the partitions the copy reader's node does not own."""
+        return sum(1 for p, _, _ in self.acked if p in self.copy_reader[1])
 
     def _consume(self):
         while not self.stop.is_set():
@@ -107,9 +119,40 @@ class Window:
             self.e2e_lat.append((time.time_ns() - sent_ns) / 1e9)
             self.received += 1
 
+    def _read_copies(self):
+        """Server-Sent Events of the topic on another node: each event's `id: partition:offset`
+        and base64 value, the send time in its first 8 bytes."""
+        import base64
+
+        import requests
+
+        url, foreign = self.copy_reader
+        fields: dict[bytes, bytes] = {}
+        try:
+            with requests.get(url, stream=True, timeout=(5, 5)) as r:
+                for line in r.iter_lines():
+                    if self.stop.is_set():
+                        return
+                    if line:
+                        name, _, value = line.partition(b": ")
+                        fields[name] = value
+                        continue
+                    part = int(fields.get(b"id", b"-1:0").split(b":")[0])
+                    data = fields.get(b"data")
+                    if part in foreign and data is not None and fields.get(b"event") == b"record-base64":
+                        sent_ns = int.from_bytes(base64.b64decode(data)[:8], "big")
+                        self.copy_lat.append((time.time_ns() - sent_ns) / 1e9)
+                    fields = {}
+        except requests.RequestException:
+            return
+
     def run(self, seconds: float, during=None) -> dict:
         reader = threading.Thread(target=self._consume, daemon=True)
         reader.start()
+        copies = None
+        if self.copy_reader:
+            copies = threading.Thread(target=self._read_copies, daemon=True)
+            copies.start()
         time.sleep(1.0)  # the consumer's first fetch is in flight before the first record
         filler = os.urandom(max(self.value_bytes - 8, 0))
         started = time.monotonic()
@@ -145,10 +188,18 @@ class Window:
         deadline = time.monotonic() + 30
         while self.received < len(self.acked) and time.monotonic() < deadline:
             time.sleep(0.05)
+        if copies:
+            deadline = time.monotonic() + 10
+            while len(self.copy_lat) < self.copies_expected() and time.monotonic() < deadline:
+                time.sleep(0.05)
         self.stop.set()
         reader.join(timeout=5)
+        if copies:
+            copies.join(timeout=10)
         self.consumer.close()
-        return {
+        copy_stats = {"copy_reader_ms": summary_ms(self.copy_lat), "copy_reader_records": len(self.copy_lat),
+                      "copy_reader_expected": self.copies_expected()} if self.copy_reader else {}
+        return copy_stats | {
             "offered_per_s": self.rate, "records": i, "acked": len(self.acked), "errors": len(self.errors),
             "throughput_per_s": round(len(self.acked) / elapsed, 1),
             "mb_per_s": round(len(self.acked) * self.value_bytes / elapsed / 1e6, 3),
@@ -219,7 +270,15 @@ def case(args, name: str, nodes, res: dict) -> None:
     objects0 = metric_sum(nodes, "sluice_cluster_objects_total")
     bytes0 = metric_sum(nodes, "sluice_cluster_object_bytes_total")
     cpu0, t0 = cpu_of(nodes), time.monotonic()
-    w = Window(nodes[0].bootstrap, topic, args.partitions, args.rate, args.value_bytes)
+    copy_reader = None
+    if len(nodes) > 1:
+        # A reader on the last node, of the records of partitions other nodes own (copies).
+        from clusterlib import leaders
+
+        last = nodes[-1]
+        foreign = {p for p, leader in leaders(last, topic).items() if leader != last.node_id}
+        copy_reader = (f"{last.http}/topics/{topic}/events", foreign)
+    w = Window(nodes[0].bootstrap, topic, args.partitions, args.rate, args.value_bytes, copy_reader)
     out = w.run(args.seconds)
     out["lone_record_produce_ms"] = lone
     wall = time.monotonic() - t0

@@ -180,7 +180,7 @@ impl Cluster {
             .ok_or_else(|| format!("node {node} is not registered"))?;
         let client = KafkaClient::connect(
             &addr,
-            &format!("sluice-cluster-node-{}", self.id()),
+            &format!("{}{}", sluice_kafka::CLUSTER_LINK_CLIENT_ID, self.id()),
             self.settings.credentials.as_ref(),
             None,
             self.settings.request_timeout,

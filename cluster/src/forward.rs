@@ -127,7 +127,7 @@ impl Link {
             .ok_or_else(|| format!("node {} is not registered", self.node))?;
         KafkaClient::connect(
             &addr,
-            &format!("sluice-cluster-node-{}", self.local),
+            &format!("{}{}", sluice_kafka::CLUSTER_LINK_CLIENT_ID, self.local),
             self.credentials.as_ref(),
             None,
             self.timeout,

@@ -27,7 +27,7 @@ use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use sluice_core::cluster::{Blobs, NodeInfo, Placement};
 use sluice_core::{
-    CommittedOffset, CoreError, Engine, OffsetCommit, TopicPolicy, is_internal_topic,
+    CommittedOffset, CoreError, Engine, OffsetCommit, TopicPolicy, is_cluster_topic,
 };
 use sluice_metrics::{Latency, RegisterExt, Registry};
 use tokio::sync::mpsc;
@@ -408,7 +408,7 @@ impl Cluster {
         self.engine
             .list_topics()
             .into_iter()
-            .filter(|t| !is_internal_topic(t))
+            .filter(|t| is_cluster_topic(t))
             .map(|t| {
                 let n = self.engine.partition_count(&t).unwrap_or(0);
                 (0..n)
@@ -430,8 +430,8 @@ impl Placement for Cluster {
     }
 
     fn owner(&self, topic: &str, partition: u32) -> Option<i32> {
-        // Internal topics (group offsets) stay on the node that keeps them.
-        if is_internal_topic(topic) {
+        // The node's own internal topics (MQTT sessions, ...) stay on it.
+        if !is_cluster_topic(topic) {
             return Some(self.id());
         }
         self.view
@@ -442,7 +442,7 @@ impl Placement for Cluster {
     }
 
     fn writable(&self, topic: &str, partition: u32) -> bool {
-        if is_internal_topic(topic) {
+        if !is_cluster_topic(topic) {
             return true;
         }
         self.my_claim(topic, partition).is_some()

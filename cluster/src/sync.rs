@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 use sluice_core::cluster::NodeInfo;
-use sluice_core::{Durability, TopicPolicy, is_internal_topic};
+use sluice_core::{Durability, TopicPolicy, is_cluster_topic};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use tracing::{info, warn};
@@ -95,8 +95,12 @@ impl Cluster {
         let lease = self.lease.load(Ordering::SeqCst);
         let registered = self.lease_current() && view.nodes.contains_key(&self.id());
         let mut seen = HashSet::new();
+        // Recovered once the round's view is out, so that the node answers as the partitions'
+        // owner (reads from its copy, writes refused until recovered) meanwhile, rather than
+        // sending clients back to an owner that has let them go.
+        let mut recover = Vec::new();
         for topic in self.engine.list_topics() {
-            if is_internal_topic(&topic) {
+            if !is_cluster_topic(&topic) {
                 continue;
             }
             let Ok(described) = self.engine.describe_topic(&topic) else {
@@ -110,7 +114,8 @@ impl Cluster {
                     memory.unowned.remove(&id);
                     let mine = claim.node == self.id() && claim.lease == lease;
                     if mine && shared {
-                        self.tend(&id, *claim, &settled, &mut view).await?;
+                        self.tend(&id, *claim, &settled, &mut view, &mut recover)
+                            .await?;
                     }
                     continue;
                 }
@@ -140,7 +145,7 @@ impl Cluster {
                 if shared {
                     // No write until what other owners committed is here too.
                     self.dirty.lock().insert(id.clone());
-                    self.recover(&id).await;
+                    recover.push(id);
                 }
             }
         }
@@ -150,20 +155,24 @@ impl Cluster {
             .retain(|id| view.owners.get(id).is_some_and(|c| c.node == self.id()));
         self.view.store(Arc::new(view));
         self.etcd_ok.store(true, Ordering::Relaxed);
+        for id in recover {
+            self.recover(&id).await;
+        }
         Ok(())
     }
 
-    /// A partition at durability `cluster` this node owns: recovered if it needs it, handed
-    /// over if another settled node ranks first for it.
+    /// A partition at durability `cluster` this node owns: queued for recovery if it needs it,
+    /// handed over if another settled node ranks first for it.
     async fn tend(
         &self,
         id: &PartId,
         claim: Claim,
         settled: &[i32],
         view: &mut View,
+        recover: &mut Vec<PartId>,
     ) -> Result<(), ClusterError> {
         if self.dirty.lock().contains(id) {
-            self.recover(id).await;
+            recover.push(id.clone());
             return Ok(());
         }
         if rank::rank(settled, self.id(), &id.0, id.1) == Some(0) || !settled.contains(&self.id()) {
@@ -346,7 +355,7 @@ impl Cluster {
             }
         }
         for name in self.engine.list_topics() {
-            if known.contains(&name) || is_internal_topic(&name) {
+            if known.contains(&name) || !is_cluster_topic(&name) {
                 continue;
             }
             // A topic this node had before it joined (or whose registration failed).

@@ -309,6 +309,16 @@ pub fn is_internal_topic(name: &str) -> bool {
     name.starts_with("__")
 }
 
+/// The internal topics the nodes of a cluster share, owned and copied like clients' topics
+/// (docs/CLUSTER.md): the MQTT retained messages. Every other internal topic is each node's own.
+pub const CLUSTER_SHARED_TOPICS: &[&str] = &["__mqtt_retained"];
+
+/// Whether the topic is placed by the cluster (owned by one node, copied to the others) in
+/// cluster mode: every client topic, and the internal topics of [`CLUSTER_SHARED_TOPICS`].
+pub fn is_cluster_topic(name: &str) -> bool {
+    !is_internal_topic(name) || CLUSTER_SHARED_TOPICS.contains(&name)
+}
+
 /// Refuses remote storage on an engine that does not offload (Kafka refuses
 /// `remote.storage.enable` where tiered storage is off in the broker).
 fn check_tiered(config: &EngineConfig, policy: &TopicPolicy) -> Result<()> {

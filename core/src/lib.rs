@@ -23,10 +23,10 @@ mod tier;
 
 pub use ackset::AckSet;
 pub use engine::{
-    Engine, EngineConfig, GroupLag, Growth, MAX_COMMIT_METADATA, MAX_PARTITIONS, OffloadMetrics,
-    OpenRecord, PartitionChoice, PartitionDescription, PartitionOffload, PendingAck, ProduceAck,
-    TopicDescription, TopicOffload, TopicSource, is_internal_topic, validate_group_id,
-    validate_topic_name,
+    CLUSTER_SHARED_TOPICS, Engine, EngineConfig, GroupLag, Growth, MAX_COMMIT_METADATA,
+    MAX_PARTITIONS, OffloadMetrics, OpenRecord, PartitionChoice, PartitionDescription,
+    PartitionOffload, PendingAck, ProduceAck, TopicDescription, TopicOffload, TopicSource,
+    is_cluster_topic, is_internal_topic, validate_group_id, validate_topic_name,
 };
 pub use error::{CoreError, Result};
 pub use groups::{CommittedOffset, OffsetCommit};

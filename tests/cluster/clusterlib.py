@@ -369,3 +369,30 @@ def rest_records(node: Gateway, topic: str, partition: int, offset: int = 0) -> 
         if body["next_offset"] >= body["high_watermark"] or not body["records"]:
             return out
         offset = body["next_offset"]
+
+
+def mqtt_retain(node: Gateway, topic: str, payload: bytes, timeout: float = 60.0) -> None:
+    """Publishes a retained message at QoS 1 with MQTT 5 and waits for a success PUBACK."""
+    import paho.mqtt.client as paho
+    from paho.mqtt.enums import CallbackAPIVersion
+
+    c = paho.Client(CallbackAPIVersion.VERSION2, client_id=f"retainer-{time.monotonic_ns()}",
+                    protocol=paho.MQTTv5)
+    acked: list = []
+    done = threading.Event()
+
+    def on_publish(client, userdata, mid, rc, props):
+        acked.append(rc)
+        done.set()
+
+    c.on_publish = on_publish
+    host, port = node.mqtt_addr
+    c.connect(host, port, keepalive=60)
+    c.loop_start()
+    try:
+        c.publish(topic, payload, qos=1, retain=True)
+        assert done.wait(timeout), f"no PUBACK for the retained {topic} from node {getattr(node, 'node_id', '?')}"
+        assert not acked[0].is_failure, f"retained {topic} refused: {acked[0]}"
+    finally:
+        c.loop_stop()
+        c.disconnect()

@@ -27,6 +27,7 @@ from clusterlib import (
     MqttSubscriber,
     metric,
     mqtt_publish_all,
+    mqtt_retain,
     read_all,
     rest_records,
     wait_for,
@@ -71,8 +72,10 @@ def test_partitions_spread_and_stock_clients_follow_leaders(cluster):
     assert set(owners.values()) == {1, 2, 3}, owners
     for n in nodes:
         assert brokers(n) == {m.node_id: f"{m.host}:{m.kafka_port}" for m in nodes}
+    # The 12, and the one partition of the retained MQTT messages the nodes share.
+    wait_owned(nodes, "__mqtt_retained", 1)
     owned = [metric(n, "sluice_cluster_partitions_owned") for n in nodes]
-    assert sum(owned) == 12 and all(o > 0 for o in owned), owned
+    assert sum(owned) == 12 + 1 and all(o > 0 for o in owned), owned
     for n in nodes:
         assert metric(n, "sluice_cluster_nodes") == 3
         assert n.http_get("/readyz")[0] == 200
@@ -227,6 +230,44 @@ def test_a_consumer_group_has_one_coordinator_and_outlives_it(cluster):
     wait_for(firsts, 120, "the group's next member reading every partition")
     assert first == {p: 40 + p for p in range(6)}
     late.close()
+
+
+@pytest.mark.timeout(240)
+def test_retained_messages_are_the_clusters_and_outlive_a_node(cluster):
+    nodes = cluster(3)
+    create_topic(nodes[0], "mqtt", 3)
+    wait_owned(nodes, "mqtt", 3)
+    wait_owned(nodes, "__mqtt_retained", 1)
+    mqtt_retain(nodes[0], "doors/1", b"open")
+    mqtt_retain(nodes[1], "doors/2", b"closed")
+
+    def retained_at(node, name):
+        """What a new subscriber on `node` is handed at once, sorted."""
+        sub = MqttSubscriber(node, f"{name}-{node.node_id}", "doors/#")
+        try:
+            wait_for(lambda: (len(sub.payloads()) >= 2, sub.payloads()), 30,
+                     f"retained messages at node {node.node_id}")
+            return sorted(sub.payloads())
+        finally:
+            sub.close()
+
+    # A retained message published on any node is handed to subscribers on every node.
+    for n in nodes:
+        assert retained_at(n, "first") == [b"closed", b"open"]
+    # The node that owns the retained messages' topic goes; the others still have them, and
+    # take new ones (clearing one, replacing the other) once the topic has a new owner.
+    owner = wait_owned(nodes, "__mqtt_retained", 1)[0]
+    victim = next(n for n in nodes if n.node_id == owner)
+    victim.kill9()
+    survivors = [n for n in nodes if n is not victim]
+    for n in survivors:
+        assert retained_at(n, "after") == [b"closed", b"open"]
+    wait_owned(survivors, "__mqtt_retained", 1, exclude=(victim.node_id,))
+    mqtt_retain(survivors[0], "doors/1", b"")
+    mqtt_retain(survivors[1], "doors/2", b"ajar")
+    mqtt_retain(survivors[0], "doors/3", b"open")
+    for n in survivors:
+        assert retained_at(n, "last") == [b"ajar", b"open"]
 
 
 @pytest.mark.timeout(240)

@@ -198,7 +198,7 @@ impl Engine {
         }
         // The cluster decides first: a name another node registered is that node's topic.
         if register
-            && !is_internal_topic(name)
+            && is_cluster_topic(name)
             && let Some(p) = self.placement()
         {
             p.register_topic(name, partitions, &policy).await?;

@@ -25,6 +25,10 @@ use serde::{Deserialize, Serialize};
 #[global_allocator]
 static ALLOC: sluice_alloc_guard::GuardedAlloc = sluice_alloc_guard::GuardedAlloc;
 pub use client::{Fetched, KafkaClient};
+
+/// How a cluster node's links to the other nodes (docs/CLUSTER.md) start their Kafka client
+/// id, followed by the node's id.
+pub const CLUSTER_LINK_CLIENT_ID: &str = "sluice-cluster-node-";
 pub use followers::Follower;
 pub use mirror::{Mirror, MirrorSettings, MirrorStats};
 pub use server::KafkaServer;

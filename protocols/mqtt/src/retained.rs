@@ -1,6 +1,9 @@
 //! Retained messages: the last retained publish per MQTT topic name, kept in memory and made
 //! durable in the ledger topic `__mqtt_retained` (key = name, value = payload, headers =
-//! properties; an empty value clears). Replayed at start, so they survive restarts.
+//! properties; an empty value clears). Replayed at start, so they survive restarts. In cluster
+//! mode the topic is the cluster's (owned by one node, copied to the others, at durability
+//! `cluster`): every node's map follows it, so a retained message published on any node is
+//! current on all of them and outlives any one node.
 
 use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
@@ -13,7 +16,7 @@ use sluice_core::{
     CoreError, DecodedRecord, Engine, LiveOptions, PartitionChoice, PendingAck, Record, SlowPolicy,
     StartAt,
 };
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 use tracing::warn;
 
 use crate::codec::Props;
@@ -124,25 +127,43 @@ impl Retained {
             true
         })
         .await?;
-        Ok((Self::new(engine, map), replayed))
+        // Cluster mode: other nodes write the topic too, so the map follows it from where the
+        // replay ended, and this node's writes become current as they come back through it.
+        let follow_from = engine.placement().map(|_| replayed.end);
+        Ok((Self::new(engine, map, follow_from)?, replayed))
     }
 
-    fn new(engine: Engine, map: BTreeMap<String, RetainedMsg>) -> Self {
+    /// The store over `map`; with `follow_from`, the map follows the topic from that offset
+    /// on instead of applying this node's writes itself.
+    fn new(
+        engine: Engine,
+        map: BTreeMap<String, RetainedMsg>,
+        follow_from: Option<u64>,
+    ) -> Result<Self, CoreError> {
         let queued = Arc::new(Mutex::new(Queue {
             messages: map.len(),
             bytes: map.values().map(|m| m.payload.len()).sum(),
             ..Queue::default()
         }));
         let map = Arc::new(RwLock::new(map));
+        let followed = match follow_from {
+            Some(from) => Some(follow(&engine, map.clone(), queued.clone(), from)?),
+            None => None,
+        };
         let (applier, jobs) = mpsc::unbounded_channel();
-        tokio::spawn(apply_when_durable(map.clone(), queued.clone(), jobs));
-        Self {
+        tokio::spawn(apply_when_durable(
+            map.clone(),
+            queued.clone(),
+            followed,
+            jobs,
+        ));
+        Ok(Self {
             engine,
             map,
             writing: tokio::sync::Mutex::new(()),
             applier,
             queued,
-        }
+        })
     }
 
     /// Whether retaining `size` payload bytes under `name` (0: clearing it) stays within
@@ -158,47 +179,10 @@ impl Retained {
     /// A relay's retained messages: the topic is the upstream's, mirrored into the local
     /// engine, and every record of it (from the first) updates the map as it arrives. The
     /// relay forwards retained publishes upstream and never writes the topic itself (nor
-    /// checks the retained caps: the upstream does, so the totals here are not kept).
+    /// checks the retained caps: the upstream does).
     pub(crate) async fn mirrored(engine: Engine) -> Result<Arc<Self>, CoreError> {
         engine.readable_topic(RETAINED_TOPIC).await?;
-        let mut live = engine.subscribe_live(
-            RETAINED_TOPIC,
-            0,
-            LiveOptions {
-                start: StartAt::Offset(0),
-                policy: SlowPolicy::CatchUp,
-                max_lag: 1 << 20,
-            },
-        )?;
-        let this = Arc::new(Self::new(engine, BTreeMap::new()));
-        let weak = Arc::downgrade(&this);
-        tokio::spawn(async move {
-            loop {
-                let item = match live.next().await {
-                    Ok(item) => item,
-                    Err(e) => {
-                        warn!(error = %e, "relay: following retained messages stopped");
-                        return;
-                    }
-                };
-                let Some(this) = weak.upgrade() else { return };
-                let Ok(records) = item.records() else {
-                    continue;
-                };
-                let mut map = this.map.write();
-                for r in records.iter() {
-                    if let Some(name) = r
-                        .record
-                        .key
-                        .as_deref()
-                        .and_then(|k| std::str::from_utf8(k).ok())
-                    {
-                        apply(&mut map, name, r.clone());
-                    }
-                }
-            }
-        });
-        Ok(this)
+        Ok(Arc::new(Self::new(engine, BTreeMap::new(), Some(0))?))
     }
 
     /// Queues the durable record storing (or, with an empty payload, clearing) the retained
@@ -308,13 +292,83 @@ fn check(
     Ok(())
 }
 
+/// Applies every record of the retained topic from offset `from` on to the map as it arrives,
+/// in log order, whoever wrote it; the receiver tells the offset after the last one applied.
+/// A name without a write of this node's queued follows the topic in the caps' totals too.
+/// Ends when the receiver (held by the applier of the [`Retained`]) goes.
+fn follow(
+    engine: &Engine,
+    map: Map,
+    queued: Arc<Mutex<Queue>>,
+    from: u64,
+) -> Result<watch::Receiver<u64>, CoreError> {
+    let mut live = engine.subscribe_live(
+        RETAINED_TOPIC,
+        0,
+        LiveOptions {
+            start: StartAt::Offset(from),
+            policy: SlowPolicy::CatchUp,
+            max_lag: 1 << 20,
+        },
+    )?;
+    let (applied, followed) = watch::channel(from);
+    tokio::spawn(async move {
+        loop {
+            let item = tokio::select! {
+                item = live.next() => item,
+                () = applied.closed() => return,
+            };
+            let item = match item {
+                Ok(item) => item,
+                Err(e) => {
+                    warn!(error = %e, "following the retained messages' topic stopped");
+                    return;
+                }
+            };
+            let Ok(records) = item.records() else {
+                continue;
+            };
+            let mut next = *applied.borrow();
+            {
+                let mut map = map.write();
+                let mut queued = queued.lock();
+                for r in records.iter() {
+                    next = next.max(r.offset as u64 + 1);
+                    let Some(name) = r
+                        .record
+                        .key
+                        .as_deref()
+                        .and_then(|k| std::str::from_utf8(k).ok())
+                    else {
+                        continue;
+                    };
+                    let before = map.get(name).map_or(0, |m| m.payload.len());
+                    apply(&mut map, name, r.clone());
+                    if !queued.newest.contains_key(name) {
+                        let after = map.get(name).map_or(0, |m| m.payload.len());
+                        queued.change(before, after);
+                    }
+                }
+            }
+            applied.send_replace(next);
+        }
+    });
+    Ok(followed)
+}
+
+/// How long a write of this node waits to come back through the followed topic before its
+/// publisher is told it failed (the copy from the owner has stopped).
+const FOLLOW_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// Applies queued writes to the map in queue order, each once its record is durable; a write
-/// the ledger refused leaves the map as it was. The newest queued write of a name leaves the
-/// queue's view when applied (or refused, and then the totals go back to what the map holds).
-/// Ends when the [`Retained`] goes.
+/// the ledger refused leaves the map as it was. Where the map follows the topic (`followed`),
+/// a write is current once the follower applied it, and is not applied here. The newest queued
+/// write of a name leaves the queue's view when applied (or refused, and then the totals go
+/// back to what the map holds). Ends when the [`Retained`] goes.
 async fn apply_when_durable(
     map: Map,
     queued: Arc<Mutex<Queue>>,
+    mut followed: Option<watch::Receiver<u64>>,
     mut jobs: mpsc::UnboundedReceiver<Job>,
 ) {
     while let Some(job) = jobs.recv().await {
@@ -327,10 +381,23 @@ async fn apply_when_durable(
                     ack,
                     done,
                 } = *w;
-                let stored = ack.await.map(|_| ());
+                let stored = match (ack.await, followed.as_mut()) {
+                    (Ok(ack), Some(applied)) => {
+                        let back = applied.wait_for(|&next| next > ack.base_offset);
+                        match tokio::time::timeout(FOLLOW_WAIT, back).await {
+                            Ok(Ok(_)) => Ok(()),
+                            _ => Err(CoreError::Upstream {
+                                reason: "the retained message did not come back through its \
+                                         topic's copy here"
+                                    .into(),
+                            }),
+                        }
+                    }
+                    (stored, _) => stored.map(drop),
+                };
                 let size = msg.payload.len();
                 let mut map = map.write();
-                if stored.is_ok() {
+                if stored.is_ok() && followed.is_none() {
                     if size == 0 {
                         map.remove(&name);
                     } else {

@@ -9,8 +9,8 @@
 //! passed over by replay and cleaned away with the rest.
 
 use sluice_core::{
-    BatchHeader, CleanupPolicy, CoreError, DecodedRecord, Engine, TopicPolicy, decode_records,
-    split_batches,
+    BatchHeader, CleanupPolicy, CoreError, DecodedRecord, Durability, Engine, TopicPolicy,
+    decode_records, is_cluster_topic, split_batches,
 };
 use tracing::{info, warn};
 
@@ -28,6 +28,8 @@ pub(crate) struct Replayed {
     pub(crate) skipped: u64,
     /// Records read from the newest snapshot (or the log start) on.
     pub(crate) records: u64,
+    /// The offset after the last record read: where a reader of changes made since goes on.
+    pub(crate) end: u64,
 }
 
 /// Creates `topic` if needed (one partition, compacted, never offloaded) or makes an older
@@ -41,6 +43,14 @@ pub(crate) async fn replay(
     topic: &str,
     mut apply: impl FnMut(&str, DecodedRecord) -> bool,
 ) -> Result<Replayed, CoreError> {
+    let defaults = &engine.config().default_policy;
+    // In cluster mode a topic the nodes share is kept at durability `cluster`, so it outlives
+    // any node; a node's own state stays on its disk.
+    let durability = match (engine.placement(), is_cluster_topic(topic)) {
+        (Some(_), true) => Durability::Cluster,
+        (_, false) if defaults.durability == Durability::Cluster => Durability::Fsync,
+        _ => defaults.durability,
+    };
     let policy = TopicPolicy {
         cleanup_policy: CleanupPolicy::Compact,
         retention_ms: -1,
@@ -48,12 +58,18 @@ pub(crate) async fn replay(
         segment_bytes: STATE_SEGMENT_BYTES,
         // The replay at start reads the local disk only, never an object store.
         remote_storage_enable: false,
-        ..engine.config().default_policy.clone()
+        durability,
+        ..defaults.clone()
     };
     match engine.describe_topic(topic) {
         Err(CoreError::UnknownTopic { .. }) => {
             match engine.create_topic(topic, 1, Some(policy)).await {
-                Ok(_) | Err(CoreError::TopicExists { .. }) => {}
+                Ok(_) => {}
+                // Cluster mode: another node registered it first; this node takes the
+                // cluster's record of it.
+                Err(CoreError::TopicExists { .. }) => {
+                    engine.readable_topic(topic).await?;
+                }
                 Err(e) => return Err(e),
             }
         }
@@ -70,7 +86,10 @@ pub(crate) async fn replay(
         Err(e) => return Err(e),
     }
     let (log_start, end) = engine.offsets(topic, 0)?;
-    let mut replayed = Replayed::default();
+    let mut replayed = Replayed {
+        end,
+        ..Replayed::default()
+    };
     let unreadable_batches = read(engine, topic, log_start, end, |r| {
         replayed.records += 1;
         let at = r.offset;

@@ -1,7 +1,7 @@
 use bytes::{Bytes, BytesMut};
 use kafka_protocol::messages::produce_response::{PartitionProduceResponse, TopicProduceResponse};
 use kafka_protocol::messages::{ProduceRequest, ProduceResponse};
-use sluice_core::{BatchHeader, PartitionChoice, split_batches};
+use sluice_core::{BatchHeader, Engine, PartitionChoice, split_batches};
 use tokio::task::JoinSet;
 
 use crate::errors;
@@ -76,9 +76,13 @@ pub(crate) async fn handle(
             if refused.is_none() {
                 let server = server.clone();
                 let name = name.to_owned();
+                let writer = writer_of(&server, conn, &name);
                 tasks.spawn(async move {
                     let records = pd.records.unwrap_or_default();
-                    (at, append(&server, &name, pd.index as u32, records).await)
+                    (
+                        at,
+                        append(&server, &writer, &name, pd.index as u32, records).await,
+                    )
                 });
             }
         }
@@ -119,9 +123,25 @@ fn partition_response(
     p
 }
 
+/// The engine handle a batch for `topic` is appended through. Clients write clients' topics
+/// only; the cluster's internal link (docs/CLUSTER.md) also writes the internal topics the
+/// cluster shares, such as a retained MQTT message forwarded to the owner of
+/// `__mqtt_retained`, when access control lets its user publish there.
+fn writer_of(server: &KafkaServer, conn: &Conn, topic: &str) -> Engine {
+    let link = conn.client_id.starts_with(crate::CLUSTER_LINK_CLIENT_ID)
+        && server.engine.placement().is_some()
+        && sluice_core::CLUSTER_SHARED_TOPICS.contains(&topic);
+    if link {
+        server.engine.system()
+    } else {
+        server.engine.clone()
+    }
+}
+
 /// (error code, base offset of the first batch, log start offset).
 async fn append(
     server: &KafkaServer,
+    engine: &Engine,
     topic: &str,
     partition: u32,
     records: Bytes,
@@ -149,8 +169,7 @@ async fn append(
                 // The request frame is shared and immutable; the log rewrites the base offset in
                 // place, so the batch gets its own buffer here (one copy per produced batch).
                 let owned = BytesMut::from(&batch[..]);
-                match server
-                    .engine
+                match engine
                     .append_batch(topic, PartitionChoice::Id(partition), owned)
                     .await
                 {
