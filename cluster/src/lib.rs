@@ -467,6 +467,20 @@ impl Placement for Cluster {
         }
     }
 
+    async fn update_topic(
+        &self,
+        name: &str,
+        partitions: u32,
+        policy: &TopicPolicy,
+    ) -> sluice_core::Result<()> {
+        self.put_topic_record(name, partitions, policy, false)
+            .await
+            .map(drop)
+            .map_err(|e| CoreError::Cluster {
+                reason: e.to_string(),
+            })
+    }
+
     async fn find_topic(&self, name: &str) -> sluice_core::Result<Option<(u32, TopicPolicy)>> {
         self.topic_record(name)
             .await

@@ -21,6 +21,8 @@ pub(crate) struct Memory {
     unowned: HashMap<PartId, Instant>,
     /// Since when each node has been seen registered.
     seen: HashMap<i32, Instant>,
+    /// Topics whose record this node could not follow, warned about once.
+    unfollowed: HashSet<String>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -30,12 +32,72 @@ struct TopicRecord {
 }
 
 impl Cluster {
+    /// Brings a topic this node has to the cluster's record of it: the partitions and the
+    /// policy another node gave it (CreatePartitions, a policy change). A record with fewer
+    /// partitions than here (two nodes growing it at once) cannot shrink the topic: the next
+    /// growth puts the larger count back.
+    async fn follow_topic_record(
+        &self,
+        name: &str,
+        here: sluice_core::TopicDescription,
+        record: TopicRecord,
+        memory: &mut Memory,
+    ) {
+        let mut failed = None;
+        if record.partitions > here.partitions.len() as u32 {
+            match self
+                .engine
+                .create_partitions_at(name, record.partitions, &[])
+                .await
+            {
+                Ok(_) => info!(
+                    topic = name,
+                    partitions = record.partitions,
+                    "topic grown as the cluster's record says"
+                ),
+                Err(e) => failed = Some(e),
+            }
+        }
+        if failed.is_none() && record.policy != here.policy {
+            match self.engine.adopt_policy(name, record.policy).await {
+                Ok(_) => info!(
+                    topic = name,
+                    "topic policy changed as the cluster's record says"
+                ),
+                Err(e) => failed = Some(e),
+            }
+        }
+        match failed {
+            Some(e) if memory.unfollowed.insert(name.to_owned()) => warn!(
+                topic = name,
+                error = %e,
+                "could not bring the topic to the cluster's record of it; retried every round"
+            ),
+            Some(_) => {}
+            None => {
+                memory.unfollowed.remove(name);
+            }
+        }
+    }
+
     /// Registers a topic in etcd unless the cluster has one of that name.
     pub(crate) async fn register_topic_record(
         &self,
         name: &str,
         partitions: u32,
         policy: &TopicPolicy,
+    ) -> Result<bool, ClusterError> {
+        self.put_topic_record(name, partitions, policy, true).await
+    }
+
+    /// Puts a topic's record in etcd: only if absent (`new`), or over the one there (its
+    /// growth, a policy change). False when `new` and the cluster has one of that name.
+    pub(crate) async fn put_topic_record(
+        &self,
+        name: &str,
+        partitions: u32,
+        policy: &TopicPolicy,
+        new: bool,
     ) -> Result<bool, ClusterError> {
         let record = TopicRecord {
             partitions,
@@ -48,11 +110,12 @@ impl Cluster {
             value,
             lease: 0,
         };
-        Ok(self
-            .etcd
-            .txn(&[Compare::Absent(key)], &[put])
-            .await?
-            .is_some())
+        let compare = if new {
+            vec![Compare::Absent(key)]
+        } else {
+            Vec::new()
+        };
+        Ok(self.etcd.txn(&compare, &[put]).await?.is_some())
     }
 
     /// The cluster's record of a topic.
@@ -79,7 +142,7 @@ impl Cluster {
         for id in nodes.keys() {
             memory.seen.entry(*id).or_insert(now);
         }
-        self.sync_topics().await?;
+        self.sync_topics(memory).await?;
         let owners = self.read_owners().await?;
         let homes = self.read_homes().await?;
         let live: Vec<i32> = nodes.keys().copied().collect();
@@ -335,24 +398,29 @@ impl Cluster {
 
     /// Topics known to etcd are created here; topics created here are made known to etcd
     /// (the first node to register a name decides its partitions and policy).
-    async fn sync_topics(&self) -> Result<(), ClusterError> {
+    async fn sync_topics(&self, memory: &mut Memory) -> Result<(), ClusterError> {
         let prefix = self.key("topics/");
         let mut known = HashSet::new();
         for kv in self.etcd.range_prefix(&prefix).await? {
             let name = kv.key[prefix.len()..].to_owned();
             known.insert(name.clone());
-            if self.engine.partition_count(&name).is_ok() {
-                continue;
-            }
-            match serde_json::from_slice::<TopicRecord>(&kv.value) {
-                Ok(t) => match self.engine.adopt_topic(&name, t.partitions, t.policy).await {
+            let t = match serde_json::from_slice::<TopicRecord>(&kv.value) {
+                Ok(t) => t,
+                Err(e) => {
+                    warn!(topic = name, error = %e, "ignoring a topic record not understood");
+                    continue;
+                }
+            };
+            let Ok(here) = self.engine.describe_topic(&name) else {
+                match self.engine.adopt_topic(&name, t.partitions, t.policy).await {
                     Ok(_) | Err(sluice_core::CoreError::TopicExists { .. }) => {}
                     Err(e) => {
                         warn!(topic = name, error = %e, "could not create a cluster topic here")
                     }
-                },
-                Err(e) => warn!(topic = name, error = %e, "ignoring a topic record not understood"),
-            }
+                }
+                continue;
+            };
+            self.follow_topic_record(&name, here, t, memory).await;
         }
         for name in self.engine.list_topics() {
             if known.contains(&name) || !is_cluster_topic(&name) {

@@ -42,6 +42,10 @@ pub trait Placement: Send + Sync + fmt::Debug + 'static {
     async fn register_topic(&self, name: &str, partitions: u32, policy: &TopicPolicy)
     -> Result<()>;
 
+    /// Records a topic's new partition count or policy (CreatePartitions, a policy change) in
+    /// the cluster, for the other nodes to follow.
+    async fn update_topic(&self, name: &str, partitions: u32, policy: &TopicPolicy) -> Result<()>;
+
     /// The cluster's record of a topic (its partitions and policy), if it has one.
     async fn find_topic(&self, name: &str) -> Result<Option<(u32, TopicPolicy)>>;
 

@@ -45,6 +45,10 @@ impl Placement for Switch {
         Ok(())
     }
 
+    async fn update_topic(&self, _: &str, _: u32, _: &TopicPolicy) -> sluice_core::Result<()> {
+        Ok(())
+    }
+
     async fn find_topic(&self, _: &str) -> sluice_core::Result<Option<(u32, TopicPolicy)>> {
         Ok(None)
     }

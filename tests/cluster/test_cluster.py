@@ -270,6 +270,38 @@ def test_retained_messages_are_the_clusters_and_outlive_a_node(cluster):
         assert retained_at(n, "last") == [b"ajar", b"open"]
 
 
+def test_growth_and_policy_changes_reach_every_node(cluster):
+    from confluent_kafka.admin import NewPartitions
+
+    nodes = cluster(3)
+    create_topic(nodes[0], "growing", 2)
+    wait_owned(nodes, "growing", 2)
+    # CreatePartitions through node 2: every node's Metadata names five partitions with live
+    # leaders, and the new ones take writes through any node.
+    admin = nodes[1].admin()
+    admin.create_partitions([NewPartitions("growing", 5)])["growing"].result(timeout=30)
+    wait_owned(nodes, "growing", 5)
+    for n in nodes:
+        assert len(requests.get(f"{n.http}/topics/growing", timeout=10).json()["partitions"]) == 5
+    producer = nodes[2].producer()
+    for p in range(5):
+        producer.produce("growing", value=f"p{p}".encode(), partition=p)
+    assert producer.flush(60) == 0
+    # A policy change through node 3's REST API becomes every node's.
+    r = requests.put(f"{nodes[2].http}/topics/growing/policy", json={"retention_ms": 7200000}, timeout=30)
+    assert r.status_code == 200, r.text
+
+    def retention():
+        seen = [requests.get(f"{n.http}/topics/growing", timeout=10).json()["policy"]["retention_ms"]
+                for n in nodes]
+        return all(v == 7200000 for v in seen), seen
+
+    wait_for(retention, 30, "the new retention on every node")
+    log = read_all(nodes[0], "growing", 5)
+    assert_gap_free(log)
+    assert sorted(v for records in log.values() for _, v in records) == sorted(f"p{p}".encode() for p in range(5))
+
+
 @pytest.mark.timeout(240)
 def test_kill9_under_acks_all_load_loses_nothing_and_offsets_never_repeat(cluster):
     nodes = cluster(3)

@@ -250,6 +250,16 @@ impl Engine {
     /// next produce. Every reader that follows a whole topic (named subscriptions here, live
     /// readers through [`Engine::partitions_beyond`]) picks the new partitions up.
     pub async fn create_partitions(&self, name: &str, count: u32) -> Result<TopicDescription> {
+        // Cluster mode: the cluster's record first, which the other nodes follow.
+        if let Some(p) = self.placement()
+            && is_cluster_topic(name)
+        {
+            self.check_writable(name)?;
+            let topic = self.topic(name)?;
+            self.check_growth(name, topic.partitions.len() as u32, count)?;
+            let policy = topic.meta.read().policy.clone();
+            p.update_topic(name, count, &policy).await?;
+        }
         self.create_partitions_at(name, count, &[]).await
     }
 
@@ -398,6 +408,21 @@ impl Engine {
 
     /// Replaces a topic's policy; it applies to the next append, roll and retention pass.
     pub async fn set_policy(&self, name: &str, policy: TopicPolicy) -> Result<TopicDescription> {
+        self.set_policy_inner(name, policy, true).await
+    }
+
+    /// Cluster mode: takes the policy the cluster's record of the topic holds, set through
+    /// another node.
+    pub async fn adopt_policy(&self, name: &str, policy: TopicPolicy) -> Result<TopicDescription> {
+        self.set_policy_inner(name, policy, false).await
+    }
+
+    async fn set_policy_inner(
+        &self,
+        name: &str,
+        policy: TopicPolicy,
+        register: bool,
+    ) -> Result<TopicDescription> {
         self.check_writable(name)?;
         policy.validate()?;
         check_tiered(&self.inner.config, &policy)?;
@@ -413,6 +438,12 @@ impl Engine {
                 reason: "durability cannot change to or from \"cluster\" once a topic exists"
                     .into(),
             });
+        }
+        if register
+            && is_cluster_topic(name)
+            && let Some(p) = self.placement()
+        {
+            p.update_topic(name, meta.partitions, &policy).await?;
         }
         meta.policy = policy.clone();
         let store = self.inner.store.clone();
