@@ -419,6 +419,13 @@ impl Cluster {
     }
 }
 
+/// An etcd failure as the engine's error for an operation cluster mode could not do.
+fn cluster_error(e: ClusterError) -> CoreError {
+    CoreError::Cluster {
+        reason: e.to_string(),
+    }
+}
+
 #[async_trait::async_trait]
 impl Placement for Cluster {
     fn local_id(&self) -> i32 {
@@ -455,15 +462,17 @@ impl Placement for Cluster {
         name: &str,
         partitions: u32,
         policy: &TopicPolicy,
+        created_at_ms: i64,
     ) -> sluice_core::Result<()> {
-        match self.register_topic_record(name, partitions, policy).await {
+        match self
+            .register_topic_record(name, partitions, policy, created_at_ms)
+            .await
+        {
             Ok(true) => Ok(()),
             Ok(false) => Err(CoreError::TopicExists {
                 topic: name.to_owned(),
             }),
-            Err(e) => Err(CoreError::Cluster {
-                reason: e.to_string(),
-            }),
+            Err(e) => Err(cluster_error(e)),
         }
     }
 
@@ -472,21 +481,25 @@ impl Placement for Cluster {
         name: &str,
         partitions: u32,
         policy: &TopicPolicy,
+        created_at_ms: i64,
     ) -> sluice_core::Result<()> {
-        self.put_topic_record(name, partitions, policy, false)
+        self.put_topic_record(name, partitions, policy, created_at_ms, false)
             .await
             .map(drop)
-            .map_err(|e| CoreError::Cluster {
-                reason: e.to_string(),
-            })
+            .map_err(cluster_error)
     }
 
-    async fn find_topic(&self, name: &str) -> sluice_core::Result<Option<(u32, TopicPolicy)>> {
-        self.topic_record(name)
+    async fn delete_topic(&self, name: &str, created_at_ms: i64) -> sluice_core::Result<()> {
+        self.delete_topic_record(name, created_at_ms)
             .await
-            .map_err(|e| CoreError::Cluster {
-                reason: e.to_string(),
-            })
+            .map_err(cluster_error)
+    }
+
+    async fn find_topic(
+        &self,
+        name: &str,
+    ) -> sluice_core::Result<Option<(u32, TopicPolicy, Option<i64>)>> {
+        self.topic_record(name).await.map_err(cluster_error)
     }
 
     async fn commit(

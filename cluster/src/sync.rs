@@ -29,6 +29,16 @@ pub(crate) struct Memory {
 struct TopicRecord {
     partitions: u32,
     policy: TopicPolicy,
+    /// The topic's creation time on the node that made it: its incarnation, which every node
+    /// gives its copy, so that a topic deleted and made again is told from the old one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    created_at_ms: Option<i64>,
+}
+
+/// `deleted/<name>`: the incarnation of a topic the cluster deleted.
+#[derive(Debug, Serialize, Deserialize)]
+struct Tombstone {
+    created_at_ms: i64,
 }
 
 impl Cluster {
@@ -80,14 +90,17 @@ impl Cluster {
         }
     }
 
-    /// Registers a topic in etcd unless the cluster has one of that name.
+    /// Registers a topic in etcd unless the cluster has one of that name (a tombstone of an
+    /// earlier topic of that name goes with it).
     pub(crate) async fn register_topic_record(
         &self,
         name: &str,
         partitions: u32,
         policy: &TopicPolicy,
+        created_at_ms: i64,
     ) -> Result<bool, ClusterError> {
-        self.put_topic_record(name, partitions, policy, true).await
+        self.put_topic_record(name, partitions, policy, created_at_ms, true)
+            .await
     }
 
     /// Puts a topic's record in etcd: only if absent (`new`), or over the one there (its
@@ -97,11 +110,13 @@ impl Cluster {
         name: &str,
         partitions: u32,
         policy: &TopicPolicy,
+        created_at_ms: i64,
         new: bool,
     ) -> Result<bool, ClusterError> {
         let record = TopicRecord {
             partitions,
             policy: policy.clone(),
+            created_at_ms: Some(created_at_ms),
         };
         let value = serde_json::to_vec(&record).map_err(|e| EtcdError::Malformed(e.to_string()))?;
         let key = self.key(&format!("topics/{name}"));
@@ -110,26 +125,51 @@ impl Cluster {
             value,
             lease: 0,
         };
-        let compare = if new {
-            vec![Compare::Absent(key)]
+        let (compare, ops) = if new {
+            let tombstone = Op::Delete(self.key(&format!("deleted/{name}")));
+            (vec![Compare::Absent(key)], vec![put, tombstone])
         } else {
-            Vec::new()
+            (Vec::new(), vec![put])
         };
-        Ok(self.etcd.txn(&compare, &[put]).await?.is_some())
+        Ok(self.etcd.txn(&compare, &ops).await?.is_some())
+    }
+
+    /// Deletes a topic's record, its owners, homes and shared-log keys, and leaves the
+    /// tombstone of its incarnation for the other nodes.
+    pub(crate) async fn delete_topic_record(
+        &self,
+        name: &str,
+        created_at_ms: i64,
+    ) -> Result<(), ClusterError> {
+        let tombstone = serde_json::to_vec(&Tombstone { created_at_ms })
+            .map_err(|e| EtcdError::Malformed(e.to_string()))?;
+        let ops = [
+            Op::Delete(self.key(&format!("topics/{name}"))),
+            Op::DeletePrefix(self.key(&format!("owners/{name}/"))),
+            Op::DeletePrefix(self.key(&format!("homes/{name}/"))),
+            Op::DeletePrefix(self.key(&format!("log/{name}/"))),
+            Op::Put {
+                key: self.key(&format!("deleted/{name}")),
+                value: tombstone,
+                lease: 0,
+            },
+        ];
+        self.etcd.txn(&[], &ops).await?;
+        Ok(())
     }
 
     /// The cluster's record of a topic.
     pub(crate) async fn topic_record(
         &self,
         name: &str,
-    ) -> Result<Option<(u32, TopicPolicy)>, ClusterError> {
+    ) -> Result<Option<(u32, TopicPolicy, Option<i64>)>, ClusterError> {
         let key = self.key(&format!("topics/{name}"));
         let found = self.etcd.range_from(&key, &key, 1).await?;
         Ok(found
             .into_iter()
             .find(|kv| kv.key == key)
             .and_then(|kv| serde_json::from_slice::<TopicRecord>(&kv.value).ok())
-            .map(|t| (t.partitions, t.policy)))
+            .map(|t| (t.partitions, t.policy, t.created_at_ms)))
     }
 
     /// One round. Claims partitions this node should own now; recovers its partitions that
@@ -396,9 +436,12 @@ impl Cluster {
             .collect())
     }
 
-    /// Topics known to etcd are created here; topics created here are made known to etcd
-    /// (the first node to register a name decides its partitions and policy).
+    /// Topics known to etcd are created here, and kept as their records say; topics created
+    /// here are made known to etcd (the first node to register a name decides its partitions
+    /// and policy); copies of topics the cluster deleted, or of an older incarnation of a
+    /// name made again, are dropped.
     async fn sync_topics(&self, memory: &mut Memory) -> Result<(), ClusterError> {
+        let deleted = self.read_tombstones().await?;
         let prefix = self.key("topics/");
         let mut known = HashSet::new();
         for kv in self.etcd.range_prefix(&prefix).await? {
@@ -411,28 +454,86 @@ impl Cluster {
                     continue;
                 }
             };
-            let Ok(here) = self.engine.describe_topic(&name) else {
-                match self.engine.adopt_topic(&name, t.partitions, t.policy).await {
+            let mut here = self.engine.describe_topic(&name).ok();
+            if let Some(d) = &here
+                && t.created_at_ms.is_some_and(|at| at != d.created_at_ms)
+            {
+                // Records made at a `cluster` durability belong to the incarnation that was
+                // deleted; a local-durability topic of the same name (two nodes had one
+                // before they joined) is left alone rather than dropped.
+                if d.policy.durability != Durability::Cluster
+                    && deleted.get(&name) != Some(&d.created_at_ms)
+                {
+                    if memory.unfollowed.insert(name.clone()) {
+                        warn!(
+                            topic = name,
+                            "this node's topic is not the cluster's topic of that name; left as it is"
+                        );
+                    }
+                    continue;
+                }
+                self.drop_copy(&name, "an older incarnation of a topic made again")
+                    .await;
+                here = None;
+            }
+            match here {
+                None => match self
+                    .engine
+                    .adopt_topic(&name, t.partitions, t.policy, t.created_at_ms)
+                    .await
+                {
                     Ok(_) | Err(sluice_core::CoreError::TopicExists { .. }) => {}
                     Err(e) => {
                         warn!(topic = name, error = %e, "could not create a cluster topic here")
                     }
-                }
-                continue;
-            };
-            self.follow_topic_record(&name, here, t, memory).await;
+                },
+                Some(d) => self.follow_topic_record(&name, d, t, memory).await,
+            }
         }
         for name in self.engine.list_topics() {
             if known.contains(&name) || !is_cluster_topic(&name) {
                 continue;
             }
-            // A topic this node had before it joined (or whose registration failed).
             let Ok(d) = self.engine.describe_topic(&name) else {
                 continue;
             };
-            self.register_topic_record(&name, d.partitions.len() as u32, &d.policy)
-                .await?;
+            if deleted.get(&name) == Some(&d.created_at_ms) {
+                self.drop_copy(&name, "deleted through another node").await;
+                continue;
+            }
+            // A topic this node had before it joined (or whose registration failed).
+            self.register_topic_record(
+                &name,
+                d.partitions.len() as u32,
+                &d.policy,
+                d.created_at_ms,
+            )
+            .await?;
         }
         Ok(())
+    }
+
+    /// The incarnation of each topic the cluster deleted, by name.
+    async fn read_tombstones(&self) -> Result<HashMap<String, i64>, ClusterError> {
+        let prefix = self.key("deleted/");
+        Ok(self
+            .etcd
+            .range_prefix(&prefix)
+            .await?
+            .into_iter()
+            .filter_map(|kv| {
+                let t: Tombstone = serde_json::from_slice(&kv.value).ok()?;
+                Some((kv.key[prefix.len()..].to_owned(), t.created_at_ms))
+            })
+            .collect())
+    }
+
+    async fn drop_copy(&self, name: &str, why: &str) {
+        match self.engine.drop_topic_copy(name).await {
+            Ok(()) => info!(topic = name, why, "dropped this node's copy of the topic"),
+            Err(e) => {
+                warn!(topic = name, why, error = %e, "could not drop this node's copy of the topic")
+            }
+        }
     }
 }

@@ -37,17 +37,33 @@ pub trait Placement: Send + Sync + fmt::Debug + 'static {
     /// that the lease cannot have run out: the only state in which it accepts writes.
     fn writable(&self, topic: &str, partition: u32) -> bool;
 
-    /// Makes a new topic known to every node; [`crate::CoreError::TopicExists`] when the
-    /// cluster has one of that name already.
-    async fn register_topic(&self, name: &str, partitions: u32, policy: &TopicPolicy)
-    -> Result<()>;
+    /// Makes a new topic known to every node, with its creation time (its incarnation);
+    /// [`crate::CoreError::TopicExists`] when the cluster has one of that name already.
+    async fn register_topic(
+        &self,
+        name: &str,
+        partitions: u32,
+        policy: &TopicPolicy,
+        created_at_ms: i64,
+    ) -> Result<()>;
 
     /// Records a topic's new partition count or policy (CreatePartitions, a policy change) in
     /// the cluster, for the other nodes to follow.
-    async fn update_topic(&self, name: &str, partitions: u32, policy: &TopicPolicy) -> Result<()>;
+    async fn update_topic(
+        &self,
+        name: &str,
+        partitions: u32,
+        policy: &TopicPolicy,
+        created_at_ms: i64,
+    ) -> Result<()>;
 
-    /// The cluster's record of a topic (its partitions and policy), if it has one.
-    async fn find_topic(&self, name: &str) -> Result<Option<(u32, TopicPolicy)>>;
+    /// Forgets a topic (the incarnation made at `created_at_ms`) and its partitions' owners and
+    /// shared log, leaving a tombstone by which every node drops its copy.
+    async fn delete_topic(&self, name: &str, created_at_ms: i64) -> Result<()>;
+
+    /// The cluster's record of a topic (its partitions, policy and creation time), if it has
+    /// one.
+    async fn find_topic(&self, name: &str) -> Result<Option<(u32, TopicPolicy, Option<i64>)>>;
 
     /// Makes one group of a partition at durability `cluster` durable: returns once its bytes
     /// (the batches, stamped with offsets `base..=last`) are in the object store and the

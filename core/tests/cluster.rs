@@ -41,15 +41,34 @@ impl Placement for Switch {
         self.writable.load(Ordering::SeqCst)
     }
 
-    async fn register_topic(&self, _: &str, _: u32, _: &TopicPolicy) -> sluice_core::Result<()> {
+    async fn register_topic(
+        &self,
+        _: &str,
+        _: u32,
+        _: &TopicPolicy,
+        _: i64,
+    ) -> sluice_core::Result<()> {
         Ok(())
     }
 
-    async fn update_topic(&self, _: &str, _: u32, _: &TopicPolicy) -> sluice_core::Result<()> {
+    async fn update_topic(
+        &self,
+        _: &str,
+        _: u32,
+        _: &TopicPolicy,
+        _: i64,
+    ) -> sluice_core::Result<()> {
         Ok(())
     }
 
-    async fn find_topic(&self, _: &str) -> sluice_core::Result<Option<(u32, TopicPolicy)>> {
+    async fn delete_topic(&self, _: &str, _: i64) -> sluice_core::Result<()> {
+        Ok(())
+    }
+
+    async fn find_topic(
+        &self,
+        _: &str,
+    ) -> sluice_core::Result<Option<(u32, TopicPolicy, Option<i64>)>> {
         Ok(None)
     }
 

@@ -302,6 +302,44 @@ def test_growth_and_policy_changes_reach_every_node(cluster):
     assert sorted(v for records in log.values() for _, v in records) == sorted(f"p{p}".encode() for p in range(5))
 
 
+def test_a_deleted_topic_goes_from_every_node_and_its_name_starts_afresh(cluster):
+    nodes = cluster(3)
+    create_topic(nodes[0], "gone", 3)
+    wait_owned(nodes, "gone", 3)
+    producer = nodes[0].producer()
+    for i in range(30):
+        producer.produce("gone", value=f"old{i}".encode(), partition=i % 3)
+    assert producer.flush(60) == 0
+
+    def copies_complete():
+        hws = [sum(p["high_watermark"] for p in requests.get(f"{n.http}/topics/gone", timeout=10).json()["partitions"])
+               for n in nodes]
+        return all(h == 30 for h in hws), hws
+
+    wait_for(copies_complete, 30, "every node's copy of the topic")
+    admin = nodes[1].admin()
+    admin.delete_topics(["gone"])["gone"].result(timeout=30)
+
+    def gone_everywhere():
+        codes = [requests.get(f"{n.http}/topics/gone", timeout=10).status_code for n in nodes]
+        return all(c == 404 for c in codes), codes
+
+    wait_for(gone_everywhere, 30, "the topic deleted on every node")
+    # The name made again (fewer partitions) is a new topic on every node: offsets from 0 and
+    # nothing of the old records, whichever node's copy is read.
+    create_topic(nodes[2], "gone", 2)
+    wait_owned(nodes, "gone", 2)
+    for i in range(6):
+        producer.produce("gone", value=f"new{i}".encode(), partition=i % 2)
+    assert producer.flush(60) == 0
+    log = read_all(nodes[0], "gone", 2)
+    assert_gap_free(log)
+    assert sorted(v for records in log.values() for _, v in records) == sorted(f"new{i}".encode() for i in range(6))
+    for n in nodes:
+        wait_for(lambda: (all(rest_records(n, "gone", p) == log[p] for p in range(2)), n.node_id), 30,
+                 f"node {n.node_id}'s copy of the new topic")
+
+
 @pytest.mark.timeout(240)
 def test_kill9_under_acks_all_load_loses_nothing_and_offsets_never_repeat(cluster):
     nodes = cluster(3)

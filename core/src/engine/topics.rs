@@ -153,18 +153,21 @@ impl Engine {
         policy: Option<TopicPolicy>,
         first_offsets: &[u64],
     ) -> Result<TopicDescription> {
-        self.create_topic_inner(name, partitions, policy, first_offsets, true)
+        self.create_topic_inner(name, partitions, policy, first_offsets, Made::Here)
             .await
     }
 
-    /// Cluster mode: creates here a topic the cluster already has (its record in etcd).
+    /// Cluster mode: creates here a topic the cluster already has (its record in etcd), with
+    /// the creation time the record gives it (the topic's incarnation), if any.
     pub async fn adopt_topic(
         &self,
         name: &str,
         partitions: u32,
         policy: TopicPolicy,
+        created_at_ms: Option<i64>,
     ) -> Result<TopicDescription> {
-        self.create_topic_inner(name, partitions, Some(policy), &[], false)
+        let made = Made::ByCluster(created_at_ms);
+        self.create_topic_inner(name, partitions, Some(policy), &[], made)
             .await
     }
 
@@ -174,7 +177,7 @@ impl Engine {
         partitions: u32,
         policy: Option<TopicPolicy>,
         first_offsets: &[u64],
-        register: bool,
+        made: Made,
     ) -> Result<TopicDescription> {
         validate_topic_name(name)?;
         self.check_writable(name)?;
@@ -196,17 +199,24 @@ impl Engine {
                 topic: name.to_owned(),
             });
         }
+        // The creation time is the topic's incarnation, the same on every node of a cluster:
+        // a topic deleted and made again under its name is another topic.
+        let created_at_ms = match made {
+            Made::ByCluster(Some(at)) => at,
+            Made::Here | Made::ByCluster(None) => self.now_ms(),
+        };
         // The cluster decides first: a name another node registered is that node's topic.
-        if register
+        if made == Made::Here
             && is_cluster_topic(name)
             && let Some(p) = self.placement()
         {
-            p.register_topic(name, partitions, &policy).await?;
+            p.register_topic(name, partitions, &policy, created_at_ms)
+                .await?;
         }
         if !self.system {
             self.check_room(true, partitions)?;
         }
-        let meta = TopicMeta::new(name, partitions, policy, self.now_ms());
+        let meta = TopicMeta::new(name, partitions, policy, created_at_ms);
         let store = self.inner.store.clone();
         let saved = meta.clone();
         tokio::task::spawn_blocking(move || store.save_topic(&saved))
@@ -257,8 +267,11 @@ impl Engine {
             self.check_writable(name)?;
             let topic = self.topic(name)?;
             self.check_growth(name, topic.partitions.len() as u32, count)?;
-            let policy = topic.meta.read().policy.clone();
-            p.update_topic(name, count, &policy).await?;
+            let (policy, created) = {
+                let meta = topic.meta.read();
+                (meta.policy.clone(), meta.created_at_ms)
+            };
+            p.update_topic(name, count, &policy, created).await?;
         }
         self.create_partitions_at(name, count, &[]).await
     }
@@ -368,10 +381,28 @@ impl Engine {
         }
     }
 
-    /// Deletes a topic and all its data. Appends in flight finish or fail first.
+    /// Deletes a topic and all its data. Appends in flight finish or fail first. In cluster
+    /// mode the cluster forgets it first, and every node drops its copy.
     pub async fn delete_topic(&self, name: &str) -> Result<()> {
+        self.delete_topic_inner(name, true).await
+    }
+
+    /// Cluster mode: deletes this node's copy of a topic the cluster has deleted, or of an
+    /// older incarnation of a topic made again under its name.
+    pub async fn drop_topic_copy(&self, name: &str) -> Result<()> {
+        self.delete_topic_inner(name, false).await
+    }
+
+    async fn delete_topic_inner(&self, name: &str, register: bool) -> Result<()> {
         self.check_writable(name)?;
         let _admin = self.inner.admin.lock().await;
+        if register
+            && is_cluster_topic(name)
+            && let Some(p) = self.placement()
+        {
+            let created = self.topic(name)?.meta.read().created_at_ms;
+            p.delete_topic(name, created).await?;
+        }
         let (_, topic) = self
             .inner
             .topics
@@ -443,7 +474,8 @@ impl Engine {
             && is_cluster_topic(name)
             && let Some(p) = self.placement()
         {
-            p.update_topic(name, meta.partitions, &policy).await?;
+            p.update_topic(name, meta.partitions, &policy, meta.created_at_ms)
+                .await?;
         }
         meta.policy = policy.clone();
         let store = self.inner.store.clone();
@@ -515,10 +547,13 @@ impl Engine {
         let Some(p) = self.placement() else {
             return Ok(None);
         };
-        let Some((partitions, policy)) = p.find_topic(name).await? else {
+        let Some((partitions, policy, created_at_ms)) = p.find_topic(name).await? else {
             return Ok(None);
         };
-        match self.adopt_topic(name, partitions, policy).await {
+        match self
+            .adopt_topic(name, partitions, policy, created_at_ms)
+            .await
+        {
             Ok(_) | Err(CoreError::TopicExists { .. }) => self.topic(name).map(Some),
             Err(e) => Err(e),
         }
@@ -677,4 +712,13 @@ impl Engine {
 enum WriterAsk {
     Recover,
     Copy(Vec<bytes::Bytes>),
+}
+
+/// Where a topic being created comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Made {
+    /// Made through this node (registered with the cluster first, in cluster mode).
+    Here,
+    /// Taken from the cluster's record, with its creation time when the record has one.
+    ByCluster(Option<i64>),
 }
