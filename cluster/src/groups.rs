@@ -3,7 +3,10 @@
 //! so every node names the same one without asking. Its commits are kept in etcd, one key per
 //! group and partition (`groups/<len>:<group>/<topic>/<partition>`, the length making one
 //! group's prefix never another's), where the next coordinator reads them after a failover.
-//! Kafka consumers commit every few seconds, a load etcd carries easily.
+//! Kafka consumers commit every few seconds, a load etcd carries easily. Named subscriptions'
+//! ack states are kept the same way (`subscriptions/<topic>/<name>`, the snapshot the node
+//! writes to its disk every `subscription_flush_interval_ms`), read by the node a
+//! subscription's first consumer attaches to.
 
 use serde::{Deserialize, Serialize};
 use sluice_core::{CommittedOffset, OffsetCommit};
@@ -85,6 +88,54 @@ impl Cluster {
             ));
         }
         Ok(out)
+    }
+
+    fn subscription_key(&self, topic: &str, name: &str) -> String {
+        self.key(&format!("subscriptions/{topic}/{name}"))
+    }
+
+    pub(crate) async fn put_subscriptions(
+        &self,
+        entries: &[(String, String, Vec<u8>)],
+    ) -> Result<(), ClusterError> {
+        let ops: Vec<Op> = entries
+            .iter()
+            .map(|(topic, name, snapshot)| Op::Put {
+                key: self.subscription_key(topic, name),
+                value: snapshot.clone(),
+                lease: 0,
+            })
+            .collect();
+        for chunk in ops.chunks(TXN_OPS) {
+            self.etcd.txn(&[], chunk).await?;
+        }
+        Ok(())
+    }
+
+    pub(crate) async fn get_subscription(
+        &self,
+        topic: &str,
+        name: &str,
+    ) -> Result<Option<Vec<u8>>, ClusterError> {
+        let key = self.subscription_key(topic, name);
+        let found = self.etcd.range_from(&key, &key, 1).await?;
+        Ok(found
+            .into_iter()
+            .find(|kv| kv.key == key)
+            .map(|kv| kv.value))
+    }
+
+    pub(crate) async fn forget_subscription(
+        &self,
+        topic: &str,
+        name: &str,
+    ) -> Result<(), ClusterError> {
+        let delete = Op::Delete(self.subscription_key(topic, name));
+        self.etcd
+            .txn(&[], &[delete])
+            .await
+            .map(drop)
+            .map_err(Into::into)
     }
 
     pub(crate) async fn forget_group(&self, group: &str) -> Result<(), ClusterError> {

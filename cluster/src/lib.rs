@@ -583,4 +583,25 @@ impl Placement for Cluster {
             .await
             .map_err(|e| self.failed_with(e))
     }
+
+    async fn save_subscriptions(
+        &self,
+        entries: &[(String, String, Vec<u8>)],
+    ) -> Result<(), String> {
+        self.put_subscriptions(entries)
+            .await
+            .map_err(|e| self.failed_with(e))
+    }
+
+    async fn load_subscription(&self, topic: &str, name: &str) -> Result<Option<Vec<u8>>, String> {
+        self.get_subscription(topic, name)
+            .await
+            .map_err(|e| self.failed_with(e))
+    }
+
+    async fn delete_subscription(&self, topic: &str, name: &str) -> Result<(), String> {
+        self.forget_subscription(topic, name)
+            .await
+            .map_err(|e| self.failed_with(e))
+    }
 }

@@ -119,6 +119,17 @@ pub trait Placement: Send + Sync + fmt::Debug + 'static {
 
     /// Forgets a group's committed offsets in the cluster's metadata.
     async fn delete_group(&self, group: &str) -> Result<(), String>;
+
+    /// Keeps named subscriptions' ack states (each `(topic, name, snapshot)`) in the cluster's
+    /// metadata, where the node their consumers attach to next finds them.
+    async fn save_subscriptions(&self, entries: &[(String, String, Vec<u8>)])
+    -> Result<(), String>;
+
+    /// A named subscription's ack state as the cluster holds it.
+    async fn load_subscription(&self, topic: &str, name: &str) -> Result<Option<Vec<u8>>, String>;
+
+    /// Forgets a named subscription's ack state in the cluster's metadata.
+    async fn delete_subscription(&self, topic: &str, name: &str) -> Result<(), String>;
 }
 
 /// The object store as cluster mode uses it: whole objects put once, read back by range. Kept

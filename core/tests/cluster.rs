@@ -115,6 +115,18 @@ impl Placement for Switch {
     async fn delete_group(&self, _: &str) -> Result<(), String> {
         Ok(())
     }
+
+    async fn save_subscriptions(&self, _: &[(String, String, Vec<u8>)]) -> Result<(), String> {
+        Ok(())
+    }
+
+    async fn load_subscription(&self, _: &str, _: &str) -> Result<Option<Vec<u8>>, String> {
+        Ok(None)
+    }
+
+    async fn delete_subscription(&self, _: &str, _: &str) -> Result<(), String> {
+        Ok(())
+    }
 }
 
 /// A batch of `values` whose first record is at offset `base`, as an owner serves it.

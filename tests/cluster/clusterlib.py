@@ -48,6 +48,16 @@ class Etcd:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.client_port}"
 
+    def get(self, key: str) -> bytes | None:
+        """The value of one key (over etcd's JSON gateway), None when absent."""
+        import base64
+
+        r = requests.post(f"{self.url}/v3/kv/range",
+                          json={"key": base64.b64encode(key.encode()).decode()}, timeout=10)
+        r.raise_for_status()
+        kvs = r.json().get("kvs") or []
+        return base64.b64decode(kvs[0]["value"]) if kvs else None
+
     def start(self, timeout: float = 30.0) -> "Etcd":
         assert ETCD.is_file(), f"{ETCD} not found: run ./scripts/install-test-deps.sh (Debian's etcd-server)"
         peer = f"http://127.0.0.1:{self.peer_port}"

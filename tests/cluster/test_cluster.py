@@ -340,6 +340,62 @@ def test_a_deleted_topic_goes_from_every_node_and_its_name_starts_afresh(cluster
                  f"node {n.node_id}'s copy of the new topic")
 
 
+def receive(consumer_url: str, count: int, what: str) -> list[dict]:
+    """Messages from a REST consumer of a named subscription until `count` came."""
+    got: list[dict] = []
+
+    def enough():
+        r = requests.get(f"{consumer_url}/messages", params={"max_records": 20, "wait_ms": 500}, timeout=30)
+        assert r.status_code == 200, r.text
+        got.extend(r.json()["messages"])
+        return len(got) >= count, len(got)
+
+    wait_for(enough, 60, what)
+    return got
+
+
+@pytest.mark.timeout(240)
+def test_a_named_subscription_resumes_on_another_node_after_its_node_is_lost(cluster, etcd):
+    import base64
+    import json
+
+    nodes = cluster(3)
+    create_topic(nodes[0], "orders", 2)
+    wait_owned(nodes, "orders", 2)
+    producer = nodes[0].producer()
+    for i in range(20):
+        producer.produce("orders", value=f"o{i}".encode(), partition=i % 2)
+    assert producer.flush(60) == 0
+    first, victim = nodes[0], nodes[2]
+    subs = f"{victim.http}/topics/orders/subscriptions/billing/consumers"
+    r = requests.post(subs, json={"type": "exclusive", "initial_position": "earliest"}, timeout=30)
+    assert r.status_code == 201, r.text
+    got = receive(f"{subs}/{r.json()['consumer']}", 20, "every message at the consumer on the victim")
+    consumer = r.json()["consumer"]
+    acked = got[:10]
+    r = requests.post(f"{subs}/{consumer}/acks", timeout=30,
+                      json={"messages": [{"partition": m["partition"], "offset": m["offset"]} for m in acked]})
+    assert r.status_code == 204, r.text
+
+    # The ack state reaches etcd at the subscription flush (every second by default).
+    def saved():
+        value = etcd.get("/sluice/test/subscriptions/orders/billing")
+        state = json.loads(value) if value else None
+        done = state is not None and sum(p["mark_delete"] + sum(b - a for a, b in p["acked"])
+                                         for p in state["partitions"]) >= 10
+        return done, state
+
+    wait_for(saved, 30, "the subscription's ack state in etcd")
+    victim.kill9()
+    # Its first consumer on another node gets exactly what was not acknowledged.
+    subs = f"{first.http}/topics/orders/subscriptions/billing/consumers"
+    r = requests.post(subs, json={"type": "exclusive"}, timeout=30)
+    assert r.status_code == 201, r.text
+    again = receive(f"{subs}/{r.json()['consumer']}", 10, "the unacknowledged messages on another node")
+    value = lambda m: base64.b64decode(m["value"])  # noqa: E731
+    assert sorted(map(value, again)) == sorted(map(value, got[10:]))
+
+
 @pytest.mark.timeout(240)
 def test_kill9_under_acks_all_load_loses_nothing_and_offsets_never_repeat(cluster):
     nodes = cluster(3)

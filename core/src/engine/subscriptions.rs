@@ -214,25 +214,42 @@ impl Engine {
         self.ensure_topic(topic).await?;
         let t = self.topic(topic)?;
         let key = (topic.to_owned(), name.to_owned());
+        // Cluster mode: the subscription's consumers may have attached through another node
+        // since this node last served it, so its first consumer here takes the ack state the
+        // cluster holds.
+        let cluster = self
+            .placement()
+            .filter(|_| is_cluster_topic(topic))
+            .cloned();
+        let current = |sub: &Arc<Subscription>| cluster.is_none() || sub.consumer_count() > 0;
         let existing = self
             .inner
             .subscriptions
             .get(&key)
             .map(|s| s.value().clone());
         let sub = match existing {
-            Some(sub) => sub,
-            None => {
+            Some(sub) if current(&sub) => sub,
+            _ => {
                 let _admin = self.inner.admin.lock().await;
-                match self
+                let local = self
                     .inner
                     .subscriptions
                     .get(&key)
-                    .map(|s| s.value().clone())
-                {
-                    Some(sub) => sub,
-                    None => {
+                    .map(|s| s.value().clone());
+                let saved = match (&local, &cluster) {
+                    (Some(sub), _) if current(sub) => None,
+                    (_, Some(p)) => p
+                        .load_subscription(topic, name)
+                        .await
+                        .map_err(|reason| CoreError::Cluster { reason })?
+                        .and_then(|bytes| Subscription::parse_persisted(&bytes)),
+                    _ => None,
+                };
+                match (local, saved) {
+                    (Some(sub), None) => sub,
+                    (local, saved) => {
                         let max = self.inner.config.max_subscriptions;
-                        if self.inner.subscriptions.len() >= max {
+                        if local.is_none() && self.inner.subscriptions.len() >= max {
                             self.inner.shared.counters.refused_subscriptions.inc();
                             return Err(CoreError::LimitReached {
                                 what: "named subscriptions",
@@ -252,18 +269,25 @@ impl Engine {
                             .subscriptions_dir()
                             .join(topic)
                             .join(format!("{name}.json"));
+                        let from_cluster = saved.is_some();
                         let sub = Arc::new(Subscription::new(
                             topic,
                             name,
                             path,
                             options,
                             &starts,
-                            None,
+                            saved,
                             self.inner.sub_counters.clone(),
                         )?);
-                        self.write_subscription(&sub).await?;
+                        // A new one is written at once; one taken from the cluster is as
+                        // durable as it was there, and written here at the next flush.
+                        if from_cluster {
+                            sub.mark_dirty();
+                        } else {
+                            self.write_subscription(&sub).await?;
+                        }
                         self.inner.subscriptions.insert(key, sub.clone());
-                        info!(topic, subscription = name, kind = ?sub.kind, "subscription created");
+                        info!(topic, subscription = name, kind = ?sub.kind, from_cluster, "subscription created");
                         sub
                     }
                 }
@@ -279,26 +303,60 @@ impl Engine {
     }
 
     pub(super) async fn write_subscription(&self, sub: &Arc<Subscription>) -> Result<()> {
+        if let Some(bytes) = self.write_subscription_here(sub).await? {
+            self.save_in_cluster(&[(sub.clone(), bytes)]).await?;
+        }
+        Ok(())
+    }
+
+    /// Writes the subscription's ack state to this node's disk if it changed; the snapshot
+    /// written, for the cluster's copy.
+    async fn write_subscription_here(&self, sub: &Arc<Subscription>) -> Result<Option<Vec<u8>>> {
         let Some(bytes) = sub.snapshot_if_dirty() else {
-            return Ok(());
+            return Ok(None);
         };
         let storage = self.inner.storage.clone();
         let path = sub.path().clone();
+        let snapshot = bytes.clone();
         let written = tokio::task::spawn_blocking(move || {
             if let Some(dir) = path.parent() {
                 storage.create_dir_all(dir)?;
             }
-            storage.write_file_atomic(&path, &bytes)
+            storage.write_file_atomic(&path, &snapshot)
         })
         .await
         .map_err(|_| CoreError::ShuttingDown)?;
         written.map_err(|e| {
             sub.mark_dirty();
             CoreError::metadata(sub.path())(e)
+        })?;
+        Ok(Some(bytes))
+    }
+
+    /// Cluster mode: the snapshots of subscriptions of the cluster's topics in etcd too, for
+    /// the node their consumers attach to next; all of them count as unwritten if that fails.
+    async fn save_in_cluster(&self, written: &[(Arc<Subscription>, Vec<u8>)]) -> Result<()> {
+        let Some(p) = self.placement() else {
+            return Ok(());
+        };
+        let (subs, entries): (Vec<_>, Vec<_>) = written
+            .iter()
+            .filter(|(sub, _)| is_cluster_topic(&sub.topic))
+            .map(|(sub, bytes)| (sub, (sub.topic.clone(), sub.name.clone(), bytes.clone())))
+            .unzip();
+        if entries.is_empty() {
+            return Ok(());
+        }
+        p.save_subscriptions(&entries).await.map_err(|reason| {
+            for sub in subs {
+                sub.mark_dirty();
+            }
+            CoreError::Cluster { reason }
         })
     }
 
-    /// Writes the ack state of every subscription that changed.
+    /// Writes the ack state of every subscription that changed (in cluster mode, to etcd in
+    /// one batch too).
     pub(super) async fn flush_subscriptions(&self) {
         let subs: Vec<Arc<Subscription>> = self
             .inner
@@ -306,10 +364,18 @@ impl Engine {
             .iter()
             .map(|s| s.value().clone())
             .collect();
+        let mut written = Vec::new();
         for sub in subs {
-            if let Err(e) = self.write_subscription(&sub).await {
-                tracing::warn!(error = %e, "writing subscription state failed; will retry");
+            match self.write_subscription_here(&sub).await {
+                Ok(Some(bytes)) => written.push((sub, bytes)),
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::warn!(error = %e, "writing subscription state failed; will retry")
+                }
             }
+        }
+        if let Err(e) = self.save_in_cluster(&written).await {
+            tracing::warn!(error = %e, "writing subscription state to the cluster failed; will retry");
         }
     }
 
@@ -330,6 +396,11 @@ impl Engine {
                 topic: topic.to_owned(),
                 subscription: name.to_owned(),
             });
+        }
+        if let Some(p) = self.placement().filter(|_| is_cluster_topic(topic)) {
+            p.delete_subscription(topic, name)
+                .await
+                .map_err(|reason| CoreError::Cluster { reason })?;
         }
         self.inner.subscriptions.remove(&key);
         sub.mark_deleted();
