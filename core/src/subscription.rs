@@ -280,6 +280,20 @@ impl Subscription {
         serde_json::from_slice(bytes).ok()
     }
 
+    /// Whether this subscription has acknowledged, in every partition, at least as much as
+    /// `saved` records (acknowledgements only ever grow): then `saved` is an older state of
+    /// it, and nothing would be gained by taking it.
+    pub(crate) fn covers(&self, saved: &Persisted) -> bool {
+        let st = self.state.lock();
+        st.partitions.len() >= saved.partitions.len()
+            && st.partitions.iter().zip(&saved.partitions).all(|(p, s)| {
+                let here: u64 = p.acks.ranges().map(|(a, b)| b - a).sum();
+                let there: u64 = s.acked.iter().map(|(a, b)| b.saturating_sub(*a)).sum();
+                p.acks.mark_delete() >= s.mark_delete
+                    && p.acks.mark_delete() + here >= s.mark_delete + there
+            })
+    }
+
     /// Adds a consumer; `Exclusive` refuses a second one.
     pub(crate) fn attach(&self) -> Result<u64> {
         let mut st = self.state.lock();
@@ -840,5 +854,60 @@ impl Consumer {
 impl Drop for Consumer {
     fn drop(&mut self) {
         self.sub.detach(self.id);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn subscription(saved: Option<Persisted>) -> Subscription {
+        Subscription::new(
+            "t",
+            "s",
+            PathBuf::from("s.json"),
+            SubscribeOptions::default(),
+            &[0, 0],
+            saved,
+            Arc::new(SubscriptionCounters::default()),
+        )
+        .expect("a subscription")
+    }
+
+    fn ack(sub: &Subscription, partition: u32, offsets: &[u64]) {
+        let ids: Vec<MessageId> = offsets
+            .iter()
+            .map(|&offset| MessageId { partition, offset })
+            .collect();
+        sub.ack(&ids).expect("acked");
+    }
+
+    /// A node keeps its own state of a subscription over an older copy of it, and takes a copy
+    /// that acknowledged more (its consumers were served by another node since).
+    #[test]
+    fn a_state_covers_its_older_copies_and_not_newer_ones() {
+        let here = subscription(None);
+        ack(&here, 0, &[0, 1, 2]);
+        ack(&here, 1, &[4]);
+        let saved = |sub: &Subscription| {
+            Subscription::parse_persisted(&sub.snapshot_if_dirty().expect("changed"))
+                .expect("parses")
+        };
+        let older = saved(&here);
+        assert!(here.covers(&older));
+        ack(&here, 1, &[0]);
+        assert!(
+            here.covers(&older),
+            "more acknowledged here than in the copy"
+        );
+
+        let elsewhere = subscription(Some(saved(&here)));
+        ack(&elsewhere, 0, &[3, 4]);
+        let newer = saved(&elsewhere);
+        assert!(
+            !here.covers(&newer),
+            "the copy acknowledged offsets 3 and 4 of partition 0"
+        );
+        assert!(elsewhere.covers(&newer));
     }
 }

@@ -216,7 +216,7 @@ impl Engine {
         let key = (topic.to_owned(), name.to_owned());
         // Cluster mode: the subscription's consumers may have attached through another node
         // since this node last served it, so its first consumer here takes the ack state the
-        // cluster holds.
+        // cluster holds, when it has acknowledged more than this node's.
         let cluster = self
             .placement()
             .filter(|_| is_cluster_topic(topic))
@@ -247,6 +247,8 @@ impl Engine {
                 };
                 match (local, saved) {
                     (Some(sub), None) => sub,
+                    // Served here last: what etcd holds is its own state, or an older one.
+                    (Some(sub), Some(saved)) if sub.covers(&saved) => sub,
                     (local, saved) => {
                         let max = self.inner.config.max_subscriptions;
                         if local.is_none() && self.inner.subscriptions.len() >= max {
