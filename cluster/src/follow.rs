@@ -105,6 +105,7 @@ impl Cluster {
                 tokio::time::sleep(self.settings.poll_interval).await;
                 continue;
             }
+            let asked = std::time::Instant::now();
             let answers = match c
                 .fetch_from(&positions, MAX_WAIT, PARTITION_MAX_BYTES)
                 .await
@@ -162,9 +163,11 @@ impl Cluster {
                     Err(e) => debug!(topic, partition, error = %e, "follower: batches not copied"),
                 }
             }
-            if !copied_any {
-                // Every partition answered at once without records (an error, or a copy that
-                // cannot take them): wait for the next view rather than ask again at once.
+            if !copied_any && asked.elapsed() < MAX_WAIT / 2 {
+                // The owner answered at once with nothing to copy (an error, or a copy that
+                // cannot take them): wait for the next view rather than ask again at once. A
+                // Fetch that waited at the owner is followed by the next straight away, so a
+                // record after a quiet spell is copied as soon as it is there.
                 tokio::time::sleep(self.settings.poll_interval.min(MAX_WAIT)).await;
             }
         }
