@@ -310,8 +310,9 @@ pub fn is_internal_topic(name: &str) -> bool {
 }
 
 /// The internal topics the nodes of a cluster share, owned and copied like clients' topics
-/// (docs/CLUSTER.md): the MQTT retained messages. Every other internal topic is each node's own.
-pub const CLUSTER_SHARED_TOPICS: &[&str] = &["__mqtt_retained"];
+/// (docs/CLUSTER.md): the MQTT retained messages and persistent sessions. Every other internal
+/// topic is each node's own.
+pub const CLUSTER_SHARED_TOPICS: &[&str] = &["__mqtt_retained", "__mqtt_sessions"];
 
 /// Whether the topic is placed by the cluster (owned by one node, copied to the others) in
 /// cluster mode: every client topic, and the internal topics of [`CLUSTER_SHARED_TOPICS`].

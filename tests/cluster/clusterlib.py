@@ -321,49 +321,6 @@ class MqttLoad:
                     self.refused += 1
 
 
-class MqttSubscriber:
-    """An MQTT 5 client on `node` subscribed at QoS 1 to `topic_filter` from construction on;
-    `payloads()` is what it received so far, in order."""
-
-    def __init__(self, node: Gateway, name: str, topic_filter: str, timeout: float = 20.0):
-        import paho.mqtt.client as paho
-        from paho.mqtt.enums import CallbackAPIVersion
-
-        self.client = paho.Client(CallbackAPIVersion.VERSION2, client_id=name, protocol=paho.MQTTv5)
-        self.lock = threading.Lock()
-        self.received: list[bytes] = []
-        subscribed = threading.Event()
-        granted: list = []
-
-        def on_connect(client, userdata, flags, rc, props):
-            client.subscribe(topic_filter, qos=1)
-
-        def on_subscribe(client, userdata, mid, codes, props):
-            granted.extend(codes)
-            subscribed.set()
-
-        def on_message(client, userdata, msg):
-            with self.lock:
-                self.received.append(msg.payload)
-
-        self.client.on_connect = on_connect
-        self.client.on_subscribe = on_subscribe
-        self.client.on_message = on_message
-        host, port = node.mqtt_addr
-        self.client.connect(host, port, keepalive=60)
-        self.client.loop_start()
-        assert subscribed.wait(timeout), f"no SUBACK from node {getattr(node, 'node_id', '?')}"
-        assert granted and not granted[0].is_failure, f"subscription refused: {granted}"
-
-    def payloads(self) -> list[bytes]:
-        with self.lock:
-            return list(self.received)
-
-    def close(self) -> None:
-        self.client.loop_stop()
-        self.client.disconnect()
-
-
 def rest_records(node: Gateway, topic: str, partition: int, offset: int = 0) -> list[tuple[int, bytes]]:
     """Every record of one partition from `offset` to its high watermark, read over REST from
     `node`'s own copy, as (offset, value)."""
@@ -406,3 +363,98 @@ def mqtt_retain(node: Gateway, topic: str, payload: bytes, timeout: float = 60.0
     finally:
         c.loop_stop()
         c.disconnect()
+
+
+class MqttSession:
+    """An MQTT 5 client on `node` that keeps its session (clean start off, a session expiry of
+    `expiry` seconds), optionally subscribing to `subscribe` at QoS 1 once connected. `present`
+    is what CONNACK said of the session, `reason` its reason code, `payloads()` what arrived,
+    `disconnects` the reason codes of the DISCONNECTs the server sent. It never reconnects by
+    itself: a test says where the client goes next."""
+
+    def __init__(self, node: Gateway, client_id: str, subscribe: str | None = None,
+                 expiry: int = 300, timeout: float = 30.0, refused_ok: bool = False,
+                 clean_start: bool = False):
+        import paho.mqtt.client as paho
+        from paho.mqtt.enums import CallbackAPIVersion
+        from paho.mqtt.packettypes import PacketTypes
+        from paho.mqtt.properties import Properties
+
+        self.client = paho.Client(CallbackAPIVersion.VERSION2, client_id=client_id,
+                                  protocol=paho.MQTTv5, reconnect_on_failure=False)
+        self.lock = threading.Lock()
+        self.received: list[bytes] = []
+        self.disconnects: list[int] = []
+        self.present: bool | None = None
+        self.reason: int | None = None
+        connected = threading.Event()
+        subscribed = threading.Event()
+        granted: list = []
+
+        def on_connect(client, userdata, flags, rc, props):
+            self.present = flags.session_present
+            self.reason = rc.value
+            connected.set()
+            if subscribe and not rc.is_failure:
+                client.subscribe(subscribe, qos=1)
+
+        def on_subscribe(client, userdata, mid, codes, props):
+            granted.extend(codes)
+            subscribed.set()
+
+        def on_message(client, userdata, msg):
+            with self.lock:
+                self.received.append(msg.payload)
+
+        def on_disconnect(client, userdata, flags, rc, props):
+            with self.lock:
+                self.disconnects.append(rc.value)
+
+        self.client.on_connect = on_connect
+        self.client.on_subscribe = on_subscribe
+        self.client.on_message = on_message
+        self.client.on_disconnect = on_disconnect
+        props = Properties(PacketTypes.CONNECT)
+        props.SessionExpiryInterval = expiry
+        host, port = node.mqtt_addr
+        self.client.connect(host, port, keepalive=60, clean_start=clean_start, properties=props)
+        self.client.loop_start()
+        where = f"node {getattr(node, 'node_id', '?')}"
+        assert connected.wait(timeout), f"no CONNACK for {client_id} from {where}"
+        if refused_ok:
+            return
+        assert self.reason == 0, f"{client_id} refused by {where}: reason {self.reason:#x}"
+        if subscribe:
+            assert subscribed.wait(timeout), f"no SUBACK for {client_id} from {where}"
+            assert granted and not granted[0].is_failure, f"subscription refused: {granted}"
+
+    def payloads(self) -> list[bytes]:
+        with self.lock:
+            return list(self.received)
+
+    def close(self) -> None:
+        """DISCONNECT (normal: the session stays for its expiry) and stop."""
+        self.client.disconnect()
+        self.client.loop_stop()
+
+
+class MqttSubscriber(MqttSession):
+    """An MQTT 5 client on `node` with a clean session, subscribed at QoS 1 to `topic_filter`
+    from construction on; `payloads()` is what it received so far, in order."""
+
+    def __init__(self, node: Gateway, name: str, topic_filter: str, timeout: float = 20.0):
+        super().__init__(node, name, subscribe=topic_filter, expiry=0, timeout=timeout,
+                         clean_start=True)
+
+
+def session_cursor(client_id: str, topic_filter: str) -> str:
+    """The named subscription (durable cursor) a persistent MQTT session reads a QoS 1/2
+    filter's topic through (protocols/mqtt/src/session/feeds.rs)."""
+
+    def fnv(s: str) -> str:
+        h = 0xCBF29CE484222325
+        for b in s.encode():
+            h = ((h ^ b) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+        return f"{h:016x}"
+
+    return f"mqtt-session-{fnv(client_id)}-{fnv(topic_filter)}"

@@ -12,12 +12,8 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use parking_lot::{Mutex, RwLock};
-use sluice_core::{
-    CoreError, DecodedRecord, Engine, LiveOptions, PartitionChoice, PendingAck, Record, SlowPolicy,
-    StartAt,
-};
+use sluice_core::{CoreError, DecodedRecord, Engine, PartitionChoice, PendingAck, Record};
 use tokio::sync::{mpsc, oneshot, watch};
-use tracing::warn;
 
 use crate::codec::Props;
 use crate::message;
@@ -302,58 +298,21 @@ fn follow(
     queued: Arc<Mutex<Queue>>,
     from: u64,
 ) -> Result<watch::Receiver<u64>, CoreError> {
-    let mut live = engine.subscribe_live(
-        RETAINED_TOPIC,
-        0,
-        LiveOptions {
-            start: StartAt::Offset(from),
-            policy: SlowPolicy::CatchUp,
-            max_lag: 1 << 20,
-        },
-    )?;
-    let (applied, followed) = watch::channel(from);
-    tokio::spawn(async move {
-        loop {
-            let item = tokio::select! {
-                item = live.next() => item,
-                () = applied.closed() => return,
-            };
-            let item = match item {
-                Ok(item) => item,
-                Err(e) => {
-                    warn!(error = %e, "following the retained messages' topic stopped");
-                    return;
-                }
-            };
-            let Ok(records) = item.records() else {
+    state::follow(engine, RETAINED_TOPIC, from, move |records| {
+        let mut map = map.write();
+        let mut queued = queued.lock();
+        for r in records {
+            let Some(name) = state::key_name(r) else {
                 continue;
             };
-            let mut next = *applied.borrow();
-            {
-                let mut map = map.write();
-                let mut queued = queued.lock();
-                for r in records.iter() {
-                    next = next.max(r.offset as u64 + 1);
-                    let Some(name) = r
-                        .record
-                        .key
-                        .as_deref()
-                        .and_then(|k| std::str::from_utf8(k).ok())
-                    else {
-                        continue;
-                    };
-                    let before = map.get(name).map_or(0, |m| m.payload.len());
-                    apply(&mut map, name, r.clone());
-                    if !queued.newest.contains_key(name) {
-                        let after = map.get(name).map_or(0, |m| m.payload.len());
-                        queued.change(before, after);
-                    }
-                }
+            let before = map.get(name).map_or(0, |m| m.payload.len());
+            apply(&mut map, name, r.clone());
+            if !queued.newest.contains_key(name) {
+                let after = map.get(name).map_or(0, |m| m.payload.len());
+                queued.change(before, after);
             }
-            applied.send_replace(next);
         }
-    });
-    Ok(followed)
+    })
 }
 
 /// How long a write of this node waits to come back through the followed topic before its

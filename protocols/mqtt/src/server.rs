@@ -11,7 +11,7 @@ use sluice_core::{CoreError, Engine};
 use sluice_metrics::{Counter, Gauge, RegisterExt, Registry};
 use sluice_net::{Deadlines, ListenerStats, Listening};
 use tokio::net::TcpListener;
-use tokio::sync::{Notify, watch};
+use tokio::sync::{Notify, mpsc, watch};
 use tracing::{debug, info, warn};
 
 use crate::MqttSettings;
@@ -19,7 +19,7 @@ use crate::parked::{Plain, TcpConn};
 use crate::retained::Retained;
 use crate::routes::Routes;
 use crate::session;
-use crate::session_store::Sessions;
+use crate::session_store::{Claimed, Loaded, Sessions};
 use crate::state::Replayed;
 use crate::upstream::Upstream;
 
@@ -69,6 +69,9 @@ pub(crate) struct MqttMetrics {
     pub(crate) publishes_throttled: Counter,
     /// Persistent sessions removed by the sweep because their expiry had passed.
     pub(crate) sessions_expired: Counter,
+    /// Cluster mode: sessions marked disconnected because the node holding their connection
+    /// restarted or left the cluster without saving them.
+    pub(crate) sessions_released: Counter,
     /// Records of `__mqtt_retained` and `__mqtt_sessions` read at start (compacted topics:
     /// about one per entry once cleaned).
     pub(crate) state_records_replayed: Gauge,
@@ -226,7 +229,7 @@ impl MqttServer {
             ),
             (
                 "sluice_mqtt_takeovers_total",
-                "Connections replaced by a new one with the same client id.",
+                "Connections replaced by a new one with the same client id (in cluster mode, on this node or another).",
                 &m.takeovers,
             ),
             (
@@ -263,6 +266,11 @@ impl MqttServer {
                 "sluice_mqtt_sessions_expired_total",
                 "Persistent MQTT sessions removed by the background sweep after their expiry passed.",
                 &m.sessions_expired,
+            ),
+            (
+                "sluice_mqtt_sessions_released_total",
+                "Cluster mode: persistent MQTT sessions marked disconnected (their expiry starting) because the node holding their connection restarted or left the cluster without saving them.",
+                &m.sessions_released,
             ),
             (
                 "sluice_mqtt_state_unreadable_total",
@@ -326,6 +334,64 @@ pub(crate) struct Registered {
     /// Closed once the connection has ended and left its session as it should be (saved,
     /// or ended with it): a connection taking it over waits for that before it reads it.
     pub(crate) ended: tokio::sync::watch::Receiver<()>,
+    /// Cluster mode: where the connection stands with its session's claim.
+    pub(crate) claim: Arc<Claim>,
+}
+
+/// Cluster mode: a connection's claim of its session (see `session_store`).
+#[derive(Debug)]
+pub(crate) struct Claim {
+    /// [`Claim::PENDING`] until the connection knows whether it claims and its claim is
+    /// written; then [`Claim::NONE`] (it claims nothing: a clean session), or the offset of
+    /// its claim record plus one.
+    at: AtomicU64,
+    /// Set when another node's later claim took the session: the connection ends (0x8E) and
+    /// writes nothing more of it.
+    lost: std::sync::atomic::AtomicBool,
+}
+
+impl Claim {
+    const PENDING: u64 = u64::MAX;
+    const NONE: u64 = 0;
+
+    /// Pending where sessions are the cluster's (no other node's claim ends the connection
+    /// before it has made its own), none elsewhere.
+    pub(crate) fn new(clustered: bool) -> Self {
+        Self {
+            at: AtomicU64::new(if clustered { Self::PENDING } else { Self::NONE }),
+            lost: Default::default(),
+        }
+    }
+
+    /// The connection claims nothing.
+    pub(crate) fn none(&self) {
+        self.at.store(Self::NONE, Ordering::Relaxed);
+    }
+
+    /// Whether the connection's claim is still to be written.
+    pub(crate) fn pending(&self) -> bool {
+        self.at.load(Ordering::Relaxed) == Self::PENDING
+    }
+
+    /// Its claim record is at `offset`.
+    pub(crate) fn made(&self, offset: u64) {
+        self.at.store(offset + 1, Ordering::Relaxed);
+    }
+
+    /// Whether another node's claim at `offset` takes the session from this connection: one
+    /// that claimed nothing, or claimed before it. One whose claim is being written finds out
+    /// once it is (the map then names the other node).
+    fn taken_by(&self, offset: u64) -> bool {
+        match self.at.load(Ordering::Relaxed) {
+            Self::PENDING => false,
+            at => offset >= at,
+        }
+    }
+
+    /// Whether another node took the session from this connection.
+    pub(crate) fn lost(&self) -> bool {
+        self.lost.load(Ordering::Relaxed)
+    }
 }
 
 /// The MQTT server; shared by its connection tasks.
@@ -413,13 +479,28 @@ async fn upkeep(
             () = tokio::time::sleep_until(wake) => {}
             () = sooner.notified() => continue,
         }
-        if tokio::time::Instant::now() >= beat {
+        let beaten = tokio::time::Instant::now() >= beat;
+        if beaten {
             beat = tokio::time::Instant::now() + every;
         }
         let Some(server) = server.upgrade() else {
             return;
         };
         let now = server.engine.now_ms();
+        if beaten {
+            match server
+                .sessions
+                .release_stale(now, |id| server.clients.contains_key(id))
+                .await
+            {
+                Ok(n) => {
+                    server.metrics.sessions_released.inc_by(n as u64);
+                }
+                Err(e) => {
+                    warn!(error = %e, "releasing mqtt sessions of lost connections failed");
+                }
+            }
+        }
         let swept = match server
             .sessions
             .sweep(now, |id| server.clients.contains_key(id))
@@ -436,6 +517,26 @@ async fn upkeep(
             debug!(client = client_id, "expired mqtt session removed");
         }
         server.metrics.sessions_expired.inc_by(swept.len() as u64);
+    }
+}
+
+/// Cluster mode: ends this node's connection of each session another node claims (0x8E),
+/// unless that connection claimed it later. Ends with the server.
+async fn end_taken(
+    server: std::sync::Weak<MqttServer>,
+    mut claims: mpsc::UnboundedReceiver<Claimed>,
+) {
+    while let Some(claimed) = claims.recv().await {
+        let Some(server) = server.upgrade() else {
+            return;
+        };
+        if let Some(r) = server.clients.get(&claimed.client_id)
+            && r.claim.taken_by(claimed.offset)
+        {
+            r.claim.lost.store(true, Ordering::Relaxed);
+            r.kick.notify_one();
+            server.metrics.takeovers.inc();
+        }
     }
 }
 
@@ -475,7 +576,11 @@ impl MqttServer {
     ) -> Result<Arc<Self>, CoreError> {
         let routes = Routes::new(settings.routes.clone(), &settings.default_topic)
             .map_err(|reason| CoreError::InvalidPolicy { reason })?;
-        let (sessions, sessions_replayed) = Sessions::load(engine.clone()).await?;
+        let Loaded {
+            sessions,
+            replayed: sessions_replayed,
+            claims,
+        } = Sessions::load(engine.clone()).await?;
         let metrics = MqttMetrics::default();
         metrics
             .state_unreadable
@@ -515,6 +620,9 @@ impl MqttServer {
                 sweep_every,
                 server.sessions.expiring_sooner(),
             ));
+        }
+        if let Some(claims) = claims {
+            tokio::spawn(end_taken(Arc::downgrade(&server), claims));
         }
         Ok(server)
     }

@@ -9,9 +9,10 @@
 //! passed over by replay and cleaned away with the rest.
 
 use sluice_core::{
-    BatchHeader, CleanupPolicy, CoreError, DecodedRecord, Durability, Engine, TopicPolicy,
-    decode_records, is_cluster_topic, split_batches,
+    BatchHeader, CleanupPolicy, CoreError, DecodedRecord, Durability, Engine, LiveOptions,
+    SlowPolicy, StartAt, TopicPolicy, decode_records, is_cluster_topic, split_batches,
 };
+use tokio::sync::watch;
 use tracing::{info, warn};
 
 /// Segment size of a state topic (created by the gateway): small enough that changes soon
@@ -162,4 +163,63 @@ async fn read(
         offset = fetched.next_offset;
     }
     Ok(skipped)
+}
+
+/// Hands the records of `topic` from offset `from` on to `apply` as they arrive, one delivered
+/// batch at a time, in log order, whoever wrote them: a map that others change too (other
+/// nodes in cluster mode, the upstream of a relay) follows its topic so. The receiver tells
+/// the offset after the last record handed over. The task ends when every receiver has gone,
+/// or when the topic can no longer be followed (logged).
+pub(crate) fn follow(
+    engine: &Engine,
+    topic: &'static str,
+    from: u64,
+    mut apply: impl FnMut(&[DecodedRecord]) + Send + 'static,
+) -> Result<watch::Receiver<u64>, CoreError> {
+    let mut live = engine.subscribe_live(
+        topic,
+        0,
+        LiveOptions {
+            start: StartAt::Offset(from),
+            policy: SlowPolicy::CatchUp,
+            max_lag: 1 << 20,
+        },
+    )?;
+    let (applied, followed) = watch::channel(from);
+    tokio::spawn(async move {
+        loop {
+            let item = tokio::select! {
+                item = live.next() => item,
+                () = applied.closed() => return,
+            };
+            let item = match item {
+                Ok(item) => item,
+                Err(e) => {
+                    warn!(topic, error = %e, "following an MQTT state topic stopped");
+                    return;
+                }
+            };
+            let Ok(records) = item.records() else {
+                continue;
+            };
+            apply(&records);
+            let next = records.iter().map(|r| r.offset as u64 + 1).max();
+            applied.send_if_modified(|at| match next {
+                Some(next) if next > *at => {
+                    *at = next;
+                    true
+                }
+                _ => false,
+            });
+        }
+    });
+    Ok(followed)
+}
+
+/// The key of a state record as text (a retained message's topic name, a session's client id).
+pub(crate) fn key_name(r: &DecodedRecord) -> Option<&str> {
+    r.record
+        .key
+        .as_deref()
+        .and_then(|k| std::str::from_utf8(k).ok())
 }

@@ -193,6 +193,7 @@ pub(crate) async fn run<S: Conn>(
         keep_alive,
         will: None,
         persistent: false,
+        claim: Arc::new(Claim::new(server.sessions.clustered())),
         expiry_secs: 0,
         connect_expiry: connect.session_expiry,
         server_keep_alive,
@@ -227,6 +228,7 @@ pub(crate) async fn run<S: Conn>(
         connection,
         kick: kick.clone(),
         ended,
+        claim: s.claim.clone(),
     };
     // Boxed, like the other rare or publisher-only steps below: a future holds room for its
     // largest step for as long as it lives, and an idle subscriber's connection should not
@@ -247,8 +249,14 @@ pub(crate) async fn run<S: Conn>(
     // The expiry in force now governs the session (MQTT 5 §3.1.2.11.2): kept, or ended with
     // the connection. Also after a takeover: the new connection waits for this before it
     // reads the session. The client id stays registered to this connection meanwhile, so a
-    // connection that comes now waits too rather than read the session half way.
-    if s.persistent && s.expiry_secs > 0 {
+    // connection that comes now waits too rather than read the session half way. A session
+    // another node took is that node's now: nothing more is written of it here.
+    if s.claim.lost() {
+        s.subs.clear();
+        if !taken_over {
+            server.sessions.forget_awaiting_release(&s.client_id);
+        }
+    } else if s.persistent && s.expiry_secs > 0 {
         s.save_session(Some(server.engine.now_ms())).await;
         // Dropping the subscriptions stops their feeds; durable ones keep their cursors.
         s.subs.clear();
@@ -465,6 +473,11 @@ impl<S: Conn> Session<'_, S> {
             Version::V5 => c.session_expiry,
         };
         let server = self.server;
+        if !self.claim_session().await {
+            self.write_connack(false, reason::SERVER_UNAVAILABLE, None)
+                .await?;
+            return Ok(false);
+        }
         let saved = server.sessions.get(&self.client_id);
         // A client that holds a session (to resume or to start over) never adds one. A new
         // one keeps its place under the cap until it is saved, below.
@@ -512,6 +525,14 @@ impl<S: Conn> Session<'_, S> {
             // Durable before CONNACK: a client that reconnects right after it (or a takeover
             // racing this connection) must find the session it was told about.
             self.save_session(None).await;
+        }
+        // Cluster mode: another node's claim that came after this connection's has taken the
+        // session meanwhile: the connection is refused, and the client tries again.
+        if self.server.sessions.held_elsewhere(&self.client_id) {
+            self.claim.none();
+            self.write_connack(false, reason::SERVER_UNAVAILABLE, None)
+                .await?;
+            return Ok(false);
         }
         self.write_connack(resumed.is_some(), reason::SUCCESS, assigned)
             .await?;
@@ -575,6 +596,31 @@ impl<S: Conn> Session<'_, S> {
         }
     }
 
+    /// Cluster mode: a connection whose client has a session, or that asks for one, claims it
+    /// before reading it (see `Sessions::claim`); false when the claim could not be written
+    /// (the connection is refused, and the client tries again).
+    async fn claim_session(&mut self) -> bool {
+        if !self.claim.pending() {
+            return true;
+        }
+        let sessions = &self.server.sessions;
+        if sessions.get(&self.client_id).is_none() && self.expiry_secs == 0 {
+            self.claim.none();
+            return true;
+        }
+        match sessions.claim(&self.client_id).await {
+            Ok(offset) => {
+                self.claim.made(offset);
+                true
+            }
+            Err(e) => {
+                warn!(client = self.client_id, error = %e, "claiming an mqtt session failed");
+                self.claim.none();
+                false
+            }
+        }
+    }
+
     /// The session as it stands, to save.
     pub(super) fn saved_now(&self, disconnected_at_ms: Option<i64>) -> SavedSession {
         SavedSession {
@@ -582,6 +628,7 @@ impl<S: Conn> Session<'_, S> {
             expiry_secs: self.expiry_secs,
             disconnected_at_ms,
             awaiting_release: self.qos2_in.lock().iter().copied().collect(),
+            holder: None,
         }
     }
 
@@ -650,8 +697,11 @@ impl<S: Conn> Session<'_, S> {
                 tokio::time::sleep(delay).await;
                 server.pending_wills.remove(&client_id);
                 // A reconnect within the delay cancels the will; this also covers a takeover,
-                // where the new connection arrived before this one ended and queued its will.
-                if server.clients.contains_key(&client_id) {
+                // where the new connection arrived before this one ended and queued its will,
+                // and in cluster mode a reconnect to another node, which holds the session.
+                if server.clients.contains_key(&client_id)
+                    || server.sessions.held_elsewhere(&client_id)
+                {
                     return;
                 }
             }

@@ -56,7 +56,7 @@ use crate::message::{self, Origin};
 use crate::parked::{Conn, DirectWriter};
 use crate::retained::{Cap, Queued, RetainedMsg};
 use crate::server::{
-    EGRESS_BUDGET, EGRESS_UNIT, LARGE_PAYLOAD, MqttMetrics, MqttServer, Registered,
+    Claim, EGRESS_BUDGET, EGRESS_UNIT, LARGE_PAYLOAD, MqttMetrics, MqttServer, Registered,
 };
 use crate::session_store::{AwaitingRelease, SavedSession, SavedSub};
 use crate::topic;
@@ -105,6 +105,8 @@ struct Session<'a, S> {
     /// Expiry of 0 is one until this connection ends (its offline messages come from its
     /// cursors), and then it ends too.
     persistent: bool,
+    /// Cluster mode: this connection's claim of its session, shared with the registry.
+    claim: Arc<Claim>,
     /// The session's expiry at the next disconnect (MQTT 5 §3.1.2.11.2): CONNECT's, or a
     /// DISCONNECT's that changed it; `u32::MAX` for a 3.1.1 session without clean session.
     expiry_secs: u32,
