@@ -24,6 +24,10 @@ and one s3s-fs, the product's default [cluster] settings: lease 6 s, commit_inte
     the fewest partitions
     (/topics/{t}/events) of the records of partitions that node does not own: its copies,
     followed from their owners; the copy reader's latency is receipt - send time, as above;
+  - --lone / 4 (50) MQTT 5 clients connect one at a time to node 1 asking for a new persistent
+    session (session expiry 300 s) and disconnect; then each connects again and resumes it:
+    the CONNACK latency of a persistent session (on a cluster: its claim, and for a new one
+    its first save, at the topic's durability; on a single node: the new one's save);
   - CPU of every gateway process (user + sys over the window, /proc) and their peak RSS;
   - for cluster cases, objects PUT (sluice_cluster_objects_total) and their bytes, per
     second and per MB produced, summed over the nodes.
@@ -46,6 +50,8 @@ import os
 import random
 import shutil
 import signal
+import socket
+import struct
 import sys
 import tempfile
 import threading
@@ -261,6 +267,40 @@ def lone_records(bootstrap: str, topic: str, count: int) -> dict:
     return summary_ms(lat)
 
 
+def mqtt5_connect(client_id: str, clean_start: bool, expiry_s: int) -> bytes:
+    """An MQTT 5 CONNECT packet with a Session Expiry Interval (the only property)."""
+    props = b"\x11" + struct.pack(">I", expiry_s)
+    cid = client_id.encode()
+    body = (b"\x00\x04MQTT\x05" + bytes([0x02 if clean_start else 0]) + struct.pack(">H", 60)
+            + bytes([len(props)]) + props + struct.pack(">H", len(cid)) + cid)
+    return bytes([0x10, len(body)]) + body
+
+
+def session_connacks(mqtt_addr: tuple[str, int], count: int) -> dict:
+    """CONNACK latency of `count` new persistent MQTT 5 sessions, then of resuming each."""
+    out = {}
+    for phase in ("new", "resumed"):
+        lat = []
+        for i in range(count):
+            with socket.create_connection(mqtt_addr, timeout=30) as s:
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                t0 = time.monotonic()
+                s.sendall(mqtt5_connect(f"bench-session-{i}", phase == "new", 300))
+                ack = b""
+                while len(ack) < 2 or len(ack) < 2 + ack[1]:
+                    chunk = s.recv(256)
+                    if not chunk:
+                        raise RuntimeError(f"connection closed before CONNACK ({phase} {i})")
+                    ack += chunk
+                lat.append(time.monotonic() - t0)
+                present, code = ack[2] & 1, ack[3]
+                if code != 0 or present != (phase == "resumed"):
+                    raise RuntimeError(f"CONNACK {phase} {i}: reason {code:#x}, present {present}")
+                s.sendall(b"\xe0\x00")
+        out[phase] = summary_ms(lat)
+    return out
+
+
 def case(args, name: str, nodes, res: dict) -> None:
     from clusterlib import create_topic, wait_owned
 
@@ -268,6 +308,7 @@ def case(args, name: str, nodes, res: dict) -> None:
     create_topic(nodes[0], topic, args.partitions)
     wait_owned(nodes, topic, args.partitions, timeout=60)
     lone = lone_records(nodes[0].bootstrap, topic, args.lone)
+    connacks = session_connacks(nodes[0].mqtt_addr, max(args.lone // 4, 1))
     objects0 = metric_sum(nodes, "sluice_cluster_objects_total")
     bytes0 = metric_sum(nodes, "sluice_cluster_object_bytes_total")
     cpu0, t0 = cpu_of(nodes), time.monotonic()
@@ -284,6 +325,7 @@ def case(args, name: str, nodes, res: dict) -> None:
     w = Window(nodes[0].bootstrap, topic, args.partitions, args.rate, args.value_bytes, copy_reader)
     out = w.run(args.seconds)
     out["lone_record_produce_ms"] = lone
+    out["mqtt_session_connack_ms"] = connacks
     # Rendezvous hashing of 6 partitions is lumpy: which node leads how many, for the record.
     from clusterlib import leaders
 

@@ -23,7 +23,7 @@ use bytes::Bytes;
 use dashmap::DashMap;
 use parking_lot::{Mutex, RwLock};
 use serde::{Deserialize, Serialize};
-use sluice_core::{CoreError, DecodedRecord, Engine, PartitionChoice, Record};
+use sluice_core::{CoreError, DecodedRecord, Engine, PartitionChoice, ProduceAck, Record};
 use tokio::sync::{mpsc, watch};
 use tracing::warn;
 
@@ -271,6 +271,10 @@ const FOLLOW_WAIT: Duration = Duration::from_secs(30);
 /// session before the owner's view of the cluster has it.
 const GONE_GRACE_MS: i64 = 5_000;
 
+/// How long a session write refused for a change of the topic's owner is tried again (longer
+/// than a hand-over, shorter than a client's wait for CONNACK).
+const APPEND_RETRY_FOR: Duration = Duration::from_secs(10);
+
 /// A node that does not own the sessions' topic leaves expired sessions to its owner, and
 /// looks again this much later (it may own the topic by then).
 const NOT_OWNER_RECHECK_MS: i64 = 1_000;
@@ -455,10 +459,7 @@ impl Sessions {
         };
         let record = self.record(client_id, session.as_ref(), expect, self.engine.now_ms());
         let _not_sweeping = self.sweeping.read().await;
-        let ack = self
-            .engine
-            .produce(SESSIONS_TOPIC, PartitionChoice::Id(0), &[record])
-            .await?;
+        let ack = self.append(&[record]).await?;
         match &self.cluster {
             Some(c) => c.caught_up(ack.base_offset).await?,
             None => {
@@ -477,6 +478,32 @@ impl Sessions {
             self.awaiting.remove(client_id);
         }
         Ok(ack.base_offset)
+    }
+
+    /// Appends `records` to the sessions' topic. In cluster mode, one refused while the topic's
+    /// partition changes owner (or whose commit failed) is tried again for a few seconds, as a
+    /// Kafka client would: a CONNECT should not fail for a hand-over, and session records are
+    /// idempotent (one applied twice leaves what it left once).
+    async fn append(&self, records: &[Record]) -> Result<ProduceAck, CoreError> {
+        let deadline = tokio::time::Instant::now() + APPEND_RETRY_FOR;
+        let mut pause = Duration::from_millis(50);
+        loop {
+            match self
+                .engine
+                .produce(SESSIONS_TOPIC, PartitionChoice::Id(0), records)
+                .await
+            {
+                Err(
+                    CoreError::NotOwner { .. }
+                    | CoreError::Uncommitted { .. }
+                    | CoreError::Cluster { .. },
+                ) if self.cluster.is_some() && tokio::time::Instant::now() + pause < deadline => {
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(1));
+                }
+                written => return written,
+            }
+        }
     }
 
     /// The record storing `session` (`None`: deleting it) as `client_id`'s; in cluster mode
@@ -613,10 +640,7 @@ impl Sessions {
                     self.record(id, None, since, now_ms)
                 })
                 .collect();
-            let written = self
-                .engine
-                .produce(SESSIONS_TOPIC, PartitionChoice::Id(0), &tombstones)
-                .await;
+            let written = self.append(&tombstones).await;
             let written = match (written, &self.cluster) {
                 (Ok(ack), Some(c)) => c.caught_up(ack.last_offset).await,
                 (w, _) => w.map(drop),
@@ -686,10 +710,7 @@ impl Sessions {
         if released.is_empty() {
             return Ok(0);
         }
-        let ack = self
-            .engine
-            .produce(SESSIONS_TOPIC, PartitionChoice::Id(0), &released)
-            .await?;
+        let ack = self.append(&released).await?;
         c.caught_up(ack.last_offset).await?;
         Ok(released.len())
     }
