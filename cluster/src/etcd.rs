@@ -207,6 +207,15 @@ impl Etcd {
         self.range_from(prefix, prefix, 0).await
     }
 
+    /// The value of exactly `key`, if it is there.
+    pub(crate) async fn get(&self, key: &str) -> Result<Option<Vec<u8>>> {
+        let found = self.range_from(key, key, 1).await?;
+        Ok(found
+            .into_iter()
+            .find(|kv| kv.key == key)
+            .map(|kv| kv.value))
+    }
+
     /// Keys starting with `prefix` from `start` on, in key order, at most `limit` (0: all).
     pub(crate) async fn range_from(
         &self,

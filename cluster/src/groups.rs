@@ -117,12 +117,7 @@ impl Cluster {
         topic: &str,
         name: &str,
     ) -> Result<Option<Vec<u8>>, ClusterError> {
-        let key = self.subscription_key(topic, name);
-        let found = self.etcd.range_from(&key, &key, 1).await?;
-        Ok(found
-            .into_iter()
-            .find(|kv| kv.key == key)
-            .map(|kv| kv.value))
+        Ok(self.etcd.get(&self.subscription_key(topic, name)).await?)
     }
 
     pub(crate) async fn forget_subscription(

@@ -164,11 +164,11 @@ impl Cluster {
         name: &str,
     ) -> Result<Option<(u32, TopicPolicy, Option<i64>)>, ClusterError> {
         let key = self.key(&format!("topics/{name}"));
-        let found = self.etcd.range_from(&key, &key, 1).await?;
-        Ok(found
-            .into_iter()
-            .find(|kv| kv.key == key)
-            .and_then(|kv| serde_json::from_slice::<TopicRecord>(&kv.value).ok())
+        Ok(self
+            .etcd
+            .get(&key)
+            .await?
+            .and_then(|value| serde_json::from_slice::<TopicRecord>(&value).ok())
             .map(|t| (t.partitions, t.policy, t.created_at_ms)))
     }
 
